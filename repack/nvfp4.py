@@ -1,0 +1,94 @@
+"""The canonical NVFP4 linear weight every reader yields and every target consumes.
+
+Codes are E2M1 nibbles packed two per byte (element ``2i`` in the low nibble), one float8_e4m3fn
+block scale per 16 elements along K, and one float32 dequantization multiplier
+(``w = e2m1(code) * block_scale * multiplier``). ModelOpt stores the multiplier as ``weight_scale_2``;
+compressed-tensors stores its reciprocal, which the reader inverts in float32 as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RepackError
+
+BLOCK_SIZE = 16
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass(frozen=True)
+class NVFP4Weight:
+    """One quantized linear layer in canonical form.
+
+    Attributes:
+        codes (`torch.Tensor`): uint8 ``[N, K/2]``.
+        block_scales (`torch.Tensor`): float8_e4m3fn ``[N, K/16]``, finite and non-negative.
+        multiplier (`torch.Tensor`): float32 ``[1]``, finite and positive.
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    multiplier: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.codes.shape[1]) * 2
+
+    def validate(self, name: str) -> "NVFP4Weight":
+        """Check dtypes, shapes and values; raise RepackError naming ``name`` on the first problem."""
+        codes, scales, mult = self.codes, self.block_scales, self.multiplier
+        if codes.dtype != torch.uint8 or codes.dim() != 2:
+            raise RepackError(f"{name}: packed codes must be 2-D uint8, got {codes.dtype} {list(codes.shape)}")
+        if scales.dtype != torch.float8_e4m3fn or scales.dim() != 2:
+            raise RepackError(
+                f"{name}: block scales must be 2-D float8_e4m3fn, got {scales.dtype} {list(scales.shape)}"
+            )
+        n, k = self.n, self.k
+        if n == 0 or k == 0 or k % BLOCK_SIZE:
+            raise RepackError(f"{name}: K={k} (N={n}) must be a positive multiple of {BLOCK_SIZE}")
+        if tuple(scales.shape) != (n, k // BLOCK_SIZE):
+            raise RepackError(
+                f"{name}: block scales {list(scales.shape)} do not match weight [N={n}, K={k}] "
+                f"(expected [{n}, {k // BLOCK_SIZE}])"
+            )
+        scale_bits = scales.view(torch.uint8)
+        if bool(((scale_bits & 0x7F) == 0x7F).any()):
+            raise RepackError(f"{name}: block scales contain NaN")
+        if bool((scale_bits & 0x80).any()):
+            raise RepackError(f"{name}: block scales contain negative values")
+        if mult.dtype != torch.float32 or mult.numel() != 1:
+            raise RepackError(f"{name}: global scale must be one float32, got {mult.dtype} {list(mult.shape)}")
+        value = float(mult.reshape(()))
+        if not (torch.isfinite(mult).all() and value > 0.0):
+            raise RepackError(f"{name}: global scale must be finite and positive, got {value}")
+        return self
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K/2]`` -> uint8 nibbles ``[..., K]`` (low nibble first)."""
+    return torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
+
+
+def pack_codes(nibbles: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`unpack_codes`."""
+    pairs = nibbles.to(torch.uint8).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def e2m1_to_float(nibbles: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode E2M1 nibbles to ``dtype`` by table lookup."""
+    table = torch.tensor(E2M1_VALUES, dtype=dtype, device=nibbles.device)
+    return table[nibbles.long()]
+
+
+def dequantize(weight: NVFP4Weight, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[N, K]`` weights in ``dtype``: ``e2m1(code) * block_scale * multiplier``."""
+    values = e2m1_to_float(unpack_codes(weight.codes), dtype)
+    scales = weight.block_scales.to(dtype).repeat_interleave(BLOCK_SIZE, dim=1)
+    return values * scales * weight.multiplier.to(dtype).reshape(())

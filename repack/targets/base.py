@@ -1,0 +1,78 @@
+"""What every target family provides: the runtime tensors of one layer, and the target's description."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..nvfp4 import NVFP4Weight
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of one runtime tensor, known before any data is read (for shard planning)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RuntimeLayer:
+    """One layer as a serving engine holds it after its load-time processing.
+
+    ``weight``/``weight_scale``/``weight_global_scale`` are vLLM's parameter names; ``weights_padding_cols``
+    is the K padding in bytes (activations get ``2 *`` that many zero columns at run time).
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor
+    weights_padding_cols: int
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "weight": self.weight,
+            "weight_scale": self.weight_scale,
+            "weight_global_scale": self.weight_global_scale,
+        }
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target family: names, the SMs it runs on, its layout transform and that transform's inverse.
+
+    Attributes:
+        name: canonical name (``sm100``).
+        aliases: other accepted names (``sm103``, ``sm107``).
+        layout_id: versioned id of the byte layout, recorded in manifests.
+        compute_capabilities: ``(major, minor)`` pairs whose kernels consume this layout.
+        backend: runtime backend used on those GPUs.
+        flashinfer_versions: FlashInfer releases whose preparation this layout was checked against.
+        to_runtime: canonical weight -> runtime layer.
+        from_runtime: ``(runtime layer, n, k)`` -> canonical weight, the exact inverse.
+        runtime_specs: ``(n, k)`` -> dtype and shape of each runtime tensor.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    layout_id: str
+    compute_capabilities: tuple[tuple[int, int], ...]
+    backend: str
+    description: str
+    flashinfer_versions: tuple[str, ...]
+    to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
+    from_runtime: Callable[[RuntimeLayer, int, int], NVFP4Weight]
+    runtime_specs: Callable[[int, int], dict[str, TensorSpec]]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)

@@ -1,0 +1,80 @@
+"""Layout math shared by the target families: padding and the 128x4 block-scale swizzle.
+
+Pure torch on CPU or GPU. Each transform has its exact inverse next to it; the swizzle follows
+cuBLAS/CUTLASS's "128x4" scale-factor layout as vLLM's ``swizzle_blockscale`` and FlashInfer's
+``_unswizzle_sf_128x4`` define it (see shared/NVFP4_REFERENCE.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..nvfp4 import BLOCK_SIZE
+
+PAD_ALIGNMENT = 64  # vLLM's pad_nvfp4_weight_for_cutlass(alignment=64), on N and on K (elements)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class PaddedShape:
+    """Logical ``(n, k)`` and the 64-aligned ``(n_padded, k_padded)`` the kernels see."""
+
+    n: int
+    k: int
+
+    @property
+    def n_padded(self) -> int:
+        return round_up(self.n, PAD_ALIGNMENT)
+
+    @property
+    def k_padded(self) -> int:
+        return round_up(self.k, PAD_ALIGNMENT)
+
+    @property
+    def weights_padding_cols(self) -> int:
+        """K padding in BYTES, the value vLLM stores; activations are padded by twice this."""
+        return (self.k_padded - self.k) // 2
+
+    @property
+    def swizzled_scale_shape(self) -> tuple[int, int]:
+        """``[round_up(N, 128), round_up(K/16, 4)]``: uses the ORIGINAL N, as vLLM does."""
+        return round_up(self.n, 128), round_up(self.k // BLOCK_SIZE, 4)
+
+
+def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor at the bottom and right to ``[rows, cols]`` (dtype-agnostic)."""
+    if tuple(t.shape) == (rows, cols):
+        return t.contiguous()
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def pad_codes(codes: torch.Tensor, shape: PaddedShape) -> torch.Tensor:
+    """uint8 ``[N, K/2]`` -> ``[n_padded, k_padded/2]`` with zero codes (zero weights) appended."""
+    return pad_2d(codes, shape.n_padded, shape.k_padded // 2)
+
+
+def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
+    """Linear ``[N, K_sf]`` scales -> the canonical 128x4-swizzled ``[round_up(N,128), round_up(K_sf,4)]``.
+
+    Byte ``(n, k)`` lands at ``((n//128)*(Kp/4) + k//4)*512 + (n%32)*16 + ((n%128)//32)*4 + k%4``:
+    view the padded matrix as ``(N/128, 4, 32, Kp/4, 4)`` and bring the 32-row index inside the 4x4 atom.
+    """
+    rows, cols = round_up(scales.shape[0], 128), round_up(scales.shape[1], 4)
+    padded = pad_2d(scales.view(torch.uint8), rows, cols)
+    tiles = padded.view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(rows, cols).view(scales.dtype)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, n: int, k_sf: int) -> torch.Tensor:
+    """Exact inverse of :func:`swizzle_128x4`: the linear ``[n, k_sf]`` scales, padding dropped."""
+    rows, cols = round_up(n, 128), round_up(k_sf, 4)
+    flat = swizzled.contiguous().view(torch.uint8).reshape(rows // 128, cols // 4, 32, 4, 4)
+    linear = flat.permute(0, 3, 2, 1, 4).reshape(rows, cols)
+    return linear[:n, :k_sf].contiguous().view(swizzled.dtype)

@@ -1,0 +1,56 @@
+"""sm100 / sm103 / sm107 (Blackwell datacenter): vLLM's load-time layout for FlashInfer's cute-dsl kernel.
+
+weight: codes zero-padded to 64-aligned ``[Np, Kp/2]`` uint8 (``pad_nvfp4_weight_for_cutlass``).
+weight_scale: the canonical 128x4-swizzled float8_e4m3fn ``[round_up(N,128), round_up(K/16,4)]``
+(``swizzle_blockscale``); FlashInfer's sm100 prepare only wraps this buffer in a 6-D view, so the
+buffer itself is what a bundle persists. weight_global_scale: the float32 ``[1]`` multiplier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from .base import RuntimeLayer, Target, TensorSpec
+from .layout import PaddedShape, pad_codes, swizzle_128x4, unswizzle_128x4
+
+
+def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
+    shape = PaddedShape(weight.n, weight.k)
+    return RuntimeLayer(
+        weight=pad_codes(weight.codes, shape),
+        weight_scale=swizzle_128x4(weight.block_scales),
+        weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
+        weights_padding_cols=shape.weights_padding_cols,
+    )
+
+
+def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
+    return NVFP4Weight(
+        codes=layer.weight[:n, : k // 2].contiguous(),
+        block_scales=unswizzle_128x4(layer.weight_scale, n, k // BLOCK_SIZE),
+        multiplier=layer.weight_global_scale.reshape(1).clone(),
+    )
+
+
+def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
+    shape = PaddedShape(n, k)
+    return {
+        "weight": TensorSpec(torch.uint8, (shape.n_padded, shape.k_padded // 2)),
+        "weight_scale": TensorSpec(torch.float8_e4m3fn, shape.swizzled_scale_shape),
+        "weight_global_scale": TensorSpec(torch.float32, (1,)),
+    }
+
+
+TARGET = Target(
+    name="sm100",
+    aliases=("sm103", "sm107"),
+    layout_id="sm100-cute-dsl-v1",
+    compute_capabilities=((10, 0), (10, 3), (10, 7)),
+    backend="flashinfer",
+    description="Blackwell datacenter (B200, GB200, B300): FlashInfer cute-dsl W4A16, 128x4 swizzled scales",
+    flashinfer_versions=("0.6.18", "0.7.4"),
+    to_runtime=to_runtime,
+    from_runtime=from_runtime,
+    runtime_specs=runtime_specs,
+)

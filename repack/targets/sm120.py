@@ -1,0 +1,97 @@
+"""sm120 / sm121 (Blackwell RTX, RTX PRO, GB10): FlashInfer's sm12x cute-dsl repack, done offline.
+
+Starts from the sm100 layout (64-padded codes, 128x4-swizzled scales), then as
+``_prepare_cute_dsl_sm12x`` does:
+
+weight: int32 ``[Kp/16, 2*Np]``. The transposed codes ``[Kp/2, Np]`` are cut into tiles of 8 packed rows
+x 64 columns; tile ``(kt, nt)`` becomes 128 little-endian int32 at ``[kt, nt*128 : nt*128+128]``. Byte ``j``
+of int32 ``p`` comes from packed row ``r + 4q`` and column ``32s + 16h + 8w + c`` of the tile, where
+``p = 64w + 8c + 2r + s`` and ``j = 2h + q``: a pure permutation of an 8-D view.
+
+weight_scale: uint8 ``[Kp/16, Np]``: linear scales transposed, each e4m3 byte re-encoded as "S0E5M3"
+``(fp16_bits(e4m3) >> 7) & 0xFF`` (lossless for non-negative scales; decode: ``byte << 7`` as fp16 bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from .base import RuntimeLayer, Target, TensorSpec
+from .layout import PaddedShape, pad_2d, pad_codes
+
+# Packed-code tile (rows x cols) -> int32 order, as axes of the 8-D view of [Np, Kp/2]:
+# codes.view(NT, s, h, w, c, KT, q, r) -> (KT, NT, w, c, r, s, h, q).
+_TILE_VIEW_PERM = (5, 0, 3, 4, 7, 1, 2, 6)
+_TILE_VIEW_INVERSE = (1, 5, 6, 2, 3, 0, 7, 4)
+
+
+def pack_tiles(padded_codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[Np, Kp/2]`` (Np % 64 == 0, Kp % 16 == 0) -> int32 ``[Kp/16, 2*Np]``."""
+    n, k_half = padded_codes.shape
+    kt, nt = k_half // 8, n // 64
+    tiles = padded_codes.view(nt, 2, 2, 2, 8, kt, 2, 4).permute(*_TILE_VIEW_PERM)
+    return tiles.reshape(kt, nt * 512).view(torch.int32)
+
+
+def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of :func:`pack_tiles`: int32 ``[Kp/16, 2*Np]`` -> uint8 ``[Np, Kp/2]``."""
+    kt, nt = packed.shape[0], packed.shape[1] // 128
+    tiles = packed.contiguous().view(torch.uint8).view(kt, nt, 2, 8, 4, 2, 2, 2)
+    return tiles.permute(*_TILE_VIEW_INVERSE).reshape(nt * 64, kt * 8)
+
+
+def e4m3_to_s0e5m3(scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> uint8 S0E5M3 (drop fp16's sign bit and the 7 mantissa bits e4m3 never sets)."""
+    bits = scales.to(torch.float16).view(torch.int16).to(torch.int32)
+    return ((bits >> 7) & 0xFF).to(torch.uint8)
+
+
+def s0e5m3_to_e4m3(encoded: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`e4m3_to_s0e5m3` for non-negative scales."""
+    bits = (encoded.to(torch.int32) << 7).to(torch.int16)
+    return bits.view(torch.float16).to(torch.float8_e4m3fn)
+
+
+def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
+    shape = PaddedShape(weight.n, weight.k)
+    scales = pad_2d(weight.block_scales.view(torch.uint8), shape.n_padded, shape.k_padded // BLOCK_SIZE)
+    return RuntimeLayer(
+        weight=pack_tiles(pad_codes(weight.codes, shape)),
+        weight_scale=e4m3_to_s0e5m3(scales.view(torch.float8_e4m3fn).t().contiguous()),
+        weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
+        weights_padding_cols=shape.weights_padding_cols,
+    )
+
+
+def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
+    codes = unpack_tiles(layer.weight)
+    scales = s0e5m3_to_e4m3(layer.weight_scale).t()
+    return NVFP4Weight(
+        codes=codes[:n, : k // 2].contiguous(),
+        block_scales=scales[:n, : k // BLOCK_SIZE].contiguous(),
+        multiplier=layer.weight_global_scale.reshape(1).clone(),
+    )
+
+
+def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
+    shape = PaddedShape(n, k)
+    return {
+        "weight": TensorSpec(torch.int32, (shape.k_padded // 16, 2 * shape.n_padded)),
+        "weight_scale": TensorSpec(torch.uint8, (shape.k_padded // BLOCK_SIZE, shape.n_padded)),
+        "weight_global_scale": TensorSpec(torch.float32, (1,)),
+    }
+
+
+TARGET = Target(
+    name="sm120",
+    aliases=("sm121",),
+    layout_id="sm120-cute-dsl-v1",
+    compute_capabilities=((12, 0), (12, 1)),
+    backend="flashinfer",
+    description="Blackwell RTX / RTX PRO / GB10: FlashInfer sm12x cute-dsl repack (int32 tiles, S0E5M3 scales)",
+    flashinfer_versions=("0.6.18", "0.7.4"),
+    to_runtime=to_runtime,
+    from_runtime=from_runtime,
+    runtime_specs=runtime_specs,
+)
