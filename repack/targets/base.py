@@ -56,6 +56,7 @@ class Target:
         layout_id: versioned id of the byte layout, recorded in manifests.
         compute_capabilities: ``(major, minor)`` pairs whose kernels consume this layout.
         backend: runtime backend used on those GPUs.
+        description: the GPUs, for people.
         flashinfer_versions: FlashInfer releases whose preparation this layout was checked against.
         to_runtime: canonical weight -> runtime layer.
         from_runtime: ``(runtime layer, n, k)`` -> canonical weight, the exact inverse.

@@ -1,0 +1,163 @@
+"""manifest.json: what a bundle is, where it came from, and the sha256 of every tensor it holds.
+
+Parsing is strict (bundles travel between machines and CI pipelines): wrong types, unknown versions or
+missing fields are one-line errors, never KeyErrors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import BUNDLE_FORMAT_VERSION
+from ..errors import RepackError
+
+MANIFEST_NAME = "manifest.json"
+BUNDLE_KIND = "nvfp4-repack-bundle"
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    file: str
+    dtype: str
+    shape: list[int]
+    sha256: str
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    n: int
+    k: int
+    padded_shape: list[int]
+    weights_padding_cols: int
+    global_scale: float
+    tensors: dict[str, TensorRecord]
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    path: str
+    format: str
+    quant_algo: str
+    files: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    bundle_format_version: int
+    tool_version: str
+    target: str
+    layout_id: str
+    flashinfer_versions: list[str]
+    source: SourceRecord
+    layers: dict[str, LayerRecord]
+    passthrough: dict[str, TensorRecord]
+    files: dict[str, str] = field(default_factory=dict)
+    kind: str = BUNDLE_KIND
+
+    def all_tensors(self) -> dict[str, TensorRecord]:
+        """Every tensor of the bundle by its name in the safetensors files."""
+        out = {f"{prefix}.{part}": rec for prefix, layer in self.layers.items() for part, rec in layer.tensors.items()}
+        out.update(self.passthrough)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def _fail(what: str) -> RepackError:
+    return RepackError(f"{MANIFEST_NAME}: {what}")
+
+
+def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise _fail(f"missing '{key}' in {where}")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _fail(f"'{key}' in {where} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _int(obj: Any, key: str, where: str) -> int:
+    value = _get(obj, key, int, where)
+    if value < 0:
+        raise _fail(f"'{key}' in {where} is negative")
+    return value
+
+
+def _str_map(obj: Any, where: str) -> dict[str, str]:
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in obj.items()):
+        raise _fail(f"{where} must map names to strings")
+    return dict(obj)
+
+
+def _tensor(obj: Any, where: str) -> TensorRecord:
+    shape = _get(obj, "shape", list, where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise _fail(f"shape of {where} must be non-negative integers")
+    return TensorRecord(
+        file=_get(obj, "file", str, where),
+        dtype=_get(obj, "dtype", str, where),
+        shape=list(shape),
+        sha256=_get(obj, "sha256", str, where),
+    )
+
+
+def _layer(obj: Any, where: str) -> LayerRecord:
+    padded = _get(obj, "padded_shape", list, where)
+    if len(padded) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) for d in padded):
+        raise _fail(f"padded_shape of {where} must be two integers")
+    scale = _get(obj, "global_scale", (int, float), where)
+    if isinstance(scale, bool) or not math.isfinite(scale):
+        raise _fail(f"global_scale of {where} must be a finite number")
+    tensors = _get(obj, "tensors", dict, where)
+    return LayerRecord(
+        n=_int(obj, "n", where),
+        k=_int(obj, "k", where),
+        padded_shape=list(padded),
+        weights_padding_cols=_int(obj, "weights_padding_cols", where),
+        global_scale=float(scale),
+        tensors={part: _tensor(rec, f"{where}.{part}") for part, rec in tensors.items()},
+    )
+
+
+def parse_manifest(data: Any) -> Manifest:
+    """Validate a decoded manifest.json."""
+    if not isinstance(data, dict):
+        raise _fail("expected a JSON object")
+    if data.get("kind") != BUNDLE_KIND:
+        raise _fail(f"not an nvfp4-repack bundle manifest (kind={data.get('kind')!r})")
+    version = _int(data, "bundle_format_version", "manifest")
+    if version != BUNDLE_FORMAT_VERSION:
+        raise _fail(f"bundle format version {version} is not supported (this tool reads {BUNDLE_FORMAT_VERSION})")
+    source = _get(data, "source", dict, "manifest")
+    return Manifest(
+        bundle_format_version=version,
+        tool_version=_get(data, "tool_version", str, "manifest"),
+        target=_get(data, "target", str, "manifest"),
+        layout_id=_get(data, "layout_id", str, "manifest"),
+        flashinfer_versions=[str(v) for v in _get(data, "flashinfer_versions", list, "manifest")],
+        source=SourceRecord(
+            path=_get(source, "path", str, "source"),
+            format=_get(source, "format", str, "source"),
+            quant_algo=_get(source, "quant_algo", str, "source"),
+            files=_str_map(_get(source, "files", dict, "source"), "source.files"),
+        ),
+        layers={p: _layer(rec, p) for p, rec in _get(data, "layers", dict, "manifest").items()},
+        passthrough={n: _tensor(rec, n) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
+        files=_str_map(_get(data, "files", dict, "manifest"), "files"),
+    )
+
+
+def read_manifest(bundle_dir: Path) -> Manifest:
+    path = bundle_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise RepackError(f"{bundle_dir}: no {MANIFEST_NAME} (not an nvfp4-repack bundle)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _fail(f"invalid JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    return parse_manifest(data)

@@ -1,0 +1,79 @@
+"""Which tensors a bundle holds, in which shard, with which dtype and shape: sizes only, no data.
+
+Planning before writing means every problem a header can reveal is found before a byte is written,
+and the streaming writer knows each shard's header up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from huggingface_hub import split_state_dict_into_shards_factory
+
+from ..errors import RepackError
+from ..formats import QuantizedLayer, SourceModel
+from ..formats.safetensors_io import DTYPE_NAMES
+from ..targets import Target
+
+SHARD_PATTERN = "model{suffix}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One output tensor. ``layer`` and ``part`` for converted tensors; ``source_name`` for passthrough."""
+
+    name: str
+    dtype_name: str
+    shape: tuple[int, ...]
+    nbytes: int
+    layer: QuantizedLayer | None = None
+    part: str = ""
+    source_name: str = ""
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    target: Target
+    shards: dict[str, list[PlannedTensor]]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for tensors in self.shards.values() for t in tensors)
+
+    @property
+    def is_sharded(self) -> bool:
+        return len(self.shards) > 1
+
+
+def _layer_outputs(layer: QuantizedLayer, target: Target) -> list[PlannedTensor]:
+    return [
+        PlannedTensor(
+            name=f"{layer.prefix}.{part}",
+            dtype_name=DTYPE_NAMES[spec.dtype],
+            shape=spec.shape,
+            nbytes=spec.nbytes,
+            layer=layer,
+            part=part,
+        )
+        for part, spec in target.runtime_specs(layer.n, layer.k).items()
+    ]
+
+
+def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str = "5GB") -> BundlePlan:
+    """Assign every output tensor to a shard, keeping the source's tensor order (a layer's parts adjacent)."""
+    outputs: dict[str, PlannedTensor] = {}
+    for layer in source.layers.values():
+        for tensor in _layer_outputs(layer, target):
+            outputs[tensor.name] = tensor
+    for name in source.passthrough:
+        entry = source.checkpoint.tensors[name]
+        if name in outputs:
+            raise RepackError(f"tensor {name!r} would collide with the converted layer {outputs[name].layer.prefix!r}")
+        outputs[name] = PlannedTensor(name, entry.dtype_name, entry.shape, entry.nbytes, source_name=name)
+    ordered = dict(sorted(outputs.items()))
+    split = split_state_dict_into_shards_factory(
+        ordered, get_storage_size=lambda t: t.nbytes, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size
+    )
+    shards = {file: [ordered[name] for name in names] for file, names in split.filename_to_tensors.items()}
+    return BundlePlan(target=target, shards=shards)

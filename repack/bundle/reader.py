@@ -1,0 +1,70 @@
+"""Open a bundle: its manifest, its target, and lazy access to every tensor it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import RepackError
+from ..formats.checkpoint import contained_file, load_json, resolve_model_dir
+from ..formats.safetensors_io import TensorEntry, read_header, read_tensor
+from ..targets import RuntimeLayer, Target, resolve_target
+from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
+
+
+@dataclass
+class Bundle:
+    """A bundle folder whose manifest parsed; tensors are read on demand."""
+
+    root: Path
+    manifest: Manifest
+    target: Target
+    config: dict
+    _headers: dict[str, dict[str, TensorEntry]] = field(default_factory=dict, repr=False)
+
+    def entry(self, name: str) -> TensorEntry:
+        """Where tensor ``name`` is, per the manifest, checked against the shard's own header."""
+        record = self.manifest.all_tensors().get(name)
+        if record is None:
+            raise RepackError(f"{self.root}: the manifest lists no tensor {name!r}")
+        if record.file not in self._headers:
+            self._headers[record.file] = read_header(contained_file(self.root, record.file))
+        entry = self._headers[record.file].get(name)
+        if entry is None:
+            raise RepackError(f"{record.file}: tensor {name!r} is missing")
+        return entry
+
+    def read(self, name: str) -> torch.Tensor:
+        return read_tensor(self.entry(name))
+
+    def runtime_layer(self, prefix: str) -> RuntimeLayer:
+        """One layer's runtime tensors, as the target's kernels consume them."""
+        record = self.layer(prefix)
+        tensors = {part: self.read(f"{prefix}.{part}") for part in record.tensors}
+        return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
+
+    def layer(self, prefix: str) -> LayerRecord:
+        try:
+            return self.manifest.layers[prefix]
+        except KeyError:
+            raise RepackError(f"{self.root}: no quantized layer {prefix!r} in this bundle") from None
+
+
+def is_bundle(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def open_bundle(path: str | Path) -> Bundle:
+    """Open and validate a bundle's manifest and config (tensor data is checked by ``verify``)."""
+    root = resolve_model_dir(path)
+    manifest = read_manifest(root)
+    target = resolve_target(manifest.target)
+    if target.layout_id != manifest.layout_id:
+        raise RepackError(
+            f"{MANIFEST_NAME}: layout {manifest.layout_id!r} is not the layout of target {target.name} "
+            f"({target.layout_id}); re-convert the source with this version"
+        )
+    config = load_json(contained_file(root, "config.json"))
+    return Bundle(root=root, manifest=manifest, target=target, config=config)

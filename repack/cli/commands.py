@@ -1,0 +1,182 @@
+"""The commands. Each validates its flags, calls one library function and prints the result."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from ..bundle.plan import BundlePlan
+from ..errors import RepackError
+from ..targets import TARGETS
+
+stdout = Console()
+stderr = Console(stderr=True)
+
+TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target GPU family: see `nvfp4-repack targets`.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1000 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.2f} TB"
+
+
+def convert(
+    target: TargetOpt,
+    model: Annotated[Optional[Path], typer.Argument(help="Source model folder (config.json + .safetensors).")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option("--out", "-o", help="Output bundle folder [default: <model>-<target>].")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
+    sample: Annotated[bool, typer.Option("--sample", help="Convert the built-in tiny sample checkpoint.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert an NVFP4 checkpoint into a runtime-layout bundle for one target.
+
+    Examples:
+      nvfp4-repack convert --sample --target sm100 -o sample-sm100
+      nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm120 -o llama-sm120
+    """
+    from ..convert import convert as run_convert
+    from ..sample import SAMPLE_DIR
+
+    if sample == (model is not None):
+        raise typer.BadParameter("give either MODEL or --sample")
+    source = SAMPLE_DIR if sample else model
+    assert source is not None
+    destination = out or Path(f"{source.resolve().name}-{target.lower()}")
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(), console=stderr, transient=True, disable=as_json,
+    )
+    task = progress.add_task("converting", total=None)
+
+    def start_bar(src: object, plan: BundlePlan) -> None:
+        progress.update(task, total=plan.total_bytes)
+        progress.start()
+
+    try:
+        summary = run_convert(
+            source, target, destination, overwrite=overwrite, max_shard_size=max_shard_size, on_plan=start_bar,
+            progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=what[-48:]),
+        )
+    finally:
+        progress.stop()
+    if as_json:
+        print(json.dumps({**asdict(summary), "out": str(summary.out)}, indent=2))
+        return
+    table = Table(title=f"bundle for {summary.target} written to {summary.out}")
+    for column in ("quantized layers", "passthrough tensors", "bytes in", "bytes out", "time"):
+        table.add_column(column, justify="right")
+    table.add_row(str(summary.layers), str(summary.passthrough), _human(summary.bytes_in),
+                  _human(summary.bytes_out), f"{summary.seconds:.2f} s")
+    stdout.print(table)
+
+
+def _inspect_bundle(path: Path, as_json: bool) -> None:
+    from ..bundle.reader import open_bundle
+
+    bundle = open_bundle(path)
+    manifest = bundle.manifest
+    if as_json:
+        print(manifest.to_json(), end="")
+        return
+    stdout.print(f"[bold]bundle[/] {path}  target [bold]{manifest.target}[/] ({manifest.layout_id}), "
+                 f"format v{manifest.bundle_format_version}, tool {manifest.tool_version}")
+    stdout.print(f"source: {manifest.source.format} {manifest.source.quant_algo} from {manifest.source.path}")
+    stdout.print(f"FlashInfer versions checked: {', '.join(manifest.flashinfer_versions)}")
+    table = Table(title=f"{len(manifest.layers)} quantized layers, {len(manifest.passthrough)} passthrough tensors")
+    for column in ("layer", "N x K", "padded", "K pad (bytes)", "global scale"):
+        table.add_column(column)
+    for prefix, layer in manifest.layers.items():
+        table.add_row(prefix, f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
+                      str(layer.weights_padding_cols), f"{layer.global_scale:.6g}")
+    stdout.print(table)
+
+
+def _inspect_source(path: Path, as_json: bool) -> None:
+    from ..formats import read_source
+
+    source = read_source(path)
+    shapes: dict[tuple[int, int], int] = {}
+    for layer in source.layers.values():
+        shapes[(layer.n, layer.k)] = shapes.get((layer.n, layer.k), 0) + 1
+    info = {
+        "path": str(path),
+        "format": source.format,
+        "quant_algo": source.quant_algo,
+        "quantized_layers": len(source.layers),
+        "passthrough_tensors": len(source.passthrough),
+        "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
+        "targets": [t.name for t in TARGETS],
+    }
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    stdout.print(f"[bold]{source.format}[/] {source.quant_algo} checkpoint at {path}")
+    table = Table(title=f"{len(source.layers)} quantized layers, {len(source.passthrough)} passthrough tensors")
+    for column in ("N (out)", "K (in)", "layers"):
+        table.add_column(column, justify="right")
+    for (n, k), count in sorted(shapes.items()):
+        table.add_row(str(n), str(k), str(count))
+    stdout.print(table)
+    stdout.print(f"possible targets: {', '.join(info['targets'])}")
+
+
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A source model folder or a bundle folder.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Describe a source checkpoint (format, layers, shapes) or a bundle (its manifest).
+
+    Examples:
+      nvfp4-repack inspect ./Llama-3.1-8B-NVFP4
+      nvfp4-repack inspect sample-sm100 --json
+    """
+    from ..bundle.reader import is_bundle
+
+    if not path.exists():
+        raise RepackError(f"{path}: no such file or directory")
+    (_inspect_bundle if is_bundle(path) else _inspect_source)(path, as_json)
+
+
+def targets(as_json: JsonOpt = False) -> None:
+    """List the target GPU families, their aliases, GPUs and runtime backends."""
+    rows = [
+        {
+            "name": t.name,
+            "aliases": list(t.aliases),
+            "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
+            "backend": t.backend,
+            "layout_id": t.layout_id,
+            "description": t.description,
+        }
+        for t in TARGETS
+    ]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="targets")
+    for column in ("target", "aliases", "SM", "backend", "layout", "GPUs"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
+                      row["backend"], row["layout_id"], row["description"])
+    stdout.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(convert)
+    app.command()(inspect)
+    app.command()(targets)

@@ -1,0 +1,167 @@
+"""read -> plan -> transform -> write: a source checkpoint becomes a runtime-layout bundle for one target."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from . import BUNDLE_FORMAT_VERSION, __version__
+from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord
+from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, plan_bundle
+from .bundle.writer import check_destination, staged_folder, write_json, write_shard
+from .formats import QuantizedLayer, SourceModel, read_source
+from .formats.checkpoint import contained_file
+from .formats.safetensors_io import DTYPE_NAMES, file_sha256, iter_raw_chunks, tensor_bytes
+from .targets import RuntimeLayer, Target, resolve_target
+from .targets.layout import PaddedShape
+
+BUNDLE_CONFIG_KEY = "nvfp4_repack"
+Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
+
+
+@dataclass(frozen=True)
+class ConvertSummary:
+    out: Path
+    target: str
+    layers: int
+    passthrough: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+
+
+class _LayerCache:
+    """Converts each layer once even though its parts are written one after another."""
+
+    def __init__(self, source: SourceModel, target: Target) -> None:
+        self.source, self.target = source, target
+        self.prefix: str | None = None
+        self.runtime: RuntimeLayer | None = None
+        self.global_scales: dict[str, float] = {}
+
+    def get(self, layer: QuantizedLayer) -> RuntimeLayer:
+        if self.prefix != layer.prefix:
+            self.runtime = self.target.to_runtime(self.source.load_layer(layer))
+            self.prefix = layer.prefix
+            self.global_scales[layer.prefix] = float(self.runtime.weight_global_scale)
+        assert self.runtime is not None
+        return self.runtime
+
+
+def _chunk_source(source: SourceModel, cache: _LayerCache, progress: Progress) -> Callable[[PlannedTensor], Iterable]:
+    def chunks(tensor: PlannedTensor) -> Iterable:
+        if tensor.layer is None:
+            for chunk in iter_raw_chunks(source.checkpoint.entry(tensor.source_name)):
+                progress(len(chunk), tensor.name)
+                yield chunk
+            return
+        value = cache.get(tensor.layer).tensors()[tensor.part]
+        if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
+            raise AssertionError(f"{tensor.name}: target produced {value.dtype} {list(value.shape)}, planned otherwise")
+        progress(tensor.nbytes, tensor.name)
+        yield tensor_bytes(value)
+
+    return chunks
+
+
+def bundle_config(config: dict, target: Target) -> dict:
+    """The source config.json, quantization_config kept, plus a marker naming the target layout."""
+    marked = dict(config)
+    marked[BUNDLE_CONFIG_KEY] = {
+        "bundle_format_version": BUNDLE_FORMAT_VERSION,
+        "target": target.name,
+        "layout_id": target.layout_id,
+        "tool_version": __version__,
+    }
+    return marked
+
+
+def _manifest(
+    source: SourceModel, plan: BundlePlan, cache: _LayerCache, digests: dict[str, str], files: dict[str, str]
+) -> Manifest:
+    records: dict[str, TensorRecord] = {}
+    for file, tensors in plan.shards.items():
+        for t in tensors:
+            records[t.name] = TensorRecord(file=file, dtype=t.dtype_name, shape=list(t.shape), sha256=digests[t.name])
+    layers = {}
+    for prefix, layer in source.layers.items():
+        parts = plan.target.runtime_specs(layer.n, layer.k)
+        shape = PaddedShape(layer.n, layer.k)
+        layers[prefix] = LayerRecord(
+            n=layer.n,
+            k=layer.k,
+            padded_shape=[shape.n_padded, shape.k_padded],
+            weights_padding_cols=shape.weights_padding_cols,
+            global_scale=cache.global_scales[prefix],
+            tensors={part: records.pop(f"{prefix}.{part}") for part in parts},
+        )
+    return Manifest(
+        bundle_format_version=BUNDLE_FORMAT_VERSION,
+        tool_version=__version__,
+        target=plan.target.name,
+        layout_id=plan.target.layout_id,
+        flashinfer_versions=list(plan.target.flashinfer_versions),
+        source=SourceRecord(
+            path=str(source.checkpoint.root.resolve()),
+            format=source.format,
+            quant_algo=source.quant_algo,
+            files={name: file_sha256(source.checkpoint.root / name) for name in source.checkpoint.shard_files},
+        ),
+        layers=layers,
+        passthrough=records,
+        files=files,
+    )
+
+
+def convert(
+    model: str | Path,
+    target_name: str,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    max_shard_size: int | str = "5GB",
+    progress: Progress | None = None,
+    on_plan: Callable[[SourceModel, BundlePlan], None] | None = None,
+) -> ConvertSummary:
+    """Convert ``model`` into a bundle for ``target_name`` at ``out``; all-or-nothing."""
+    started = time.perf_counter()
+    target = resolve_target(target_name)
+    out = Path(out)
+    source = read_source(model)
+    check_destination(out, overwrite, protected=[source.checkpoint.root])
+    plan = plan_bundle(source, target, max_shard_size)
+    if on_plan is not None:
+        on_plan(source, plan)
+    report = progress or (lambda nbytes, what: None)
+    cache = _LayerCache(source, target)
+    chunks = _chunk_source(source, cache, report)
+    with staged_folder(out, overwrite) as staging:
+        digests: dict[str, str] = {}
+        files: dict[str, str] = {}
+        for file, tensors in plan.shards.items():
+            tensor_digests, files[file] = write_shard(staging / file, tensors, chunks)
+            digests.update(tensor_digests)
+        if plan.is_sharded:
+            weight_map = {t.name: file for file, tensors in plan.shards.items() for t in tensors}
+            files[INDEX_NAME] = write_json(
+                staging / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
+            )
+        for name in source.checkpoint.side_files():
+            shutil.copyfile(contained_file(source.checkpoint.root, name), staging / name)
+            files[name] = file_sha256(staging / name)
+        files["config.json"] = write_json(staging / "config.json", bundle_config(source.checkpoint.config, target))
+        manifest = _manifest(source, plan, cache, digests, files)
+        (staging / MANIFEST_NAME).write_text(manifest.to_json())
+    bytes_in = sum(e.nbytes for e in source.checkpoint.tensors.values())
+    return ConvertSummary(
+        out=out,
+        target=target.name,
+        layers=len(source.layers),
+        passthrough=len(source.passthrough),
+        bytes_in=bytes_in,
+        bytes_out=plan.total_bytes,
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,133 @@
+"""A Hugging Face-style checkpoint folder, treated as untrusted: config, shards, tensor index.
+
+Resolution of a model reference to a local folder is one function (``resolve_model_dir``) so that Hub
+repo ids slot in there. Nothing here executes checkpoint code: JSON and safetensors only, never pickle,
+never ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import RepackError
+from .safetensors_io import TensorEntry, read_header, read_tensor
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def load_json(path: Path) -> dict:
+    """A JSON object from ``path``, or a RepackError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RepackError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RepackError(f"{path.name}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise RepackError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def contained_file(root: Path, relative: str) -> Path:
+    """``root/relative``, refusing paths (or symlinks) that escape ``root``."""
+    path = root / relative
+    resolved_root = root.resolve()
+    try:
+        resolved = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise RepackError(f"{relative}: file not found in {root}") from None
+    except (OSError, RuntimeError) as exc:
+        raise RepackError(f"{relative}: cannot resolve ({exc})") from None
+    if not resolved.is_relative_to(resolved_root):
+        raise RepackError(f"{relative}: points outside the model folder ({resolved}); refusing to read it")
+    if not resolved.is_file():
+        raise RepackError(f"{relative}: not a regular file")
+    return path
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """The local folder holding ``model``'s files."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise RepackError(f"{model}: no such file or directory")
+    if not path.is_dir():
+        raise RepackError(f"{model}: not a directory (expected a model folder with config.json)")
+    return path
+
+
+@dataclass
+class Checkpoint:
+    """The files of a model folder and the location of every tensor in it."""
+
+    root: Path
+    config: dict
+    shard_files: list[str]
+    tensors: dict[str, TensorEntry] = field(repr=False)
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise RepackError(f"tensor {name!r} not found in {self.root}") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        return read_tensor(self.entry(name))
+
+    def side_files(self) -> list[str]:
+        """Top-level files that are neither weights nor config.json (tokenizer, generation config, recipes...)."""
+        skip = {"config.json", INDEX_NAME, *self.shard_files}
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if p.name not in skip and not p.name.endswith(".safetensors") and not p.name.endswith(PICKLE_SUFFIXES)
+            and (p.is_file() or p.is_symlink())
+        )
+
+
+def _shard_names(root: Path) -> list[str]:
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        index = load_json(contained_file(root, INDEX_NAME))
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise RepackError(f"{INDEX_NAME}: missing or empty 'weight_map'")
+        names = sorted({str(v) for v in weight_map.values()})
+        for name in names:
+            if "/" in name or "\\" in name or name in ("", ".", ".."):
+                raise RepackError(f"{INDEX_NAME}: shard name {name!r} is not a plain file name")
+            if not (root / name).exists() and not (root / name).is_symlink():
+                raise RepackError(f"{INDEX_NAME}: names shard {name!r}, which is missing")
+        return names
+    names = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors"))
+    if not names:
+        pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise RepackError(
+                f"{root}: only pickle weights ({pickles[0]}); they are never unpickled, convert to safetensors first"
+            )
+        raise RepackError(f"{root}: no .safetensors weights found")
+    return names
+
+
+def open_checkpoint(model: str | Path) -> Checkpoint:
+    """Open and validate a model folder: config.json, shard list, every shard's header."""
+    root = resolve_model_dir(model)
+    config_path = root / "config.json"
+    if not config_path.exists():
+        raise RepackError(f"{root}: no config.json (not a Hugging Face model folder)")
+    config = load_json(contained_file(root, "config.json"))
+    shard_files = _shard_names(root)
+    tensors: dict[str, TensorEntry] = {}
+    for shard in shard_files:
+        for name, entry in read_header(contained_file(root, shard)).items():
+            if name in tensors:
+                raise RepackError(f"tensor {name!r} appears in both {tensors[name].file.name} and {shard}")
+            tensors[name] = entry
+    if not tensors:
+        raise RepackError(f"{root}: the weight files hold no tensors")
+    return Checkpoint(root=root, config=config, shard_files=shard_files, tensors=tensors)

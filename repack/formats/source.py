@@ -1,0 +1,107 @@
+"""Source checkpoints normalized to canonical layers, whatever their producer.
+
+Both NVFP4 producers store the same three tensors per linear layer under different names, and
+compressed-tensors stores the reciprocal of ModelOpt's global scale. A :class:`NamingScheme` captures
+that difference; layer discovery, header checks and loading are shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import RepackError
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from .checkpoint import Checkpoint
+
+
+@dataclass(frozen=True)
+class NamingScheme:
+    """Tensor suffixes of one quantized linear, and how its stored global scale becomes the multiplier."""
+
+    codes: str
+    block_scales: str
+    global_scale: str
+    to_multiplier: Callable[[torch.Tensor], torch.Tensor]
+
+    def names(self, prefix: str) -> tuple[str, str, str]:
+        return (f"{prefix}.{self.codes}", f"{prefix}.{self.block_scales}", f"{prefix}.{self.global_scale}")
+
+
+@dataclass(frozen=True)
+class QuantizedLayer:
+    """A quantized linear found in the source: where its tensors are and its logical shape."""
+
+    prefix: str
+    n: int
+    k: int
+    tensor_names: tuple[str, str, str]
+
+
+@dataclass
+class SourceModel:
+    """A validated NVFP4 checkpoint: its format, its quantized layers and its passthrough tensors."""
+
+    checkpoint: Checkpoint
+    format: str
+    quant_algo: str
+    scheme: NamingScheme
+    layers: dict[str, QuantizedLayer]
+    passthrough: list[str]
+
+    def load_layer(self, layer: QuantizedLayer) -> NVFP4Weight:
+        """Read one layer's tensors and return its validated canonical form."""
+        codes, scales, global_scale = (self.checkpoint.read(name) for name in layer.tensor_names)
+        return NVFP4Weight(
+            codes=codes,
+            block_scales=scales,
+            multiplier=self.scheme.to_multiplier(global_scale.reshape(1)),
+        ).validate(layer.prefix)
+
+
+def _layer_from_headers(checkpoint: Checkpoint, scheme: NamingScheme, prefix: str) -> QuantizedLayer:
+    """Check a layer's dtypes and shapes from headers alone (no data read)."""
+    names = scheme.names(prefix)
+    missing = [n for n in names if n not in checkpoint.tensors]
+    if missing:
+        raise RepackError(f"{prefix}: quantized layer is missing tensor {missing[0]!r}")
+    codes, scales, global_scale = (checkpoint.tensors[n] for n in names)
+    if codes.dtype != torch.uint8 or len(codes.shape) != 2:
+        raise RepackError(f"{names[0]}: packed weight must be 2-D U8, got {codes.dtype_name} {list(codes.shape)}")
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if n == 0 or k % BLOCK_SIZE or k == 0:
+        raise RepackError(f"{names[0]}: K={k} must be a positive multiple of {BLOCK_SIZE} (N={n})")
+    if scales.dtype != torch.float8_e4m3fn:
+        raise RepackError(f"{names[1]}: block scales must be F8_E4M3, got {scales.dtype_name}")
+    if scales.shape != (n, k // BLOCK_SIZE):
+        raise RepackError(
+            f"{names[1]}: shape {list(scales.shape)} does not match weight {names[0]} "
+            f"(expected [{n}, {k // BLOCK_SIZE}])"
+        )
+    if global_scale.dtype != torch.float32 or global_scale.nbytes != 4:
+        raise RepackError(
+            f"{names[2]}: global scale must be one F32, got {global_scale.dtype_name} {list(global_scale.shape)}"
+        )
+    return QuantizedLayer(prefix=prefix, n=n, k=k, tensor_names=names)
+
+
+def collect_layers(
+    checkpoint: Checkpoint, scheme: NamingScheme, is_quantized: Callable[[str], bool]
+) -> tuple[dict[str, QuantizedLayer], list[str]]:
+    """Quantized layers (prefixes whose codes tensor ``is_quantized``) and every other tensor name."""
+    suffix = "." + scheme.codes
+    prefixes = sorted(
+        name[: -len(suffix)] for name in checkpoint.tensors if name.endswith(suffix) and is_quantized(name)
+    )
+    global_suffix = "." + scheme.global_scale
+    for name in checkpoint.tensors:
+        if name.endswith(global_suffix) and name[: -len(global_suffix)] not in prefixes:
+            raise RepackError(f"{name}: global scale without a packed NVFP4 weight {name[: -len(global_suffix)]}{suffix}")
+    layers = {p: _layer_from_headers(checkpoint, scheme, p) for p in prefixes}
+    consumed = {name for layer in layers.values() for name in layer.tensor_names}
+    passthrough = sorted(name for name in checkpoint.tensors if name not in consumed)
+    if not layers:
+        raise RepackError(f"{checkpoint.root}: no NVFP4-quantized linear layers found")
+    return layers, passthrough

@@ -1,0 +1,120 @@
+"""Small NVFP4 checkpoints written from scratch, in either producer's format.
+
+Used by ``scripts/make_sample.py`` (the built-in sample) and by the tests, which need fresh random
+checkpoints of odd shapes. Weights are quantized from real-valued matrices the way ModelOpt does
+(per-tensor amax / (6 * 448), per-block amax / 6, round to nearest E2M1), so dequantized weights are
+close to the originals and a model built from them computes something meaningful.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..nvfp4 import BLOCK_SIZE, E2M1_VALUES, NVFP4Weight, pack_codes
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> NVFP4Weight:
+    """Quantize a real ``[N, K]`` matrix to NVFP4 (codes, e4m3 block scales, float32 multiplier)."""
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    multiplier = (w.abs().max().clamp(min=1e-12) / (E2M1_MAX * E4M3_MAX)).reshape(1)
+    blocks = w.reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    block_scales = (blocks.abs().amax(-1) / E2M1_MAX / multiplier).to(torch.float8_e4m3fn)
+    denom = block_scales.to(torch.float32).unsqueeze(-1) * multiplier
+    scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks)).reshape(n, k)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1).to(torch.uint8)
+    codes = codes | ((scaled < 0).to(torch.uint8) << 3)
+    return NVFP4Weight(pack_codes(codes), block_scales, multiplier.to(torch.float32))
+
+
+def random_nvfp4(n: int, k: int, generator: torch.Generator | None = None) -> NVFP4Weight:
+    """Random codes (all 256 byte values), random positive finite e4m3 scales, a random multiplier."""
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    scale_bits = torch.randint(1, 0x7F, (n, k // BLOCK_SIZE), dtype=torch.uint8, generator=generator)
+    multiplier = torch.rand(1, generator=generator) * 1e-2 + 1e-4
+    return NVFP4Weight(codes, scale_bits.view(torch.float8_e4m3fn), multiplier.to(torch.float32))
+
+
+def layer_tensors(prefix: str, weight: NVFP4Weight, fmt: str, w4a4: bool) -> dict[str, torch.Tensor]:
+    """The tensors a producer stores for one quantized linear."""
+    if fmt == "modelopt":
+        out = {
+            f"{prefix}.weight": weight.codes,
+            f"{prefix}.weight_scale": weight.block_scales,
+            f"{prefix}.weight_scale_2": weight.multiplier.reshape(()),
+        }
+        if w4a4:
+            out[f"{prefix}.input_scale"] = torch.tensor(0.01, dtype=torch.float32)
+        return out
+    out = {
+        f"{prefix}.weight_packed": weight.codes,
+        f"{prefix}.weight_scale": weight.block_scales,
+        f"{prefix}.weight_global_scale": torch.reciprocal(weight.multiplier).reshape(1),
+    }
+    if w4a4:
+        out[f"{prefix}.input_global_scale"] = torch.tensor([100.0], dtype=torch.float32)
+    return out
+
+
+def quantization_config(fmt: str, w4a4: bool, ignore: list[str]) -> tuple[dict, dict | None]:
+    """``config.json``'s quantization_config and, for ModelOpt, hf_quant_config.json."""
+    if fmt == "modelopt":
+        algo = "NVFP4" if w4a4 else "W4A16_NVFP4"
+        hf = {
+            "producer": {"name": "modelopt", "version": "synthetic"},
+            "quantization": {"quant_algo": algo, "group_size": BLOCK_SIZE, "exclude_modules": ignore},
+        }
+        return {"quant_method": "modelopt", "quant_algo": algo, "ignore": ignore}, hf
+    scheme = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": BLOCK_SIZE, "symmetric": True}
+    group = {"targets": ["Linear"], "weights": scheme, "input_activations": dict(scheme, dynamic="local") if w4a4 else None}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": dict(group, format="nvfp4-pack-quantized")},
+        "ignore": ignore,
+    }
+    return qc, None
+
+
+def write_checkpoint(
+    root: Path,
+    quantized: dict[str, NVFP4Weight],
+    plain: dict[str, torch.Tensor],
+    *,
+    fmt: str,
+    w4a4: bool = False,
+    config: dict | None = None,
+    shards: int = 1,
+    ignore: list[str] | None = None,
+) -> Path:
+    """Write a Hugging Face-style NVFP4 checkpoint folder (optionally split into ``shards`` files + index)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for prefix, weight in quantized.items():
+        tensors.update(layer_tensors(prefix, weight, fmt, w4a4))
+    tensors.update(plain)
+    qc, hf = quantization_config(fmt, w4a4, ignore or [])
+    (root / "config.json").write_text(json.dumps(dict(config or {}, quantization_config=qc), indent=2))
+    if hf is not None:
+        (root / "hf_quant_config.json").write_text(json.dumps(hf, indent=2))
+    names = sorted(tensors)
+    if shards == 1:
+        save_file({n: tensors[n].contiguous() for n in names}, root / "model.safetensors", metadata={"format": "pt"})
+        return root
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i::shards]
+        save_file({n: tensors[n].contiguous() for n in part}, root / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return root

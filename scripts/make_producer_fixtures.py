@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""Make small NVFP4 checkpoints with the REAL producers (run once by hand, not in CI).
+
+Builds a tiny randomly initialised Llama (fixed seed) and quantizes it to NVFP4 on CPU with
+
+* llm-compressor (compressed-tensors, ``nvfp4-pack-quantized``): presets NVFP4A16 and NVFP4;
+* nvidia-modelopt (``quant_method: modelopt``): NVFP4_DEFAULT_CFG (W4A4) and W4A16_NVFP4_CFG;
+
+plus sharded variants written by the producers' own ``max_shard_size``, and the unquantized
+bf16 base model (same seed, same weights) for reference.
+
+Outputs go to ``tests/data/producers/<name>/``. Install the producers in a separate venv, with
+torch pinned (an unpinned torch pulls a multi-GB CUDA build)::
+
+    python3 -m venv /tmp/venv-producers
+    /tmp/venv-producers/bin/pip install torch==2.13.0
+    /tmp/venv-producers/bin/pip install torch==2.13.0 llmcompressor nvidia-modelopt transformers
+    /tmp/venv-producers/bin/python scripts/make_producer_fixtures.py
+
+Each producer runs in its own subprocess (``--only NAME``) so that the two packages' module
+patches never meet in one interpreter. The script ends by printing a summary of every fixture
+(tensor names, dtypes, shapes, quantization_config) and writing ``summary.md`` next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "tests" / "data" / "producers"
+
+SEED = 0
+# hidden 64 -> K=64 (4 groups of 16); intermediate 176 = 11*16, a multiple of 16 but not of 64,
+# so down_proj has K=176 -> 11 scale groups and gate/up have N=176.
+MODEL_CFG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,  # head_dim 16
+    num_key_value_heads=2,  # k/v_proj: N=32
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+SHARD_SIZE = "40KB"
+
+FIXTURES = [
+    "base_bf16",
+    "ct_nvfp4a16",
+    "ct_nvfp4",
+    "ct_nvfp4a16_sharded",
+    "modelopt_nvfp4",
+    "modelopt_w4a16_nvfp4",
+    "modelopt_nvfp4_sharded",
+]
+
+
+def build_random_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(**MODEL_CFG)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    # Widen the weight distribution a little so scales differ between rows/groups.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(SEED + 1)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
+    return model
+
+
+def build_model():
+    """Load the committed bf16 base (llm-compressor insists on a model with an on-disk path)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    base = OUT / "base_bf16"
+    if not (base / "config.json").exists():
+        make_base_bf16("base_bf16")
+    return LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+
+
+def tiny_tokenizer():
+    """In-memory word-level tokenizer (llm-compressor wants a processor once a dataset is given)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(MODEL_CFG["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0")
+
+
+def calib_batches(n=4, seq=32):
+    import torch
+
+    g = torch.Generator().manual_seed(SEED + 2)
+    return [torch.randint(0, MODEL_CFG["vocab_size"], (1, seq), generator=g) for _ in range(n)]
+
+
+def fresh_dir(name) -> Path:
+    d = OUT / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    return d
+
+
+# --------------------------------------------------------------------------- base
+def make_base_bf16(name):
+    model = build_random_model()
+    model.save_pretrained(fresh_dir(name))
+
+
+# --------------------------------------------------------------------------- llm-compressor
+def _llmc(name, scheme, calibrate, shard):
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    model = build_model()
+    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    kwargs = {}
+    if calibrate:
+        ids = [b[0].tolist() for b in calib_batches()]
+        kwargs = dict(
+            tokenizer=tiny_tokenizer(),
+            dataset=Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}),
+            num_calibration_samples=len(ids),
+            max_seq_length=len(ids[0]),
+        )
+    model = oneshot(model=model, recipe=recipe, **kwargs)
+    out = fresh_dir(name)
+    extra = dict(max_shard_size=SHARD_SIZE) if shard else {}
+    model.save_pretrained(out, save_compressed=True, **extra)
+
+
+def make_ct_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False)
+
+
+def make_ct_nvfp4(name):
+    _llmc(name, "NVFP4", calibrate=True, shard=False)
+
+
+def make_ct_nvfp4a16_sharded(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=True)
+
+
+# --------------------------------------------------------------------------- modelopt
+def _modelopt(name, cfg_name, shard):
+    import torch
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = build_model()
+    cfg = getattr(mtq, cfg_name)
+    batches = calib_batches()
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for b in batches:
+                m(input_ids=b)
+
+    model = mtq.quantize(model, cfg, forward_loop)
+    out = fresh_dir(name)
+    extra = dict(max_shard_size=SHARD_SIZE) if shard else {}
+    export_hf_checkpoint(model, export_dir=out, **extra)
+
+
+def make_modelopt_nvfp4(name):
+    _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False)
+
+
+def make_modelopt_w4a16_nvfp4(name):
+    _modelopt(name, "W4A16_NVFP4_CFG", shard=False)
+
+
+def make_modelopt_nvfp4_sharded(name):
+    _modelopt(name, "NVFP4_DEFAULT_CFG", shard=True)
+
+
+# --------------------------------------------------------------------------- cleanup / summary
+KEEP_SUFFIXES = (".safetensors", ".json")
+DROP_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+
+
+def tidy(name):
+    """Drop files that are not part of the checkpoint format (e.g. recipe.yaml is kept)."""
+    d = OUT / name
+    for p in d.iterdir():
+        if p.name in DROP_FILES:
+            p.unlink()
+
+
+def summarize(name) -> str:
+    from safetensors import safe_open
+
+    d = OUT / name
+    lines = [f"### {name}", ""]
+    files = sorted(p.name for p in d.iterdir())
+    lines.append("files: " + ", ".join(f"`{f}` ({(d / f).stat().st_size} B)" for f in files))
+    cfg = json.loads((d / "config.json").read_text())
+    qc = cfg.get("quantization_config")
+    lines += ["", "config.json quantization_config:", "```json", json.dumps(qc, indent=1), "```"]
+    if (d / "hf_quant_config.json").exists():
+        lines += ["hf_quant_config.json:", "```json", (d / "hf_quant_config.json").read_text().strip(), "```"]
+    lines += ["", "| tensor | dtype | shape | file |", "| --- | --- | --- | --- |"]
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            for k in sorted(sf.keys()):
+                sl = sf.get_slice(k)
+                lines.append(f"| `{k}` | {sl.get_dtype()} | {list(sl.get_shape())} | {f.name} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=FIXTURES)
+    ap.add_argument("--summary-only", action="store_true")
+    args = ap.parse_args()
+    if args.only:
+        globals()["make_" + args.only](args.only)
+        tidy(args.only)
+        return
+    status = {}
+    if not args.summary_only:
+        for name in FIXTURES:
+            print(f"=== {name}", flush=True)
+            r = subprocess.run([sys.executable, __file__, "--only", name], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+            status[name] = r.returncode
+            print(f"=== {name}: rc={r.returncode}", flush=True)
+    parts = []
+    for name in FIXTURES:
+        if (OUT / name / "config.json").exists():
+            parts.append(summarize(name))
+    (OUT / "summary.md").write_text("# Producer fixtures: full tensor listing\n\n" + "\n".join(parts))
+    print("\n".join(parts))
+    if status:
+        print(status)
+        if any(status.values()):
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
