@@ -1,0 +1,68 @@
+"""Shared fixtures: fresh random NVFP4 checkpoints in either producer format."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from repack.nvfp4 import NVFP4Weight
+from repack.sample.synthetic import random_nvfp4, write_checkpoint
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PRODUCERS = Path(__file__).parent / "data" / "producers"
+
+# Curated layer shapes (N, K): multiples of 16 but not of 64, N = 16, and a large layer.
+ODD_SHAPES = [(16, 16), (48, 80), (16, 1008), (200, 336), (176, 64)]
+LAYER_SHAPES = ODD_SHAPES + [(128, 128), (1024, 4096)]
+
+
+def require(module: str):
+    """Import ``module``; in CI a missing conformance dependency fails instead of skipping."""
+    if IN_CI:
+        return __import__(module)
+    return pytest.importorskip(module)
+
+
+@dataclass
+class SyntheticModel:
+    path: Path
+    fmt: str
+    w4a4: bool
+    layers: dict[str, NVFP4Weight]
+    plain: dict[str, torch.Tensor]
+
+
+@pytest.fixture
+def make_model(tmp_path: Path):
+    """Factory: write a random NVFP4 checkpoint (fresh seed each call) and return what was written."""
+    counter = iter(range(1000))
+
+    def make(
+        fmt: str = "compressed-tensors",
+        *,
+        w4a4: bool = False,
+        shapes: list[tuple[int, int]] | None = None,
+        shards: int = 1,
+        seed: int | None = None,
+    ) -> SyntheticModel:
+        gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
+        layers = {
+            f"model.layers.{i}.mlp.proj": random_nvfp4(n, k, gen) for i, (n, k) in enumerate(shapes or ODD_SHAPES)
+        }
+        plain = {
+            "model.embed_tokens.weight": torch.randn(32, 16, generator=gen).to(torch.bfloat16),
+            "lm_head.weight": torch.randn(32, 16, generator=gen).to(torch.float16),
+            "model.norm.weight": torch.randn(16, generator=gen),
+        }
+        root = tmp_path / f"model-{next(counter)}"
+        write_checkpoint(root, layers, plain, fmt=fmt, w4a4=w4a4, shards=shards, ignore=["lm_head"],
+                         config={"model_type": "llama"})
+        (root / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+        (root / "recipe.yaml").write_text("quant_stage: {}\n")
+        return SyntheticModel(root, fmt, w4a4, layers, plain)
+
+    return make

@@ -1,0 +1,170 @@
+"""convert end to end: every output tensor decodes back to the source, and the bundle is complete."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from repack.bundle.reader import open_bundle
+from repack.cli import main
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.formats import read_source
+from repack.targets import TARGETS
+
+from .conftest import PRODUCERS
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def bundle_tensors(root):
+    out = {}
+    for file in sorted(root.glob("*.safetensors")):
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():
+                out[name] = handle.get_tensor(name)
+    return out
+
+
+def check_bundle_against_source(source_path, out, target):
+    """Every layer inverts to the source bit for bit; passthrough is byte-identical; hashes match."""
+    source = read_source(source_path)
+    bundle = open_bundle(out)
+    tensors = bundle_tensors(out)  # read with the real safetensors library, not ours
+    manifest = bundle.manifest
+    assert manifest.target == target.name and manifest.layout_id == target.layout_id
+    assert set(manifest.layers) == set(source.layers)
+    for name, record in manifest.all_tensors().items():
+        raw = as_bytes(tensors[name]).numpy().tobytes()
+        assert hashlib.sha256(raw).hexdigest() == record.sha256, name
+    for prefix, layer in source.layers.items():
+        record = manifest.layers[prefix]
+        runtime = bundle.runtime_layer(prefix)
+        back = target.from_runtime(runtime, record.n, record.k)
+        original = source.load_layer(layer)
+        for a, b in ((back.codes, original.codes), (back.block_scales, original.block_scales),
+                     (back.multiplier, original.multiplier)):
+            assert torch.equal(as_bytes(a), as_bytes(b)), prefix
+        assert record.global_scale == float(original.multiplier)
+        assert tensors[f"{prefix}.weight_global_scale"].dtype == torch.float32
+    for name in source.passthrough:
+        assert torch.equal(as_bytes(tensors[name]), as_bytes(source.checkpoint.read(name))), name
+    assert set(tensors) == set(manifest.all_tensors())
+    return manifest
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_convert_synthetic(make_model, tmp_path, target, fmt, w4a4):
+    model = make_model(fmt, w4a4=w4a4, shards=2)
+    out = tmp_path / "bundle"
+    summary = convert(model.path, target.name, out)
+    assert summary.layers == len(model.layers)
+    check_bundle_against_source(model.path, out, target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((model.path / "config.json").read_text())["quantization_config"]
+    assert config["nvfp4_repack"]["target"] == target.name
+    for side in ("tokenizer_config.json", "recipe.yaml"):
+        assert (out / side).read_bytes() == (model.path / side).read_bytes()
+    if fmt == "modelopt":
+        assert (out / "hf_quant_config.json").exists()
+    assert not list(tmp_path.glob(".bundle*")), "no staging folder left behind"
+
+
+PRODUCER_FIXTURES = sorted(p.name for p in PRODUCERS.iterdir() if (p / "config.json").exists() and
+                           "quantization_config" in (p / "config.json").read_text()) if PRODUCERS.exists() else []
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("fixture", PRODUCER_FIXTURES)
+def test_convert_real_producer_checkpoints(tmp_path, target, fixture):
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / fixture, target.name, out)
+    manifest = check_bundle_against_source(PRODUCERS / fixture, out, target)
+    assert manifest.layers
+
+
+def test_real_producer_fixtures_exist():
+    formats = {read_source(PRODUCERS / f).format for f in PRODUCER_FIXTURES}
+    assert formats == {"modelopt", "compressed-tensors"}
+
+
+def test_small_shards_are_indexed(make_model, tmp_path):
+    model = make_model("modelopt", shapes=[(64, 256)] * 6)
+    out = tmp_path / "bundle"
+    convert(model.path, "sm100", out, max_shard_size=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    check_bundle_against_source(model.path, out, TARGETS[0])
+
+
+def test_existing_output_is_never_touched(make_model, tmp_path):
+    model = make_model()
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(RepackError, match="already exists"):
+        convert(model.path, "sm100", out)
+    assert (out / "keep.txt").read_text() == "precious"
+    convert(model.path, "sm100", out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+
+
+def test_failure_midway_leaves_nothing(make_model, tmp_path):
+    model = make_model(shapes=[(16, 32), (32, 64)])
+    # Corrupt the second layer's scales with a NaN: found only when its data is read, after writing began.
+    path = model.path / "model.safetensors"
+    from repack.formats.checkpoint import open_checkpoint
+
+    entry = open_checkpoint(model.path).tensors["model.layers.1.mlp.proj.weight_scale"]
+    data = bytearray(path.read_bytes())
+    data[entry.begin] = 0x7F
+    path.write_bytes(bytes(data))
+    out = tmp_path / "bundle"
+    with pytest.raises(RepackError, match="model.layers.1.mlp.proj: block scales contain NaN"):
+        convert(model.path, "sm120", out)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_output_may_not_replace_the_source(make_model):
+    model = make_model()
+    with pytest.raises(RepackError, match="would replace the input"):
+        convert(model.path, "sm100", model.path, overwrite=True)
+    assert (model.path / "model.safetensors").exists()
+
+
+def test_cli_sample_then_inspect(tmp_path, capsys):
+    out = tmp_path / "sample-sm100"
+    assert main(["convert", "--sample", "--target", "sm100", "-o", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 14 and summary["target"] == "sm100"
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == "sm100"
+    assert main(["targets", "--json"]) == 0
+    assert {t["name"] for t in json.loads(capsys.readouterr().out)} >= {"sm100", "sm120"}
+
+
+@pytest.mark.parametrize(
+    "argv,code,message",
+    [
+        (["convert", "--sample", "--target", "sm80", "-o", "x"], 1, "valid targets: sm100"),
+        (["convert", "/does/not/exist", "--target", "sm100"], 1, "no such file or directory"),
+        (["convert", "--sample"], 2, "Missing option"),
+        (["inspect", "/does/not/exist"], 1, "no such file"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, code, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
