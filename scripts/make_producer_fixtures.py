@@ -15,7 +15,15 @@ torch pinned (an unpinned torch pulls a multi-GB CUDA build)::
     python3 -m venv /tmp/venv-producers
     /tmp/venv-producers/bin/pip install torch==2.13.0
     /tmp/venv-producers/bin/pip install torch==2.13.0 llmcompressor nvidia-modelopt transformers
-    /tmp/venv-producers/bin/python scripts/make_producer_fixtures.py
+    python3 -m venv /tmp/venv-modelopt
+    /tmp/venv-modelopt/bin/pip install torch==2.13.0
+    /tmp/venv-modelopt/bin/pip install torch==2.13.0 nvidia-modelopt==0.47.0 "transformers<5.15" \
+        accelerate safetensors requests
+    /tmp/venv-producers/bin/python scripts/make_producer_fixtures.py \
+        --modelopt-python /tmp/venv-modelopt/bin/python
+
+Two venvs because llmcompressor 0.14.0.1 requires transformers>=5.15,<=5.17 while
+nvidia-modelopt 0.47.0 (its [hf] extra, and an import-time warning) wants transformers<5.15.
 
 Each producer runs in its own subprocess (``--only NAME``) so that the two packages' module
 patches never meet in one interpreter. The script ends by printing a summary of every fixture
@@ -47,7 +55,7 @@ MODEL_CFG = dict(
     num_key_value_heads=2,  # k/v_proj: N=32
     max_position_embeddings=128,
     tie_word_embeddings=False,
-    torch_dtype="bfloat16",
+    dtype="bfloat16",
 )
 SHARD_SIZE = "40KB"
 
@@ -224,10 +232,59 @@ def summarize(name) -> str:
     return "\n".join(lines)
 
 
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def crosscheck() -> str:
+    """Dequantize every quantized linear (low nibble = even k) and compare with base_bf16."""
+    import glob
+
+    import torch
+    from safetensors.torch import load_file
+
+    def load(name):
+        sd = {}
+        for f in sorted(glob.glob(str(OUT / name / "*.safetensors"))):
+            sd.update(load_file(f))
+        return sd
+
+    lut = torch.tensor(E2M1)
+
+    def codes(p):
+        return lut[torch.stack([p & 0xF, p >> 4], -1).reshape(p.shape[0], -1).long()]
+
+    base = load("base_bf16")
+    ct, mo = load("ct_nvfp4"), load("modelopt_nvfp4")
+    rows = ["| layer | ct weight_global_scale | modelopt weight_scale_2 | product | ct input_global_scale "
+            "| modelopt input_scale | rel.err ct | rel.err modelopt | codes differing ct vs modelopt |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i in range(MODEL_CFG["num_hidden_layers"]):
+        for l in LINEARS:
+            p = f"model.layers.{i}.{l}"
+            w = base[p + ".weight"].float()
+            a, b = codes(ct[p + ".weight_packed"]), codes(mo[p + ".weight"])
+            gs, ws2 = ct[p + ".weight_global_scale"].item(), mo[p + ".weight_scale_2"].item()
+            dq_ct = a * ct[p + ".weight_scale"].float().repeat_interleave(16, 1) / gs
+            dq_mo = b * mo[p + ".weight_scale"].float().repeat_interleave(16, 1) * ws2
+            rel = lambda d: ((d - w).norm() / w.norm()).item()
+            rows.append(f"| {p} | {gs:g} | {ws2:.6g} | {gs * ws2:.5f} | {ct[p + '.input_global_scale'].item():g} "
+                        f"| {mo[p + '.input_scale'].item():.6g} | {rel(dq_ct):.4f} | {rel(dq_mo):.4f} "
+                        f"| {(a != b).sum().item()}/{a.numel()} |")
+    return "\n".join(rows) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=FIXTURES)
     ap.add_argument("--summary-only", action="store_true")
+    ap.add_argument(
+        "--modelopt-python",
+        default=sys.executable,
+        help="interpreter of a venv with nvidia-modelopt (modelopt 0.47 wants transformers<5.15, "
+        "llmcompressor 0.14 wants transformers>=5.15, so they need two venvs)",
+    )
     args = ap.parse_args()
     if args.only:
         globals()["make_" + args.only](args.only)
@@ -237,13 +294,16 @@ def main():
     if not args.summary_only:
         for name in FIXTURES:
             print(f"=== {name}", flush=True)
-            r = subprocess.run([sys.executable, __file__, "--only", name], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+            py = args.modelopt_python if name.startswith("modelopt") else sys.executable
+            r = subprocess.run([py, __file__, "--only", name], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
             status[name] = r.returncode
             print(f"=== {name}: rc={r.returncode}", flush=True)
     parts = []
     for name in FIXTURES:
         if (OUT / name / "config.json").exists():
             parts.append(summarize(name))
+    check = crosscheck()
+    parts.append("## Cross-check: dequantized ct_nvfp4 / modelopt_nvfp4 vs base_bf16\n\n" + check)
     (OUT / "summary.md").write_text("# Producer fixtures: full tensor listing\n\n" + "\n".join(parts))
     print("\n".join(parts))
     if status:
