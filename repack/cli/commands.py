@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -176,7 +177,64 @@ def targets(as_json: JsonOpt = False) -> None:
     stdout.print(table)
 
 
+class DeviceChoice(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+def verify(
+    bundle: Annotated[Path, typer.Argument(help="The bundle folder to check.")],
+    source: Annotated[
+        Optional[Path], typer.Option(help="Source checkpoint [default: the path recorded in the manifest, if present].")
+    ] = None,
+    device: Annotated[DeviceChoice, typer.Option(help="Where the runtime GEMM runs.")] = DeviceChoice.cpu,
+    json_report: Annotated[Optional[Path], typer.Option("--json", help="Also write a JSON report to this file.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for the random activations [default: fresh].")] = None,
+) -> int:
+    """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
+
+    Exits 0 only when every check passes.
+
+    Examples:
+      nvfp4-repack verify sample-sm100
+      nvfp4-repack verify llama-sm90 --source ./Llama-3.1-8B-NVFP4 --device cuda --json report.json
+    """
+    from ..bundle.reader import open_bundle
+    from ..verify import verify_bundle
+
+    opened = open_bundle(bundle)
+    total = len(opened.manifest.layers) + len(opened.manifest.passthrough)
+    with Progress(TextColumn("[bold]verifying"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.description}"), console=stderr, transient=True) as progress:
+        task = progress.add_task("", total=total)
+        report = verify_bundle(
+            opened, source=source, device=device.value, seed=seed,
+            progress=lambda name: progress.update(task, advance=1, description=name[-48:]),
+        )
+    table = Table(title=f"{bundle} ({report.target}, {report.backend} backend on {report.device}; "
+                        f"source: {report.source or 'not available, numerics use the bundle decode'})")
+    for column in ("layer", "status", "max rel. error", "errors"):
+        table.add_column(column)
+    for check in report.layers:
+        error = f"{check.max_rel_error:.2e}" if check.max_rel_error is not None else "-"
+        style = "green" if check.status == "ok" else "red"
+        table.add_row(check.name, f"[{style}]{check.status}[/]", error, "; ".join(check.errors))
+    stdout.print(table)
+    for check in report.files + report.passthrough:
+        if check.status == "fail":
+            stdout.print(f"[red]FAIL[/] {'; '.join(check.errors)}")
+    if json_report is not None:
+        json_report.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if report.passed:
+        stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors, "
+                     f"{len(report.files)} files; relative error <= {report.tolerance:g}")
+        return 0
+    stdout.print(f"[red]FAIL[/]: {len(report.failures)} problem(s); first: {report.failures[0].errors[0]}")
+    return 1
+
+
 def register(app: typer.Typer) -> None:
     app.command()(convert)
     app.command()(inspect)
     app.command()(targets)
+    app.command()(verify)

@@ -114,13 +114,12 @@ def _check_no_overlap(file: Path, entries: dict[str, TensorEntry]) -> None:
 
 
 def read_tensor(entry: TensorEntry) -> torch.Tensor:
-    """Read one tensor (a fresh, writable CPU tensor)."""
+    """Read one tensor into a fresh, writable CPU tensor (allocator-aligned, as kernels expect)."""
+    flat = torch.empty(entry.nbytes, dtype=torch.uint8)
     with open(entry.file, "rb") as handle:
         handle.seek(entry.begin)
-        data = bytearray(entry.nbytes)
-        if handle.readinto(data) != entry.nbytes:
+        if entry.nbytes and handle.readinto(flat.numpy()) != entry.nbytes:
             raise RepackError(f"{entry.file.name}: tensor {entry.name!r} is truncated")
-    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return flat.view(entry.dtype).reshape(entry.shape)
 
 

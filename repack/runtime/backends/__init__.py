@@ -1,0 +1,51 @@
+"""GEMM backends. Each is ``linear(x, weight, weight_scale, weight_global_scale, n, k, target) -> y``:
+x bf16 ``[M, K]`` (logical K), the target's runtime tensors, output bf16 ``[M, N]`` (logical N).
+
+Which backend runs where is read from the target registry's capability table
+(``Target.backend`` on the target's own GPUs; ``reference`` on CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ...errors import RepackError
+from ...targets import Target
+
+Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, str], torch.Tensor]
+
+
+def get_backend(name: str) -> Linear:
+    """The backend's ``linear``; imported lazily so CPU-only installs never import GPU libraries."""
+    if name == "reference":
+        from .reference import linear
+    elif name == "flashinfer":
+        from .flashinfer import linear
+    elif name == "triton":
+        from .triton_sm90 import linear as triton_linear
+
+        def linear(x, weight, weight_scale, weight_global_scale, n, k, target):  # noqa: ARG001
+            return triton_linear(x, weight, weight_scale, weight_global_scale, n, k)
+    else:
+        raise RepackError(f"unknown backend {name!r}; known: reference, flashinfer, triton")
+    return linear
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def choose_backend(target: Target, device: torch.device) -> str:
+    """``reference`` on CPU; the target's own backend on its GPUs; an error on any other GPU."""
+    capability = device_capability(device)
+    if capability is None:
+        return "reference"
+    if capability not in target.compute_capabilities:
+        have = f"sm{capability[0]}{capability[1]}"
+        raise RepackError(
+            f"this bundle is for {target.name} ({', '.join(f'sm{a}{b}' for a, b in target.compute_capabilities)}) "
+            f"but the device is {have}; convert the source with --target {have}, or use --device cpu"
+        )
+    return target.backend

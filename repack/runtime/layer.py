@@ -1,0 +1,92 @@
+"""Bundle-backed modules: ``PackedLinear``, ``load_bundle`` and ``patch_model``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..bundle.reader import Bundle, open_bundle
+from ..errors import RepackError
+from ..targets import RuntimeLayer
+from .backends import choose_backend
+from .op import nvfp4_linear
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is held in a target's runtime layout; forward runs ``nvfp4_linear``."""
+
+    def __init__(self, runtime: RuntimeLayer, n: int, k: int, target: str, backend: str,
+                 device: torch.device, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.n, self.k = n, k
+        self.in_features, self.out_features = k, n
+        self.target, self.backend = target, backend
+        self.weights_padding_cols = runtime.weights_padding_cols
+        for name, tensor in runtime.tensors().items():
+            self.register_buffer(name, tensor.to(device))
+        self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nvfp4_linear(x, self, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.k}, out_features={self.n}, target={self.target}, backend={self.backend}"
+
+
+@dataclass
+class LoadedBundle:
+    """A bundle opened for a device, with its backend chosen."""
+
+    bundle: Bundle
+    device: torch.device
+    backend: str
+
+    def layer(self, prefix: str, bias: torch.Tensor | None = None, runtime: RuntimeLayer | None = None) -> PackedLinear:
+        """``prefix`` as a module on this device (``runtime``: its tensors, if already read)."""
+        record = self.bundle.layer(prefix)
+        runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
+        return PackedLinear(runtime, record.n, record.k, self.bundle.target.name, self.backend, self.device, bias)
+
+
+def load_bundle(path: str | Path | Bundle, device: str | torch.device = "cpu", backend: str | None = None) -> LoadedBundle:
+    """Open a bundle for ``device``; errors if its target cannot run there (CPU always can, via ``reference``)."""
+    bundle = path if isinstance(path, Bundle) else open_bundle(path)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RepackError("--device cuda requested but CUDA is not available on this machine")
+    chosen = choose_backend(bundle.target, device)
+    return LoadedBundle(bundle, device, backend or chosen)
+
+
+def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, device: str | torch.device = "cpu") -> list[str]:
+    """Swap ``model``'s quantized ``nn.Linear`` modules for ``PackedLinear`` and load the passthrough tensors.
+
+    Returns the names of bundle tensors the model has no place for (e.g. W4A4 activation scales, which
+    weight-only serving does not use).
+    """
+    loaded = bundle if isinstance(bundle, LoadedBundle) else load_bundle(bundle, device)
+    manifest = loaded.bundle.manifest
+    for prefix, record in manifest.layers.items():
+        parent_name, _, child = prefix.rpartition(".")
+        try:
+            old = model.get_submodule(prefix)
+        except AttributeError:
+            raise RepackError(f"model has no module {prefix!r} for the bundle's layer") from None
+        if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (record.n, record.k):
+            raise RepackError(f"{prefix}: model module {old} does not match bundle layer [N={record.n}, K={record.k}]")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, loaded.layer(prefix, old.bias))
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    unused = []
+    with torch.no_grad():
+        for name in manifest.passthrough:
+            if name not in state:
+                unused.append(name)
+                continue
+            value = loaded.bundle.read(name)
+            if state[name].shape != value.shape:
+                raise RepackError(f"{name}: bundle shape {list(value.shape)} != model shape {list(state[name].shape)}")
+            state[name].copy_(value)
+    return unused
