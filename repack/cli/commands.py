@@ -213,23 +213,23 @@ def verify(
         )
     table = Table(title=f"{bundle} ({report.target}, {report.backend} backend on {report.device}; "
                         f"source: {report.source or 'not available, numerics use the bundle decode'})")
-    for column in ("layer", "status", "max rel. error", "errors"):
+    for column in ("layer", "status", "max rel. error", "problems"):
         table.add_column(column)
     for check in report.layers:
         error = f"{check.max_rel_error:.2e}" if check.max_rel_error is not None else "-"
         style = "green" if check.status == "ok" else "red"
-        table.add_row(check.name, f"[{style}]{check.status}[/]", error, "; ".join(check.errors))
+        table.add_row(check.name, f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
     stdout.print(table)
-    for check in report.files + report.passthrough:
-        if check.status == "fail":
-            stdout.print(f"[red]FAIL[/] {'; '.join(check.errors)}")
+    for check in report.failures:
+        for message in check.errors:
+            stdout.print(f"[red]FAIL[/] {message}", soft_wrap=True, highlight=False)
     if json_report is not None:
         json_report.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if report.passed:
         stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors, "
                      f"{len(report.files)} files; relative error <= {report.tolerance:g}")
         return 0
-    stdout.print(f"[red]FAIL[/]: {len(report.failures)} problem(s); first: {report.failures[0].errors[0]}")
+    stdout.print(f"[red]FAIL[/]: {len(report.failures)} check(s) failed", soft_wrap=True)
     return 1
 
 
