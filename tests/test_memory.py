@@ -1,0 +1,24 @@
+"""Converting never holds the whole model: peak RSS grows by a few layers, not by the checkpoint's size."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_convert.py"
+spec = importlib.util.spec_from_file_location("bench_convert", SCRIPT)
+bench_convert = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_convert)
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+def test_peak_rss_is_bounded_by_a_few_layers(tmp_path, target):
+    model = tmp_path / "model"
+    layer_bytes = bench_convert.make_model(model, gigabytes=0.25, n=1024, k=14336)  # ~30 layers of 8 MB
+    checkpoint_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    result = bench_convert.measure(model, target, tmp_path / "out")
+    growth = (result["peak_kb"] - result["baseline_kb"]) * 1024
+    assert checkpoint_bytes > 25 * layer_bytes
+    assert growth < 10 * layer_bytes, f"peak RSS grew {growth / 1e6:.0f} MB for {checkpoint_bytes / 1e6:.0f} MB"
