@@ -10,15 +10,14 @@ from typing import Callable, Iterable
 
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord
-from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, plan_bundle
+from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.writer import check_destination, staged_folder, write_json, write_shard
 from .formats import QuantizedLayer, SourceModel, read_source
-from .formats.checkpoint import contained_file
+from .formats.checkpoint import BUNDLE_CONFIG_KEY, contained_file
 from .formats.safetensors_io import DTYPE_NAMES, file_sha256, iter_raw_chunks, tensor_bytes
 from .targets import RuntimeLayer, Target, resolve_target
 from .targets.layout import PaddedShape
 
-BUNDLE_CONFIG_KEY = "nvfp4_repack"
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 
 
@@ -44,6 +43,7 @@ class _LayerCache:
 
     def get(self, layer: QuantizedLayer) -> RuntimeLayer:
         if self.prefix != layer.prefix:
+            self.runtime = None  # free the previous layer before building the next
             self.runtime = self.target.to_runtime(self.source.load_layer(layer))
             self.prefix = layer.prefix
             self.global_scales[layer.prefix] = float(self.runtime.weight_global_scale)
@@ -129,6 +129,7 @@ def convert(
     """Convert ``model`` into a bundle for ``target_name`` at ``out``; all-or-nothing."""
     started = time.perf_counter()
     target = resolve_target(target_name)
+    parse_size(max_shard_size)  # a bad --max-shard-size fails before any work
     out = Path(out)
     source = read_source(model)
     check_destination(out, overwrite, protected=[source.checkpoint.root])
