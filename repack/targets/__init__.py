@@ -7,10 +7,10 @@ tests' skips all read it.
 from __future__ import annotations
 
 from ..errors import RepackError
-from . import sm100, sm120
+from . import sm90, sm100, sm120
 from .base import RuntimeLayer, Target, TensorSpec
 
-TARGETS: tuple[Target, ...] = (sm100.TARGET, sm120.TARGET)
+TARGETS: tuple[Target, ...] = (sm100.TARGET, sm120.TARGET, sm90.TARGET)
 
 
 def resolve_target(name: str) -> Target:

@@ -1,0 +1,199 @@
+"""sm90 (Hopper: H100, H200): the layout read by this project's Triton W4A16 kernel.
+
+No serving library ships an NVFP4 weight-only kernel for Hopper, so the layout is our own, made for
+``repack/runtime/backends/triton_sm90.py``. The kernel computes ``y^T = W x^T`` on the tensor cores
+with the weights as the wgmma A operand taken straight from registers, so the layout puts, for every
+thread, the 8 values it feeds to one 16x16 A tile into one 32-bit word, and the 4 words of 4
+consecutive tiles next to each other: one 16-byte load per thread per 64 K-elements, 512 contiguous
+bytes per warp, no shared-memory shuffle.
+
+Shapes: ``Np = round_up(N, 128)``, ``Kp = round_up(K, 256)``; padding is zero codes and zero scales,
+so padded weights are exactly 0. The kernel masks K on the activations, hence
+``weights_padding_cols = 0`` (activations are never padded).
+
+weight: int32 ``[Np/16, 2*Kp]``. Row ``s`` is the 16-row stripe ``16s .. 16s+15``; along it, chunk
+``c`` (64 K-elements) holds 128 words at ``[s, 128c + 4l + j]`` for lane ``l = 4g + t`` (g < 8,
+t < 4) and tile ``j`` < 4. Word element ``e = p + 2h + 4q`` (p, h, q in {0, 1}) is the weight at
+row ``16s + g + 8h``, column ``64c + 16j + 8q + 2t + p`` (the mma.m16n8k16 / wgmma A fragment).
+Each element's E2M1 code is stored as 3 magnitude bits at ``MAG_SHIFT[e] .. +2`` (in code order) and
+its sign at bit ``SIGN_SHIFT[e]``, chosen so that the kernel builds the bf16x2 pair of elements
+``(2i, 2i+1)`` with one rotate and one or two masks (``DECODE_ROTATIONS``): that pair, read as bf16
+bits, is ``e2m1 * 2**-126`` (E2M1 zero and subnormal land on bf16 zero and subnormals).
+
+weight_scale: float8_e4m3fn ``[Np/16, Kp]``, unchanged e4m3 bytes: for stripe ``s`` and chunk ``c``,
+64 bytes at ``[s, 64c + 8g + 2j + h]`` hold the block scale of row ``16s + g + 8h``, block ``4c + j``;
+a thread reads its 8 bytes at once and converts the ``(h=0, h=1)`` byte pairs with one
+``cvt.f16x2.e4m3x2``.
+
+weight_global_scale: the float32 ``[1]`` multiplier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from .base import RuntimeLayer, Target, TensorSpec
+from .layout import round_up
+
+ROW_ALIGN = 128  # the kernel's largest N tile: no masks on weight loads
+K_ALIGN = 256  # the kernel's largest K step
+STRIPE = 16  # rows of one A tile
+CHUNK = 64  # K-elements of one 16-byte word group (4 tiles of 16)
+
+# Element e of a word: lowest of its 3 magnitude bits, and its sign bit.
+MAG_SHIFT = (6, 22, 3, 19, 0, 16, 26, 10)
+SIGN_SHIFT = (15, 31, 14, 30, 9, 25, 13, 29)
+# bf16x2 pair i = (element 2i, element 2i+1): (rotate-left for the magnitudes, rotate-left for the signs).
+# Pair bits: magnitudes at 6..8 / 22..24 (bf16 mantissa top bit, exponent low bits), signs at 15 / 31.
+DECODE_ROTATIONS = ((0, 0), (3, 1), (6, 6), (12, 2))
+PAIR_MAG_MASK = 0x01C001C0
+PAIR_SIGN_MASK = 0x80008000
+DECODE_BIAS_LOG2 = -126  # a decoded pair is e2m1 * 2**DECODE_BIAS_LOG2
+
+
+def padded_shape(n: int, k: int) -> tuple[int, int]:
+    """``(Np, Kp)``: N rounded up to 128, K to 256."""
+    return round_up(n, ROW_ALIGN), round_up(k, K_ALIGN)
+
+
+def _element_view(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles ``[Np, Kp]`` -> ``[Np/16, Kp/64, g, t, j, q, h, p]`` -> word order ``[s, c, g, t, j, q, h, p]``.
+
+    Row = ``16s + 8h + g``, column = ``64c + 16j + 8q + 2t + p``.
+    """
+    np_, kp = nibbles.shape
+    view = nibbles.view(np_ // STRIPE, 2, 8, kp // CHUNK, 4, 2, 4, 2)  # s, h, g, c, j, q, t, p
+    return view.permute(0, 3, 2, 6, 4, 5, 1, 7)
+
+
+def _element_unview(words_order: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
+    """Inverse of :func:`_element_view`: ``[s, c, g, t, j, q, h, p]`` -> ``[Np, Kp]``."""
+    return words_order.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(np_, kp)
+
+
+def pack_words(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles ``[Np, Kp]`` -> int32 words ``[Np/16, 2*Kp]`` (bit placement per element, see module doc)."""
+    np_, kp = nibbles.shape
+    elems = _element_view(nibbles).reshape(-1, 8)  # one row per word, e = p + 2h + 4q
+    word = torch.zeros(elems.shape[0], dtype=torch.int32, device=nibbles.device)
+    for e in range(8):  # eight disjoint bit fields, each a vectorized op over all words
+        code = elems[:, e].to(torch.int32)
+        word |= ((code & 7) << MAG_SHIFT[e]) | ((code >> 3) << SIGN_SHIFT[e])
+    return word.view(np_ // STRIPE, 2 * kp)
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of :func:`pack_words`: int32 ``[Np/16, 2*Kp]`` -> uint8 nibbles ``[Np, Kp]``."""
+    stripes, kp2 = words.shape
+    np_, kp = stripes * STRIPE, kp2 // 2
+    word = words.reshape(-1)
+    fields = [((word >> MAG_SHIFT[e]) & 7) | (((word >> SIGN_SHIFT[e]) & 1) << 3) for e in range(8)]
+    elems = torch.stack(fields, dim=1).to(torch.uint8)
+    return _element_unview(elems.view(stripes, kp // CHUNK, 8, 4, 4, 2, 2, 2), np_, kp)
+
+
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn ``[Np, Kp/16]`` -> ``[Np/16, Kp]``: per stripe and chunk, bytes in ``(g, j, h)`` order."""
+    np_, kb = scales.shape
+    view = scales.view(torch.uint8).view(np_ // STRIPE, 2, 8, kb // 4, 4)  # s, h, g, c, j
+    return view.permute(0, 3, 2, 4, 1).reshape(np_ // STRIPE, kb * BLOCK_SIZE).view(scales.dtype)
+
+
+def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of :func:`pack_scales`."""
+    stripes, kp = packed.shape
+    view = packed.contiguous().view(torch.uint8).view(stripes, kp // CHUNK, 8, 4, 2)  # s, c, g, j, h
+    return view.permute(0, 4, 2, 1, 3).reshape(stripes * STRIPE, kp // BLOCK_SIZE).view(packed.dtype)
+
+
+def _unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    return torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
+
+
+def _pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    pairs = nibbles.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
+    np_, kp = padded_shape(weight.n, weight.k)
+    nibbles = _pad(_unpack_nibbles(weight.codes), np_, kp)
+    scales = _pad(weight.block_scales.view(torch.uint8), np_, kp // BLOCK_SIZE).view(torch.float8_e4m3fn)
+    return RuntimeLayer(
+        weight=pack_words(nibbles),
+        weight_scale=pack_scales(scales),
+        weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
+        weights_padding_cols=0,
+    )
+
+
+def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
+    nibbles = unpack_words(layer.weight)
+    scales = unpack_scales(layer.weight_scale)
+    return NVFP4Weight(
+        codes=_pack_nibbles(nibbles[:n, :k]).contiguous(),
+        block_scales=scales[:n, : k // BLOCK_SIZE].contiguous(),
+        multiplier=layer.weight_global_scale.reshape(1).clone(),
+    )
+
+
+def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
+    np_, kp = padded_shape(n, k)
+    return {
+        "weight": TensorSpec(torch.int32, (np_ // STRIPE, 2 * kp)),
+        "weight_scale": TensorSpec(torch.float8_e4m3fn, (np_ // STRIPE, kp)),
+        "weight_global_scale": TensorSpec(torch.float32, (1,)),
+    }
+
+
+def _rotl(word: torch.Tensor, r: int) -> torch.Tensor:
+    """Rotate uint32 values held in int64 left by ``r``."""
+    return ((word << r) | (word >> (32 - r))) & 0xFFFFFFFF if r else word
+
+
+def decode_pairs(words: torch.Tensor) -> torch.Tensor:
+    """The kernel's bit decode: int32 words ``[...]`` -> int64 bf16x2 patterns ``[..., 4]`` (pair i = elements 2i, 2i+1)."""
+    word = words.to(torch.int64) & 0xFFFFFFFF
+    pairs = [
+        (_rotl(word, rm) & PAIR_MAG_MASK) | (_rotl(word, rs) & PAIR_SIGN_MASK) for rm, rs in DECODE_ROTATIONS
+    ]
+    return torch.stack(pairs, dim=-1)
+
+
+def dequantize_runtime(layer: RuntimeLayer, n: int, k: int) -> torch.Tensor:
+    """float64 ``[n, k]`` weights decoded from the runtime tensors the way the kernel does.
+
+    Uses the kernel's rotate-and-mask decode (bf16 bit patterns scaled by ``2**-126``), not the inverse
+    layout transform, so it checks the bit placement against the kernel's arithmetic.
+    """
+    pairs = decode_pairs(layer.weight)  # [Np/16, 2Kp, 4]
+    halves = torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).flatten(-2)  # [.., 8], e = 2i + half
+    raw = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64)
+    values = raw * 2.0**-DECODE_BIAS_LOG2
+    stripes, kp2 = layer.weight.shape
+    np_, kp = stripes * STRIPE, kp2 // 2
+    dense = _element_unview(values.view(stripes, kp // CHUNK, 8, 4, 4, 2, 2, 2), np_, kp)
+    scales = unpack_scales(layer.weight_scale).to(torch.float64).repeat_interleave(BLOCK_SIZE, dim=1)
+    mult = layer.weight_global_scale.to(torch.float64).reshape(())
+    return (dense * scales * mult)[:n, :k]
+
+
+TARGET = Target(
+    name="sm90",
+    aliases=("sm90a",),
+    layout_id="sm90-triton-v1",
+    compute_capabilities=((9, 0),),
+    backend="triton",
+    description="Hopper (H100, H200): this project's Triton W4A16 kernel, wgmma A-fragment words, 128x256 padding",
+    flashinfer_versions=(),
+    to_runtime=to_runtime,
+    from_runtime=from_runtime,
+    runtime_specs=runtime_specs,
+)

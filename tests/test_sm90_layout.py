@@ -1,0 +1,73 @@
+"""sm90 layout (CPU): exact round trip, declared specs, and the kernel's decode against the reference dequant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.targets import TARGETS, resolve_target, sm90, target_for_capability
+
+# (N, K): multiples of 16 but not of 64, N = 16, unaligned to the 128 x 256 padding, and large layers.
+SHAPES = [(16, 16), (16, 4096), (48, 80), (208, 1040), (1040, 272), (4096, 4096), (14336, 4096), (4096, 14336)]
+
+
+def random_weight(n: int, k: int, seed: int) -> NVFP4Weight:
+    """All 256 code bytes, non-negative non-NaN e4m3 scales (zero and subnormals included), random multiplier."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    multiplier = (torch.rand(1, generator=gen) * 4 + 1e-3).to(torch.float32)
+    return NVFP4Weight(codes, scales, multiplier)
+
+
+def assert_same_weight(got: NVFP4Weight, want: NVFP4Weight) -> None:
+    assert torch.equal(got.codes, want.codes)
+    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+    assert torch.equal(got.multiplier.view(torch.int32), want.multiplier.view(torch.int32))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_round_trip_is_exact(n: int, k: int) -> None:
+    weight = random_weight(n, k, seed=n * 7919 + k)
+    layer = sm90.to_runtime(weight)
+    assert layer.weights_padding_cols == 0
+    assert_same_weight(sm90.from_runtime(layer, n, k), weight)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_runtime_tensors_match_specs(n: int, k: int) -> None:
+    layer = sm90.to_runtime(random_weight(n, k, seed=k))
+    specs = sm90.runtime_specs(n, k)
+    for name, tensor in layer.tensors().items():
+        assert tensor.dtype == specs[name].dtype, name
+        assert tuple(tensor.shape) == specs[name].shape, name
+        assert tensor.is_contiguous(), name
+        assert tensor.numel() * tensor.element_size() == specs[name].nbytes, name
+
+
+@pytest.mark.parametrize("n,k", SHAPES[:6])
+def test_kernel_decode_equals_reference_dequant(n: int, k: int) -> None:
+    """The kernel's rotate-and-mask decode of the runtime words, in float64, equals ``dequantize``."""
+    weight = random_weight(n, k, seed=3 * n + k)
+    layer = sm90.to_runtime(weight)
+    assert torch.equal(sm90.dequantize_runtime(layer, n, k), dequantize(weight))
+
+
+def test_padding_decodes_to_zero() -> None:
+    n, k = 208, 1040
+    layer = sm90.to_runtime(random_weight(n, k, seed=5))
+    np_, kp = sm90.padded_shape(n, k)
+    full = sm90.dequantize_runtime(layer, np_, kp)
+    assert not full[n:].any() and not full[:, k:].any()
+
+
+def test_word_bit_fields_are_disjoint_and_complete() -> None:
+    fields = [sm90.SIGN_SHIFT[e] for e in range(8)] + [sm90.MAG_SHIFT[e] + b for e in range(8) for b in range(3)]
+    assert sorted(fields) == list(range(32))
+
+
+def test_registered_and_resolvable() -> None:
+    assert sm90.TARGET in TARGETS
+    assert resolve_target("SM90a") is sm90.TARGET
+    assert target_for_capability(9, 0) is sm90.TARGET
