@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import BUNDLE_FORMAT_VERSION
 from ..errors import RepackError
+from ..formats.safetensors_io import DTYPES
 
 MANIFEST_NAME = "manifest.json"
 BUNDLE_KIND = "nvfp4-repack-bundle"
+MAX_MANIFEST_BYTES = 256 << 20  # a manifest lists names and hashes: far smaller for any real model
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -88,30 +92,66 @@ def _int(obj: Any, key: str, where: str) -> int:
     return value
 
 
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plain_file_name(name: str) -> bool:
+    """A file directly inside the bundle folder: no separators, no parent references, no NUL."""
+    return name not in ("", ".", "..") and not any(c in name for c in "/\\\x00")
+
+
+def _sha256(value: str, where: str) -> str:
+    if not SHA256_HEX.fullmatch(value):
+        raise _fail(f"{where} must be 64 lowercase hex digits, got {_short(value)}")
+    return value
+
+
 def _str_map(obj: Any, where: str) -> dict[str, str]:
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in obj.items()):
         raise _fail(f"{where} must map names to strings")
     return dict(obj)
 
 
+def _file_hashes(obj: Any, where: str) -> dict[str, str]:
+    """``{file name: sha256}`` where every name is a plain file name inside the bundle."""
+    files = _str_map(obj, where)
+    for name, digest in files.items():
+        if not _plain_file_name(name):
+            raise _fail(f"{where}: {_short(name)} is not a plain file name")
+        _sha256(digest, f"sha256 of {where}[{_short(name)}]")
+    return files
+
+
 def _tensor(obj: Any, where: str) -> TensorRecord:
     shape = _get(obj, "shape", list, where)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise _fail(f"shape of {where} must be non-negative integers")
+    file = _get(obj, "file", str, where)
+    if not _plain_file_name(file):
+        raise _fail(f"file of {where} must be a plain file name in the bundle, got {_short(file)}")
+    dtype = _get(obj, "dtype", str, where)
+    if dtype not in DTYPES:
+        raise _fail(f"dtype of {where} is not a safetensors dtype: {_short(dtype)}")
     return TensorRecord(
-        file=_get(obj, "file", str, where),
-        dtype=_get(obj, "dtype", str, where),
+        file=file,
+        dtype=dtype,
         shape=list(shape),
-        sha256=_get(obj, "sha256", str, where),
+        sha256=_sha256(_get(obj, "sha256", str, where), f"sha256 of {where}"),
     )
 
 
 def _layer(obj: Any, where: str) -> LayerRecord:
     padded = _get(obj, "padded_shape", list, where)
-    if len(padded) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) for d in padded):
-        raise _fail(f"padded_shape of {where} must be two integers")
+    if len(padded) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in padded):
+        raise _fail(f"padded_shape of {where} must be two non-negative integers")
     scale = _get(obj, "global_scale", (int, float), where)
-    if isinstance(scale, bool) or not math.isfinite(scale):
+    try:
+        scale = float(scale)  # a huge JSON integer overflows here rather than in math.isfinite
+    except OverflowError:
+        scale = math.inf
+    if not math.isfinite(scale):
         raise _fail(f"global_scale of {where} must be a finite number")
     tensors = _get(obj, "tensors", dict, where)
     return LayerRecord(
@@ -119,7 +159,7 @@ def _layer(obj: Any, where: str) -> LayerRecord:
         k=_int(obj, "k", where),
         padded_shape=list(padded),
         weights_padding_cols=_int(obj, "weights_padding_cols", where),
-        global_scale=float(scale),
+        global_scale=scale,
         tensors={part: _tensor(rec, f"{where}.{part}") for part, rec in tensors.items()},
     )
 
@@ -134,12 +174,15 @@ def parse_manifest(data: Any) -> Manifest:
     if version != BUNDLE_FORMAT_VERSION:
         raise _fail(f"bundle format version {version} is not supported (this tool reads {BUNDLE_FORMAT_VERSION})")
     source = _get(data, "source", dict, "manifest")
-    return Manifest(
+    versions = _get(data, "flashinfer_versions", list, "manifest")
+    if not all(isinstance(v, str) for v in versions):
+        raise _fail("flashinfer_versions must be a list of strings")
+    manifest = Manifest(
         bundle_format_version=version,
         tool_version=_get(data, "tool_version", str, "manifest"),
         target=_get(data, "target", str, "manifest"),
         layout_id=_get(data, "layout_id", str, "manifest"),
-        flashinfer_versions=[str(v) for v in _get(data, "flashinfer_versions", list, "manifest")],
+        flashinfer_versions=list(versions),
         source=SourceRecord(
             path=_get(source, "path", str, "source"),
             format=_get(source, "format", str, "source"),
@@ -148,8 +191,18 @@ def parse_manifest(data: Any) -> Manifest:
         ),
         layers={p: _layer(rec, p) for p, rec in _get(data, "layers", dict, "manifest").items()},
         passthrough={n: _tensor(rec, n) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
-        files=_str_map(_get(data, "files", dict, "manifest"), "files"),
+        files=_file_hashes(_get(data, "files", dict, "manifest"), "files"),
     )
+    seen: set[str] = set()
+    for prefix, layer in manifest.layers.items():
+        for name in [f"{prefix}.{part}" for part in layer.tensors]:
+            if name in seen:
+                raise _fail(f"tensor {_short(name)} is listed twice")
+            seen.add(name)
+    for name in manifest.passthrough:
+        if name in seen:
+            raise _fail(f"tensor {_short(name)} is listed twice")
+    return manifest
 
 
 def read_manifest(bundle_dir: Path) -> Manifest:
@@ -157,7 +210,11 @@ def read_manifest(bundle_dir: Path) -> Manifest:
     if not path.is_file():
         raise RepackError(f"{bundle_dir}: no {MANIFEST_NAME} (not an nvfp4-repack bundle)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise _fail(f"larger than {MAX_MANIFEST_BYTES} bytes; not a manifest this tool wrote")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also huge int literals
         raise _fail(f"invalid JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     return parse_manifest(data)

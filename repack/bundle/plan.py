@@ -6,6 +6,7 @@ and the streaming writer knows each shard's header up front.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -60,6 +61,26 @@ def _layer_outputs(layer: QuantizedLayer, target: Target) -> list[PlannedTensor]
     ]
 
 
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB``, ``500MB``, ``1.5GB`` or a byte count, as a positive number of bytes; RepackError otherwise."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        text = str(size).strip().upper()
+        unit = next((u for u in SIZE_UNITS if text.endswith(u)), "")
+        try:
+            number = float(text[: len(text) - len(unit)].strip())
+        except ValueError:
+            number = math.nan
+        value = int(number * SIZE_UNITS.get(unit, 1)) if math.isfinite(number) else 0
+    if value <= 0:
+        raise RepackError(f"--max-shard-size {str(size)[:40]!r}: expected a positive size such as 5GB or 500MB")
+    return value
+
+
 def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str = "5GB") -> BundlePlan:
     """Assign every output tensor to a shard, keeping the source's tensor order (a layer's parts adjacent)."""
     outputs: dict[str, PlannedTensor] = {}
@@ -71,9 +92,10 @@ def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str =
         if name in outputs:
             raise RepackError(f"tensor {name!r} would collide with the converted layer {outputs[name].layer.prefix!r}")
         outputs[name] = PlannedTensor(name, entry.dtype_name, entry.shape, entry.nbytes, source_name=name)
+    max_bytes = parse_size(max_shard_size)
     ordered = dict(sorted(outputs.items()))
     split = split_state_dict_into_shards_factory(
-        ordered, get_storage_size=lambda t: t.nbytes, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size
+        ordered, get_storage_size=lambda t: t.nbytes, filename_pattern=SHARD_PATTERN, max_shard_size=max_bytes
     )
     shards = {file: [ordered[name] for name in names] for file, names in split.filename_to_tensors.items()}
     return BundlePlan(target=target, shards=shards)

@@ -15,6 +15,9 @@ import typer
 
 from ..errors import RepackError
 from . import commands
+from .commands import printable
+
+ERROR_LIMIT = 2000  # characters: an error is one line, whatever a hostile name holds
 
 DEBUG = os.environ.get("NVFP4_REPACK_DEBUG", "") not in ("", "0")
 
@@ -35,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         result = command.main(args=argv, prog_name="nvfp4-repack", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except RepackError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
+        print(f"Error: {printable(exc, ERROR_LIMIT)}", file=sys.stderr)
         return 1
     except typer.Exit as exc:
         return exc.exit_code
@@ -49,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         # A bug: still one line unless debugging.
         if DEBUG:
             traceback.print_exc()
-        print(f"Error: internal error: {type(exc).__name__}: {exc} (set NVFP4_REPACK_DEBUG=1 for a traceback)",
-              file=sys.stderr)
+        print(f"Error: internal error: {type(exc).__name__}: {printable(exc, ERROR_LIMIT)} "
+              "(set NVFP4_REPACK_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
 
 

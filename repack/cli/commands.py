@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -22,6 +23,18 @@ stderr = Console(stderr=True)
 
 TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target GPU family: see `nvfp4-repack targets`.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+
+
+def printable(text: object, limit: int | None = None) -> str:
+    """``text`` with control characters escaped (names from a hostile checkpoint may hold newlines or
+    terminal escapes), optionally cut to ``limit`` characters."""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+    return out if limit is None or len(out) <= limit else out[: limit - 3] + "..."
+
+
+def show(text: object) -> str:
+    """``text`` safe to embed in rich markup: printable, and brackets that look like tags escaped."""
+    return escape(printable(text))
 
 
 def _human(nbytes: float) -> str:
@@ -59,25 +72,28 @@ def convert(
     destination = out or Path(f"{source.resolve().name}-{target.lower()}")
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=stderr, transient=True, disable=as_json,
+        TimeRemainingColumn(), console=stderr, transient=True, disable=as_json or not stderr.is_terminal,
     )
     task = progress.add_task("converting", total=None)
+    started = []
 
     def start_bar(src: object, plan: BundlePlan) -> None:
         progress.update(task, total=plan.total_bytes)
         progress.start()
+        started.append(True)
 
     try:
         summary = run_convert(
             source, target, destination, overwrite=overwrite, max_shard_size=max_shard_size, on_plan=start_bar,
-            progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=what[-48:]),
+            progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
-        progress.stop()
+        if started:  # stopping a bar never started prints a stray blank line (rich 15)
+            progress.stop()
     if as_json:
         print(json.dumps({**asdict(summary), "out": str(summary.out)}, indent=2))
         return
-    table = Table(title=f"bundle for {summary.target} written to {summary.out}")
+    table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}")
     for column in ("quantized layers", "passthrough tensors", "bytes in", "bytes out", "time"):
         table.add_column(column, justify="right")
     table.add_row(str(summary.layers), str(summary.passthrough), _human(summary.bytes_in),
@@ -93,15 +109,17 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
     if as_json:
         print(manifest.to_json(), end="")
         return
-    stdout.print(f"[bold]bundle[/] {path}  target [bold]{manifest.target}[/] ({manifest.layout_id}), "
-                 f"format v{manifest.bundle_format_version}, tool {manifest.tool_version}")
-    stdout.print(f"source: {manifest.source.format} {manifest.source.quant_algo} from {manifest.source.path}")
-    stdout.print(f"FlashInfer versions checked: {', '.join(manifest.flashinfer_versions)}")
+    stdout.print(f"[bold]bundle[/] {show(path)}  target [bold]{show(manifest.target)}[/] "
+                 f"({show(manifest.layout_id)}), format v{manifest.bundle_format_version}, "
+                 f"tool {show(manifest.tool_version)}")
+    stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
+                 f"from {show(manifest.source.path)}")
+    stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
     table = Table(title=f"{len(manifest.layers)} quantized layers, {len(manifest.passthrough)} passthrough tensors")
     for column in ("layer", "N x K", "padded", "K pad (bytes)", "global scale"):
         table.add_column(column)
     for prefix, layer in manifest.layers.items():
-        table.add_row(prefix, f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
+        table.add_row(show(prefix), f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
                       str(layer.weights_padding_cols), f"{layer.global_scale:.6g}")
     stdout.print(table)
 
@@ -125,7 +143,7 @@ def _inspect_source(path: Path, as_json: bool) -> None:
     if as_json:
         print(json.dumps(info, indent=2))
         return
-    stdout.print(f"[bold]{source.format}[/] {source.quant_algo} checkpoint at {path}")
+    stdout.print(f"[bold]{show(source.format)}[/] {show(source.quant_algo)} checkpoint at {show(path)}")
     table = Table(title=f"{len(source.layers)} quantized layers, {len(source.passthrough)} passthrough tensors")
     for column in ("N (out)", "K (in)", "layers"):
         table.add_column(column, justify="right")
@@ -205,24 +223,25 @@ def verify(
     opened = open_bundle(bundle)
     total = len(opened.manifest.layers) + len(opened.manifest.passthrough)
     with Progress(TextColumn("[bold]verifying"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.description}"), console=stderr, transient=True) as progress:
+                  TextColumn("{task.description}"), console=stderr, transient=True,
+                  disable=not stderr.is_terminal) as progress:
         task = progress.add_task("", total=total)
         report = verify_bundle(
             opened, source=source, device=device.value, seed=seed,
-            progress=lambda name: progress.update(task, advance=1, description=name[-48:]),
+            progress=lambda name: progress.update(task, advance=1, description=show(name[-48:])),
         )
-    table = Table(title=f"{bundle} ({report.target}, {report.backend} backend on {report.device}; "
-                        f"source: {report.source or 'not available, numerics use the bundle decode'})")
+    table = Table(title=f"{show(bundle)} ({report.target}, {report.backend} backend on {report.device}; "
+                        f"source: {show(report.source or 'not available, numerics use the bundle decode')})")
     for column in ("layer", "status", "max rel. error", "problems"):
         table.add_column(column)
     for check in report.layers:
         error = f"{check.max_rel_error:.2e}" if check.max_rel_error is not None else "-"
         style = "green" if check.status == "ok" else "red"
-        table.add_row(check.name, f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
+        table.add_row(show(check.name), f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
     stdout.print(table)
     for check in report.failures:
         for message in check.errors:
-            stdout.print(f"[red]FAIL[/] {message}", soft_wrap=True, highlight=False)
+            stdout.print(f"[red]FAIL[/] {show(message)}", soft_wrap=True, highlight=False)
     if json_report is not None:
         json_report.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if report.passed:

@@ -18,6 +18,8 @@ from .safetensors_io import TensorEntry, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+BUNDLE_CONFIG_KEY = "nvfp4_repack"  # config.json key that marks a bundle (written by convert)
+BUNDLE_MANIFEST = "manifest.json"
 
 
 def load_json(path: Path) -> dict:
@@ -26,8 +28,9 @@ def load_json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RepackError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RepackError(f"{path.name}: invalid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also huge int literals
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise RepackError(f"{path.name}: invalid JSON ({reason})") from None
     if not isinstance(data, dict):
         raise RepackError(f"{path.name}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -89,16 +92,24 @@ class Checkpoint:
         )
 
 
-def _shard_names(root: Path) -> list[str]:
-    index_path = root / INDEX_NAME
-    if index_path.exists():
-        index = load_json(contained_file(root, INDEX_NAME))
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise RepackError(f"{INDEX_NAME}: missing or empty 'weight_map'")
-        names = sorted({str(v) for v in weight_map.values()})
+def _weight_map(root: Path) -> dict | None:
+    """The index's tensor -> shard map, or None for a folder without an index."""
+    if not (root / INDEX_NAME).exists() and not (root / INDEX_NAME).is_symlink():
+        return None
+    index = load_json(contained_file(root, INDEX_NAME))
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise RepackError(f"{INDEX_NAME}: missing or empty 'weight_map'")
+    return weight_map
+
+
+def _shard_names(root: Path, weight_map: dict | None) -> list[str]:
+    if weight_map is not None:
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise RepackError(f"{INDEX_NAME}: 'weight_map' must map tensor names to shard file names")
+        names = sorted(set(weight_map.values()))
         for name in names:
-            if "/" in name or "\\" in name or name in ("", ".", ".."):
+            if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", ".."):
                 raise RepackError(f"{INDEX_NAME}: shard name {name!r} is not a plain file name")
             if not (root / name).exists() and not (root / name).is_symlink():
                 raise RepackError(f"{INDEX_NAME}: names shard {name!r}, which is missing")
@@ -114,6 +125,23 @@ def _shard_names(root: Path) -> list[str]:
     return names
 
 
+def _refuse_bundle(root: Path, config: dict) -> None:
+    """A bundle's tensors are already in a runtime layout: reading them as a source would double-transform."""
+    marker = config.get(BUNDLE_CONFIG_KEY)
+    if marker is None and (root / BUNDLE_MANIFEST).is_file():
+        try:
+            with open(root / BUNDLE_MANIFEST, "rb") as handle:
+                marker = b'"nvfp4-repack-bundle"' in handle.read(64 << 20)
+        except OSError:
+            marker = None
+    if marker:
+        target = marker.get("target") if isinstance(marker, dict) else None
+        kind = f" for {target}" if isinstance(target, str) else ""
+        raise RepackError(
+            f"{root}: is an nvfp4-repack bundle{kind}, not a source checkpoint; convert or verify against its source"
+        )
+
+
 def open_checkpoint(model: str | Path) -> Checkpoint:
     """Open and validate a model folder: config.json, shard list, every shard's header."""
     root = resolve_model_dir(model)
@@ -121,7 +149,9 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     if not config_path.exists():
         raise RepackError(f"{root}: no config.json (not a Hugging Face model folder)")
     config = load_json(contained_file(root, "config.json"))
-    shard_files = _shard_names(root)
+    _refuse_bundle(root, config)
+    weight_map = _weight_map(root)
+    shard_files = _shard_names(root, weight_map)
     tensors: dict[str, TensorEntry] = {}
     for shard in shard_files:
         for name, entry in read_header(contained_file(root, shard)).items():
@@ -130,4 +160,10 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
             tensors[name] = entry
     if not tensors:
         raise RepackError(f"{root}: the weight files hold no tensors")
+    for name, shard in (weight_map or {}).items():
+        if name not in tensors:  # an incomplete download: converting would silently drop the tensor
+            raise RepackError(
+                f"{INDEX_NAME}: names tensor {name!r} in {str(shard)!r}, but no weight file holds it "
+                "(incomplete download?)"
+            )
     return Checkpoint(root=root, config=config, shard_files=shard_files, tensors=tensors)

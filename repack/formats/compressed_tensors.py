@@ -43,13 +43,18 @@ def _groups(qc: dict) -> list[dict]:
 def preset(qc: dict) -> str:
     """``NVFP4A16`` (weights only) or ``NVFP4`` (also activations), after checking the weight scheme."""
     groups = _groups(qc)
-    formats = {g.get("format", qc.get("format")) for g in groups}
-    if formats != {PACK_FORMAT}:
-        raise RepackError(f"config.json: compressed-tensors format {sorted(map(str, formats))} is not {PACK_FORMAT!r}")
+    formats = [g.get("format", qc.get("format")) for g in groups]  # any JSON value: compare, never hash
+    if any(f != PACK_FORMAT for f in formats):
+        shown = sorted({str(f)[:80] for f in formats})
+        raise RepackError(f"config.json: compressed-tensors format {shown} is not {PACK_FORMAT!r}")
     for group in groups:
         weights = group.get("weights") or {}
-        if (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != (4, "float", 16):
-            raise RepackError(f"config.json: weight scheme {weights} is not NVFP4 (4-bit float, group_size 16)")
+        if not isinstance(weights, dict) or (
+            (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != (4, "float", 16)
+        ):
+            raise RepackError(
+                f"config.json: weight scheme {str(weights)[:200]} is not NVFP4 (4-bit float, group_size 16)"
+            )
     return "NVFP4" if any(g.get("input_activations") for g in groups) else "NVFP4A16"
 
 

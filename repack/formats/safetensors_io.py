@@ -1,20 +1,23 @@
 """Untrusted safetensors files: header parsing with full validation, and per-tensor reads.
 
-The header is parsed by huggingface_hub (which bounds its length); this module adds what a reader of
-files from the internet needs before touching data: offsets inside the file, sizes consistent with
-dtype x shape, no overlaps, known dtypes. Tensors are then read one at a time with plain file reads,
-so memory is bounded by the largest tensor, never by the file.
+The header is parsed here, with what a reader of files from the internet needs before touching data:
+a bounded header length (checked against the file's real size before it is read), strict UTF-8 JSON
+without duplicate keys, known dtypes, integer shapes whose byte size is computed with an early stop (a
+shape like ``[2**40, 2**40]`` is rejected, never multiplied out or allocated), offsets inside the file,
+sizes consistent with dtype x shape, no overlaps. Tensors are then read one at a time with plain file
+reads, so memory is bounded by the largest tensor, never by the file. Messages quote names and values
+shortened, so a hostile header cannot produce a huge or multi-line error.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 import torch
-from huggingface_hub import parse_local_safetensors_file_metadata
 
 from ..errors import RepackError
 
@@ -59,49 +62,119 @@ class TensorEntry:
         return self.end - self.begin
 
 
-def _validated_shape(file: Path, name: str, shape: object) -> tuple[int, ...]:
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+HEADER_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: hostile names and shapes stay one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _bounded_nbytes(shape: tuple[int, ...], itemsize: int, limit: int) -> int | None:
+    """``numel(shape) * itemsize``, or None as soon as it exceeds ``limit`` (no huge products computed)."""
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for dim in shape:
+        total *= dim
+        if total > limit:
+            return None
+    return total
+
+
+def _raw_header(file: Path) -> tuple[int, int, object]:
+    """(file size, header length, decoded header JSON); the length is bounded before anything is read."""
+    try:
+        with open(file, "rb") as handle:
+            size = file.stat().st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise RepackError(f"{file.name}: not a valid safetensors file ({size} bytes, too small for a header)")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > MAX_HEADER_BYTES:
+                raise RepackError(
+                    f"{file.name}: not a valid safetensors file (header length {header_len} bytes exceeds the "
+                    f"{MAX_HEADER_BYTES}-byte limit)"
+                )
+            if 8 + header_len > size:
+                raise RepackError(
+                    f"{file.name}: header length {header_len} bytes runs past the end of the file ({size} bytes); "
+                    "the file is truncated or corrupt"
+                )
+            raw = handle.read(header_len)
+    except OSError as exc:
+        raise RepackError(f"{file.name}: cannot read ({exc.strerror or type(exc).__name__})") from None
+    if len(raw) != header_len:
+        raise RepackError(f"{file.name}: the header is truncated (file changed while reading?)")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as exc:
+        raise RepackError(f"{file.name}: the header lists {_short(exc.args[0])} more than once") from None
+    except UnicodeDecodeError:
+        raise RepackError(f"{file.name}: not a valid safetensors file (header is not UTF-8)") from None
+    except (ValueError, RecursionError) as exc:
+        reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise RepackError(f"{file.name}: not a valid safetensors file (header is not JSON: {reason})") from None
+    return size, header_len, header
+
+
+def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+    where = f"{file.name}: tensor {_short(name)}"
+    if not isinstance(info, dict) or not HEADER_KEYS <= set(info):
+        raise RepackError(f"{where} must be an object with keys dtype, shape, data_offsets, got {_short(info)}")
+    dtype_name = info["dtype"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise RepackError(f"{where} has unsupported dtype {_short(dtype_name)}")
+    shape = info["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise RepackError(f"{file.name}: tensor {name!r} has an invalid shape {shape!r}")
-    return tuple(shape)
+        raise RepackError(f"{where} has an invalid shape {_short(shape)}")
+    offsets = info["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
+        raise RepackError(f"{where} has invalid data_offsets {_short(offsets)}")
+    begin, end = offsets
+    if begin > end or data_start + end > size:
+        raise RepackError(
+            f"{where} spans bytes [{_short(begin, 24)}, {_short(end, 24)}) of the data, past the end of the file "
+            f"({size} bytes) or reversed; the file is truncated or corrupt"
+        )
+    expected = _bounded_nbytes(tuple(shape), DTYPES[dtype_name].itemsize, size)
+    if expected is None:
+        raise RepackError(f"{where}: {dtype_name} {_short(shape)} is larger than the whole file ({size} bytes)")
+    if end - begin != expected:
+        raise RepackError(
+            f"{where} spans bytes [{begin}, {end}) ({end - begin} bytes) but {dtype_name} {_short(shape)} "
+            f"needs {expected}"
+        )
+    return TensorEntry(file, name, dtype_name, tuple(shape), data_start + begin, data_start + end)
 
 
 def read_header(file: Path) -> dict[str, TensorEntry]:
     """Parse and validate ``file``'s header; every offset is checked against the file's real size."""
-    try:
-        size = file.stat().st_size
-        meta = parse_local_safetensors_file_metadata(file)
-    except RepackError:
-        raise
-    except Exception as exc:  # the parser raises several types for malformed headers
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RepackError(f"{file.name}: not a valid safetensors file ({first_line})") from None
-    with open(file, "rb") as handle:
-        header_len = int.from_bytes(handle.read(8), "little")
+    size, header_len, header = _raw_header(file)
+    if not isinstance(header, dict):
+        raise RepackError(f"{file.name}: not a valid safetensors file (header is a JSON {type(header).__name__})")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise RepackError(f"{file.name}: __metadata__ must map names to strings")
     data_start = 8 + header_len
-    entries: dict[str, TensorEntry] = {}
-    for name, info in meta.tensors.items():
-        if info.dtype not in DTYPES:
-            raise RepackError(f"{file.name}: tensor {name!r} has unsupported dtype {info.dtype!r}")
-        shape = _validated_shape(file, name, info.shape)
-        offsets = info.data_offsets
-        if not (isinstance(offsets, (list, tuple)) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise RepackError(f"{file.name}: tensor {name!r} has invalid data_offsets {offsets!r}")
-        begin, end = offsets
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        expected = numel * DTYPES[info.dtype].itemsize
-        if not 0 <= begin <= end or end - begin != expected:
-            raise RepackError(
-                f"{file.name}: tensor {name!r} spans bytes [{begin}, {end}) but {info.dtype} {list(shape)} "
-                f"needs {expected}"
-            )
-        if data_start + end > size:
-            raise RepackError(
-                f"{file.name}: tensor {name!r} ends at byte {data_start + end} past the end of the file "
-                f"({size} bytes); the file is truncated or corrupt"
-            )
-        entries[name] = TensorEntry(file, name, info.dtype, shape, data_start + begin, data_start + end)
+    entries = {
+        name: _entry(file, name, info, data_start, size) for name, info in header.items() if name != "__metadata__"
+    }
     _check_no_overlap(file, entries)
     return entries
 
@@ -110,7 +183,7 @@ def _check_no_overlap(file: Path, entries: dict[str, TensorEntry]) -> None:
     ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.begin)
     for before, after in zip(ordered, ordered[1:]):
         if after.begin < before.end:
-            raise RepackError(f"{file.name}: tensors {before.name!r} and {after.name!r} overlap")
+            raise RepackError(f"{file.name}: tensors {_short(before.name)} and {_short(after.name)} overlap")
 
 
 def read_tensor(entry: TensorEntry) -> torch.Tensor:
