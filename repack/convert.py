@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
-from .bundle.writer import check_destination, staged_folder, write_json, write_shard
+from .bundle.writer import check_destination, recover_interrupted, staged_folder, write_json, write_shard
 from .formats import QuantizedLayer, SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY, contained_file
 from .formats.safetensors_io import DTYPE_NAMES, file_sha256, iter_raw_chunks, tensor_bytes
@@ -132,6 +132,7 @@ def convert(
     parse_size(max_shard_size)  # a bad --max-shard-size fails before any work
     out = Path(out)
     source = read_source(model)
+    recover_interrupted(out)  # a replace killed between its two renames (non-Linux fallback) left OUT missing
     check_destination(out, overwrite, protected=[source.checkpoint.root])
     plan = plan_bundle(source, target, max_shard_size)
     if on_plan is not None:

@@ -1,18 +1,34 @@
 """Streaming safetensors writer and the all-or-nothing output folder.
 
 Each shard's header is known from the plan, so tensors are written one at a time as they are produced:
-memory holds one layer, never a shard or the model. Output goes to a hidden temporary folder beside the
-destination and is renamed into place only once complete, so a crash or a kill leaves the destination
-either absent or whole.
+memory holds one layer, never a shard or the model.
+
+Guarantee: a crash or ``kill -9`` at any moment leaves OUT either absent (a new OUT) or whole: the old
+bundle or the new one, never a mix, never missing both. Output goes to a hidden staging folder beside OUT
+(``.OUT.partial-XXXX``), is fsynced, and only then takes OUT's name:
+
+* a new OUT: one ``rename`` (``renameat2(RENAME_NOREPLACE)`` on Linux, so an OUT that appeared meanwhile
+  is never replaced);
+* ``--overwrite``: on Linux one ``renameat2(RENAME_EXCHANGE)`` swaps staging and OUT atomically, then the
+  old bundle (now under the staging name) is deleted. Where the exchange is unavailable (other systems,
+  file systems without it) OUT is first renamed to ``.OUT.old-XXXX`` and staging renamed to OUT; a kill
+  between those two renames leaves OUT missing for a moment, and :func:`recover_interrupted` (run by every
+  ``convert`` to that OUT) renames the old bundle back.
+
+A kill can leave hidden ``.OUT.partial-*`` / ``.OUT.old-*`` folders behind; they are never OUT and are safe
+to delete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -85,22 +101,103 @@ def check_destination(out: Path, overwrite: bool, protected: Iterable[Path] = ()
         raise RepackError(f"{out.parent}: output's parent folder does not exist")
 
 
+RENAME_NOREPLACE = 1  # linux/fs.h
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux ``renameat2``: True once done, False where it is unavailable (then the caller falls back)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28, musl >= 1.2.3
+    except (OSError, AttributeError):
+        return False
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems cannot fsync directories
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(folder: Path) -> None:
+    """Flush every file of ``folder`` and the folder itself, so the rename publishes complete data."""
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink():
+            _fsync(path)
+    _fsync(folder)
+
+
+def _retired_folders(out: Path) -> list[Path]:
+    return sorted(p for p in out.parent.glob(f".{out.name}.old-*") if p.is_dir() and not p.is_symlink())
+
+
+def recover_interrupted(out: Path) -> Path | None:
+    """Undo a replace that was killed between its two renames (the fallback path): if OUT is missing and
+    a retired complete bundle ``.OUT.old-XXXX`` exists, rename it back to OUT. Returns what was restored."""
+    if out.exists() or out.is_symlink() or not out.parent.is_dir():
+        return None
+    candidates = [p for p in _retired_folders(out) if (p / "manifest.json").is_file()]
+    if not candidates:
+        return None
+    newest = max(candidates, key=lambda p: p.stat().st_mtime)
+    newest.rename(out)
+    return out
+
+
+def _install(staging: Path, out: Path) -> None:
+    """``staging`` becomes OUT, which must not exist."""
+    try:
+        if _renameat2(staging, out, RENAME_NOREPLACE):
+            return
+    except OSError as exc:
+        if exc.errno == errno.EEXIST:
+            raise RepackError(f"{out}: appeared while converting; left untouched") from None
+        raise
+    if out.exists() or out.is_symlink():
+        raise RepackError(f"{out}: appeared while converting; left untouched")
+    staging.rename(out)
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """``staging`` becomes OUT, whose old content is deleted; atomic where the kernel can exchange."""
+    if _renameat2(staging, out, RENAME_EXCHANGE):
+        return  # staging now holds the old bundle; the caller deletes it
+    retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    out.rename(retired)
+    staging.rename(out)  # a kill before this line: recover_interrupted() restores ``retired``
+    shutil.rmtree(retired, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_folder(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; on success it atomically becomes ``out``, on failure it is removed."""
+    """Yield a temporary folder beside ``out``; on success it atomically becomes ``out``, on failure it is
+    removed. See the module docstring for what a kill at any point leaves behind."""
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         yield staging
-        if out.exists() and overwrite:
-            retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(retired)
-            staging.rename(out)
-            shutil.rmtree(retired, ignore_errors=True)
+        _sync_tree(staging)
+        if overwrite and (out.exists() or out.is_symlink()):
+            _replace(staging, out)
         else:
-            if out.exists():
-                raise RepackError(f"{out}: appeared while converting; left untouched")
-            staging.rename(out)
+            _install(staging, out)
+        _fsync(out.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
