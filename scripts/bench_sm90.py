@@ -1,0 +1,213 @@
+"""Benchmark the sm90 Triton W4A16 linear against bf16 cuBLAS on the same weights (Hopper GPU).
+
+One run prints one table: for each layer N x K and batch M, the median time of ``F.linear`` on the
+weights dequantized to bf16 (cuBLAS), of ``triton_sm90.linear`` (the dispatching op), the speedup,
+and the op's achieved bandwidth against the device-to-device copy bandwidth measured in the same run.
+Times are CUDA-graph replays of many calls, each call on another copy of the weights so that the
+60 MB L2 never holds them; every shape is first checked against a float64 reference.
+
+    PYTHONPATH=. python3 scripts/bench_sm90.py [--sweep] [--json out.json]
+
+``--sweep`` instead times the fused kernel's candidate tile configs and split-K factors and the
+dequantize + cuBLAS path for M <= 256 (how ``config_for`` and ``dense_crossover_m`` were chosen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from repack.runtime.backends import triton_sm90 as backend
+from repack.runtime.backends.triton_sm90 import KernelConfig
+from repack.targets import RuntimeLayer, sm90
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (57344, 8192), (8192, 28672)]
+MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
+REL_TOL = 1e-2
+GRAPH_MS = 3.0  # device time per timed graph replay
+
+SWEEP = {  # bucket upper bound -> candidate configs; each is timed at split_k in SWEEP_SPLITS[bucket]
+    16: [KernelConfig(64, 16, 256, 4, 3), KernelConfig(64, 16, 128, 4, 6), KernelConfig(128, 16, 128, 8, 6),
+         KernelConfig(64, 16, 256, 4, 4)],
+    32: [KernelConfig(64, 32, 256, 4, 3), KernelConfig(64, 32, 128, 4, 6), KernelConfig(128, 32, 128, 8, 4)],
+    64: [KernelConfig(64, 64, 256, 4, 3), KernelConfig(64, 64, 128, 4, 4), KernelConfig(128, 64, 128, 8, 4),
+         KernelConfig(128, 64, 64, 8, 6)],
+    128: [KernelConfig(64, 128, 128, 4, 3), KernelConfig(128, 128, 64, 8, 3), KernelConfig(128, 128, 128, 8, 3),
+          KernelConfig(64, 64, 256, 4, 3)],
+    1 << 30: [KernelConfig(128, 128, 64, 8, 3), KernelConfig(128, 256, 64, 8, 3), KernelConfig(64, 128, 128, 4, 3)],
+}  # fmt: skip
+SWEEP_SPLITS = {16: (1, 2, 4), 32: (1, 2, 4), 64: (1, 2), 128: (1, 2), 1 << 30: (1,)}
+SWEEP_MS = (1, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class Layer:
+    n: int
+    k: int
+    copies: list[dict[str, torch.Tensor]]  # sm90 runtime tensors, one dict per weight copy
+    dense: list[torch.Tensor]  # the same weights dequantized to bf16, for cuBLAS
+
+    @property
+    def quant_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.copies[0].values())
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy kernel (the physical ceiling here).
+
+    Timed eagerly with events: a copy captured in a CUDA graph becomes a memcpy node that runs slower.
+    """
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3)
+    return 2 * nbytes / statistics.median(samples)
+
+
+def time_calls(calls: list[Callable[[], object]]) -> float:
+    """Median seconds per call: CUDA-graph replays of ``calls`` cycled, after a warm-up."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for call in calls:
+        call()
+    end.record()
+    end.synchronize()
+    estimate_ms = start.elapsed_time(end) / len(calls)
+    reps = max(len(calls), min(400, math.ceil(GRAPH_MS / max(estimate_ms, 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            calls[i % len(calls)]()
+    graph.replay()
+    samples = []
+    for _ in range(7):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / reps)
+    del graph
+    return statistics.median(samples) * 1e-3
+
+
+def make_layer(n: int, k: int, l2_bytes: int, seed: int) -> Layer:
+    """Random weights (random words are a valid layout: every bit pattern is a code) in enough copies to defeat L2."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    specs = sm90.runtime_specs(n, k)
+    quant_bytes = sum(s.nbytes for s in specs.values())
+    copies = []
+    for _ in range(max(2, math.ceil(3 * l2_bytes / quant_bytes))):
+        words = torch.randint(-(2**31), 2**31, specs["weight"].shape, dtype=torch.int32, device="cuda", generator=gen)
+        scales = torch.randint(0x28, 0x70, specs["weight_scale"].shape, dtype=torch.uint8, device="cuda", generator=gen)
+        mult = torch.tensor([1 / 2688], dtype=torch.float32, device="cuda")
+        copies.append({"weight": words, "weight_scale": scales.view(torch.float8_e4m3fn), "weight_global_scale": mult})
+    n_dense = max(2, math.ceil(3 * l2_bytes / (2 * n * k)))
+    dense = [backend.dequantize(**copies[i % len(copies)], n=n, k=k) for i in range(n_dense)]
+    return Layer(n, k, copies, dense)
+
+
+def check_layer(layer: Layer) -> float:
+    """Worst relative error of ``linear`` against float64 over a few M (one dispatch path each)."""
+    tensors = layer.copies[0]
+    w64 = sm90.dequantize_runtime(RuntimeLayer(**tensors, weights_padding_cols=0), layer.n, layer.k)
+    worst = 0.0
+    for m in (1, 16, 128, backend.dense_crossover_m(layer.n, layer.k)):
+        x = torch.randn(m, layer.k, dtype=torch.bfloat16, device="cuda")
+        y = backend.linear(x, **tensors, n=layer.n, k=layer.k)
+        ref = x.double() @ w64.T
+        err = float((y.double() - ref).norm() / ref.norm())
+        if not torch.isfinite(y).all() or err >= REL_TOL:
+            raise AssertionError(f"{layer.n}x{layer.k} M={m}: relative error {err:.3e}")
+        worst = max(worst, err)
+    del w64
+    return worst
+
+
+def op_calls(layer: Layer, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> list[Callable[[], object]]:
+    return [lambda t=t: fn(x, **t, n=layer.n, k=layer.k) for t in layer.copies]
+
+
+def sweep_point(layer: Layer, x: torch.Tensor, m: int) -> dict[str, tuple[float, float]]:
+    """(time, relative error vs cuBLAS on the dequantized weights) of each fused candidate, and of dequant + cuBLAS."""
+    results: dict[str, tuple[float, float]] = {}
+    ref = F.linear(x, layer.dense[0]).double()
+    bucket = min(b for b in SWEEP if m <= b)
+    for config in SWEEP[bucket]:
+        for split_k in SWEEP_SPLITS[bucket]:
+            fn = lambda x, config=config, split_k=split_k, **kw: backend.fused_linear(x, **kw, config=config, split_k=split_k)
+            name = f"bn{config.bn} bm{config.bm} bk{config.bk} w{config.num_warps} s{config.num_stages} sk{split_k}"
+            y = fn(x, **layer.copies[0], n=layer.n, k=layer.k).double()
+            err = float((y - ref).norm() / ref.norm())
+            results[name] = (time_calls(op_calls(layer, x, fn)), err)
+    deq = lambda x, **kw: F.linear(x, backend.dequantize(**kw))
+    results["dequant+cublas"] = (time_calls(op_calls(layer, x, deq)), 0.0)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time candidate configs instead of the table (for tuning)")
+    parser.add_argument("--json", help="write all numbers to this file (rewritten after every shape)")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    bandwidth = copy_bandwidth()
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB, torch {torch.__version__}")
+    print(f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    report: dict = {"device": props.name, "copy_bw": bandwidth, "rows": [], "sweep": {}}
+    for n, k in SHAPES:
+        layer = make_layer(n, k, props.L2_cache_size, seed=n * 31 + k)
+        if args.sweep:
+            for m in SWEEP_MS:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                t_dense = time_calls([lambda w=w: F.linear(x, w) for w in layer.dense])
+                point = {name: (t * 1e6, err) for name, (t, err) in sweep_point(layer, x, m).items()}
+                report["sweep"][f"{n}x{k}x{m}"] = {"cublas": t_dense * 1e6, **point}
+                ok = {name: t for name, (t, err) in point.items() if err < REL_TOL}
+                best = min(ok.items(), key=lambda kv: kv[1], default=("none correct", float("nan")))
+                bad = [name for name, (t, err) in point.items() if err >= REL_TOL]
+                print(f"{n}x{k} M={m}: cuBLAS {t_dense * 1e6:.1f} us, best {best[0]} {best[1]:.1f} us"
+                      f"{'  WRONG: ' + ', '.join(bad) if bad else ''}", flush=True)  # fmt: skip
+        else:
+            print(f"{n}x{k}: checked, worst relative error {check_layer(layer):.2e} (< {REL_TOL})", flush=True)
+            for m in MS:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                t_dense = time_calls([lambda w=w: F.linear(x, w) for w in layer.dense])
+                t_op = time_calls(op_calls(layer, x, backend.linear))
+                moved = layer.quant_bytes + 2 * m * (k + n)
+                report["rows"].append({"n": n, "k": k, "m": m, "cublas_us": t_dense * 1e6, "op_us": t_op * 1e6,
+                                       "speedup": t_dense / t_op, "pct_copy_bw": 100 * moved / t_op / bandwidth})  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        del layer
+        torch.cuda.empty_cache()
+    if report["rows"]:
+        print("\n| N x K | M | cuBLAS bf16 (us) | sm90 W4A16 (us) | speedup | % of copy BW |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in report["rows"]:
+            print(f"| {r['n']}x{r['k']} | {r['m']} | {r['cublas_us']:.1f} | {r['op_us']:.1f} | {r['speedup']:.2f}x "
+                  f"| {r['pct_copy_bw']:.0f}% |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""sm90 Triton W4A16 kernel (GPU, Hopper only): against a float64 reference, every output written, graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.targets import RuntimeLayer, sm90
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="needs a Hopper (sm90) GPU",
+    ),
+]
+
+REL_TOL = 1e-2  # bf16 output rounding is ~2**-9 relative; the dense path also rounds weights to bf16 once
+ODD_SHAPES = [(16, 16), (48, 80), (208, 1040), (1040, 272)]  # multiples of 16, not of 64
+BENCH_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (57344, 8192), (8192, 28672)]
+MS = [1, 3, 16, 64, 128, 200, 1024]
+
+
+def backend():
+    from repack.runtime.backends import triton_sm90
+
+    return triton_sm90
+
+
+def random_weight(n: int, k: int, seed: int) -> NVFP4Weight:
+    """All 256 code bytes, random positive e4m3 scales (no zeros), random multiplier: never all zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    multiplier = (torch.rand(1, generator=gen) * 1e-3 + 1e-5).to(torch.float32)
+    return NVFP4Weight(codes, scales, multiplier)
+
+
+def runtime_on_gpu(weight: NVFP4Weight) -> dict[str, torch.Tensor]:
+    return {name: t.cuda() for name, t in sm90.to_runtime(weight).tensors().items()}
+
+
+def random_runtime(n: int, k: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Large aligned layers: random words are a valid layout (every bit pattern is a code); float64 reference weights."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    specs = sm90.runtime_specs(n, k)
+    words = torch.randint(-(2**31), 2**31, specs["weight"].shape, dtype=torch.int32, device="cuda", generator=gen)
+    scale_bytes = torch.randint(1, 0x7F, specs["weight_scale"].shape, dtype=torch.uint8, device="cuda", generator=gen)
+    tensors = {
+        "weight": words,
+        "weight_scale": scale_bytes.view(torch.float8_e4m3fn),
+        "weight_global_scale": torch.tensor([3e-4], dtype=torch.float32, device="cuda"),
+    }
+    layer = RuntimeLayer(**tensors, weights_padding_cols=0)
+    return tensors, sm90.dequantize_runtime(layer, n, k)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def poison_allocator(numel: int) -> None:
+    """Leave a NaN-filled bf16 block of ``numel`` in the caching allocator so the next ``empty`` reuses it."""
+    block = torch.full((numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del block
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor) -> None:
+    assert y.dtype == torch.bfloat16 and tuple(y.shape) == (x.shape[0], w64.shape[0])
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite output"
+    err = rel_err(y, x.double() @ w64.T)
+    assert err < REL_TOL, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
+@pytest.mark.parametrize("m", MS)
+def test_linear_odd_shapes(n: int, k: int, m: int) -> None:
+    weight = random_weight(n, k, seed=n + 31 * k + m)
+    tensors = runtime_on_gpu(weight)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    poison_allocator(m * n)
+    y = backend().linear(x, **tensors, n=n, k=k)
+    check(y, x, dequantize(weight).cuda())
+
+
+@pytest.mark.parametrize("n,k", BENCH_SHAPES)
+def test_linear_bench_shapes(n: int, k: int) -> None:
+    tensors, w64 = random_runtime(n, k, seed=n ^ k)
+    for m in MS:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        poison_allocator(m * n)
+        check(backend().linear(x, **tensors, n=n, k=k), x, w64)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 200])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 7])
+def test_fused_every_bucket_and_split_writes_all(m: int, split_k: int) -> None:
+    n, k = 208, 1040
+    weight = random_weight(n, k, seed=m * 13 + split_k)
+    tensors = runtime_on_gpu(weight)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    b = backend()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = b.fused_linear(x, **tensors, n=n, k=k, config=b.config_for(m), split_k=split_k, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    check(y, x, dequantize(weight).cuda())
+
+
+def test_dequantize_matches_reference() -> None:
+    n, k = 1040, 4096
+    weight = random_weight(n, k, seed=11)
+    tensors = runtime_on_gpu(weight)
+    w = backend().dequantize(**tensors, n=n, k=k)
+    assert w.dtype == torch.bfloat16 and tuple(w.shape) == (n, k)
+    # one bf16 rounding of e2m1 * scale * multiplier (the float32 product may round once before it)
+    torch.testing.assert_close(w.double(), dequantize(weight).cuda(), rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 1024])
+def test_cuda_graph_replay_matches_eager(m: int) -> None:
+    n, k = 4096, 4096
+    tensors, _ = random_runtime(n, k, seed=m)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    b = backend()
+    eager = b.linear(x, **tensors, n=n, k=k)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        b.linear(x, **tensors, n=n, k=k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = b.linear(x, **tensors, n=n, k=k)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
+def test_rejects_wrong_operands() -> None:
+    n, k = 48, 80
+    tensors = runtime_on_gpu(random_weight(n, k, seed=2))
+    x = torch.randn(3, k, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="bf16"):
+        backend().linear(x, **tensors, n=n, k=k)
