@@ -210,11 +210,10 @@ def read_manifest(bundle_dir: Path) -> Manifest:
     if not path.is_file():
         raise RepackError(f"{bundle_dir}: no {MANIFEST_NAME} (not an nvfp4-repack bundle)")
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_MANIFEST_BYTES + 1)
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise _fail(f"larger than {MAX_MANIFEST_BYTES} bytes; not a manifest this tool wrote")
-        data = json.loads(raw.decode("utf-8"))
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:  # checked before reading: read(n) would allocate n bytes up front
+            raise _fail(f"{size} bytes is larger than the {MAX_MANIFEST_BYTES}-byte limit; not a manifest this tool wrote")
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also huge int literals
         raise _fail(f"invalid JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     return parse_manifest(data)

@@ -20,12 +20,16 @@ INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 BUNDLE_CONFIG_KEY = "nvfp4_repack"  # config.json key that marks a bundle (written by convert)
 BUNDLE_MANIFEST = "manifest.json"
+MAX_JSON_BYTES = 256 << 20  # config, index and quantization JSON: megabytes at most for any real model
 
 
 def load_json(path: Path) -> dict:
     """A JSON object from ``path``, or a RepackError naming the file."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise RepackError(f"{path.name}: {size} bytes is larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise RepackError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also huge int literals
@@ -128,10 +132,10 @@ def _shard_names(root: Path, weight_map: dict | None) -> list[str]:
 def _refuse_bundle(root: Path, config: dict) -> None:
     """A bundle's tensors are already in a runtime layout: reading them as a source would double-transform."""
     marker = config.get(BUNDLE_CONFIG_KEY)
-    if marker is None and (root / BUNDLE_MANIFEST).is_file():
+    manifest = root / BUNDLE_MANIFEST
+    if marker is None and manifest.is_file():
         try:
-            with open(root / BUNDLE_MANIFEST, "rb") as handle:
-                marker = b'"nvfp4-repack-bundle"' in handle.read(64 << 20)
+            marker = manifest.stat().st_size <= MAX_JSON_BYTES and b'"nvfp4-repack-bundle"' in manifest.read_bytes()
         except OSError:
             marker = None
     if marker:
