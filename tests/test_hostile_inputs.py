@@ -723,6 +723,46 @@ def test_output_is_a_file(make_model, tmp_path, capsys):
     assert out.read_text() == "not a folder"
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_disk_full_while_writing(make_model, tmp_path, capsys, monkeypatch, overwrite):
+    """An OSError mid-write (disk full) is a one-line error; nothing is left, an existing OUT is untouched."""
+    import errno
+
+    import repack.convert
+
+    real = repack.convert.write_shard
+    calls = []
+
+    def full(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(repack.convert, "write_shard", full)
+    out = tmp_path / "out"
+    if overwrite:
+        out.mkdir()
+        (out / "keep.txt").write_text("precious")
+    argv = ["convert", small(make_model, shards=2), "-t", "sm100", "-o", out, "--max-shard-size", "2KB"]
+    code, _, err = run_cli(argv + ["--overwrite"] * overwrite, capsys)
+    assert code == 1
+    assert_one_line_error(err, "conversion failed, nothing written: No space left on device")
+    assert staging_leftovers(tmp_path, "out") == []
+    if overwrite:
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    else:
+        assert not out.exists()
+
+
+def test_verify_report_into_a_missing_folder(make_model, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    convert(small(make_model), "sm100", out)
+    code, _, err = run_cli(["verify", out, "--json", tmp_path / "no" / "report.json"], capsys)
+    assert code == 1
+    assert_one_line_error(err, "report.json: No such file or directory")
+
+
 # --- tampered bundles: inspect and verify ---------------------------------------------------------------------------
 
 

@@ -189,7 +189,10 @@ def staged_folder(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it atomically becomes ``out``, on failure it is
     removed. See the module docstring for what a kill at any point leaves behind."""
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    try:
+        staging.mkdir()
+    except OSError as exc:
+        raise RepackError(f"{out.parent}: cannot create the output folder ({exc.strerror or exc})") from None
     try:
         yield staging
         _sync_tree(staging)
@@ -198,6 +201,9 @@ def staged_folder(out: Path, overwrite: bool) -> Iterator[Path]:
         else:
             _install(staging, out)
         _fsync(out.parent)
+    except OSError as exc:  # disk full, permissions, a file vanishing: the user's environment, not a bug
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise RepackError(f"{out}: conversion failed, nothing written: {exc.strerror or exc}{where}") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

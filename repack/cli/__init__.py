@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         print("Interrupted.", file=sys.stderr)
         return 130
+    except OSError as exc:  # files, permissions, disk space: the environment, reported like bad input
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"Error: {printable(where + (exc.strerror or str(exc)), ERROR_LIMIT)}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if _is_usage_error(exc):
             exc.show()  # type: ignore[attr-defined]
