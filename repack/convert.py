@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import BUNDLE_FORMAT_VERSION, __version__
-from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord
+from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord, layer_geometry
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.writer import check_destination, recover_interrupted, staged_folder, write_json, write_shard
 from .formats import QuantizedLayer, SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY, contained_file
 from .formats.safetensors_io import DTYPE_NAMES, file_sha256, iter_raw_chunks, tensor_bytes
 from .targets import RuntimeLayer, Target, resolve_target
-from .targets.layout import PaddedShape
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 
@@ -89,12 +88,12 @@ def _manifest(
     layers = {}
     for prefix, layer in source.layers.items():
         parts = plan.target.runtime_specs(layer.n, layer.k)
-        shape = PaddedShape(layer.n, layer.k)
+        padded_shape, weights_padding_cols = layer_geometry(layer.n, layer.k)
         layers[prefix] = LayerRecord(
             n=layer.n,
             k=layer.k,
-            padded_shape=[shape.n_padded, shape.k_padded],
-            weights_padding_cols=shape.weights_padding_cols,
+            padded_shape=padded_shape,
+            weights_padding_cols=weights_padding_cols,
             global_scale=cache.global_scales[prefix],
             tensors={part: records.pop(f"{prefix}.{part}") for part in parts},
         )
