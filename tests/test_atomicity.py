@@ -94,7 +94,8 @@ class Oracle:
         if label is None:  # not byte-identical to a reference: it must still be a complete, verified bundle
             read_manifest(out)
             report = verify_bundle(out)
-            assert report.passed, f"{context}: OUT is partial or wrong: {[e for c in report.failures for e in c.errors]}"
+            errors = [e for c in report.failures for e in c.errors]
+            assert report.passed, f"{context}: OUT is partial or wrong: {errors}"
             label = "verified"
             self.complete[key] = label
         assert label in allowed | {"verified"}, f"{context}: OUT is {label}, expected one of {allowed}"

@@ -104,7 +104,8 @@ def safetensors_files(draw) -> bytes:
         dtype = draw(st.sampled_from(DTYPE_NAMES))
         shape = draw(st.lists(st.integers(0, 5), max_size=3))
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        header[draw(st.text(max_size=8)) + f".{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        name = draw(st.text(max_size=8)) + f".{i}"
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if draw(st.booleans()):
         header["__metadata__"] = draw(st.one_of(st.just({"format": "pt"}), st.dictionaries(st.text(max_size=3), weird,
@@ -220,7 +221,8 @@ def _header_file(path: Path, header: object, length: int | None = None, data: by
         (b'{"w": {"dtype": "U8", "shape": [1' + b"0" * 100_000 + b'], "data_offsets": [0, 1]}}', None, "not JSON"),
     ],
     ids=["length-2^60", "length-2^64-1", "length-past-eof", "offsets-2^80", "shape-2^80-bytes", "shape-4000-dims",
-         "string-times-2^40", "string-times-2^27", "2^40-times-string", "300k-dims", "300k-dims-with-zero", "nested-200k", "int-100k-digits"],
+         "string-times-2^40", "string-times-2^27", "2^40-times-string", "300k-dims", "300k-dims-with-zero",
+         "nested-200k", "int-100k-digits"],
 )
 def test_size_fields_never_drive_allocation_or_time(scratch, header, length, match):
     file = scratch / "hostile.safetensors"
@@ -244,7 +246,8 @@ json_scalars = st.one_of(
 )
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)),
+    lambda children: st.one_of(st.lists(children, max_size=4),
+                               st.dictionaries(st.text(max_size=8), children, max_size=4)),
     max_leaves=12,
 )
 
@@ -284,8 +287,8 @@ def _mutate_once(draw, node):
             node.append(draw(json_values))
         return node
     if type(node) is int and draw(st.booleans()):
-        return draw(st.sampled_from([-node, node + 1, node * 2**40, str(node), node + 0.5 if abs(node) < 2**53 else 1e308,
-                                     None, True]))
+        as_float = node + 0.5 if abs(node) < 2**53 else 1e308
+        return draw(st.sampled_from([-node, node + 1, node * 2**40, str(node), as_float, None, True]))
     return draw(json_values)
 
 
@@ -390,8 +393,8 @@ def test_read_source_with_mutated_json(checkpoints, data):
             if choice <= 2:
                 (root / name).write_text(json.dumps(data.draw(mutated(json.loads(content)))))
             elif choice == 3:
-                (root / name).write_bytes(data.draw(st.one_of(st.binary(max_size=64),
-                                                              st.builds(lambda v: json.dumps(v).encode(), json_values))))
+                as_json = st.builds(lambda v: json.dumps(v).encode(), json_values)
+                (root / name).write_bytes(data.draw(st.one_of(st.binary(max_size=64), as_json)))
             elif choice == 4 and name != "config.json":
                 (root / name).unlink()
         source = accepts_or_refuses(read_source, root)

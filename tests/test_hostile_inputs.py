@@ -258,8 +258,8 @@ def offsets_reversed(make_model, tmp_path):
     return root
 
 
-@case(("model.safetensors: tensors", "'model.layers.0.mlp.proj.weight_packed'", "'model.layers.0.mlp.proj.weight_scale'",
-       "overlap"))
+@case(("model.safetensors: tensors", "'model.layers.0.mlp.proj.weight_packed'",
+       "'model.layers.0.mlp.proj.weight_scale'", "overlap"))
 def overlapping_offsets(make_model, tmp_path):
     root = small(make_model)
 
@@ -393,7 +393,8 @@ def packed_weight_wrong_dtype(make_model, tmp_path):
 @case("model.layers.1.mlp.proj.weight_global_scale: global scale must be one F32, got F32 [2]")
 def global_scale_two_values(make_model, tmp_path):
     root = small(make_model)
-    edit_tensors(root, lambda t: t.update({f"{LAYER}.weight_global_scale": t[f"{LAYER}.weight_global_scale"].repeat(2)}))
+    name = f"{LAYER}.weight_global_scale"
+    edit_tensors(root, lambda t: t.update({name: t[name].repeat(2)}))
     return root
 
 
@@ -466,7 +467,8 @@ def index_names_a_missing_shard(make_model, tmp_path):
 def index_names_a_missing_tensor(make_model, tmp_path):
     root = small(make_model, shards=2)
     edit_json(root / "model.safetensors.index.json",
-              lambda i: i["weight_map"].update({"model.layers.7.mlp.proj.weight_packed": "model-00001-of-00002.safetensors"}))
+              lambda i: i["weight_map"].update(
+                  {"model.layers.7.mlp.proj.weight_packed": "model-00001-of-00002.safetensors"}))
     return root
 
 
@@ -788,8 +790,8 @@ TAMPERED = [
     pytest.param(_manifest_edit(lambda m: m.update(bundle_format_version=99)), "bundle format version 99",
                  id="future-version"),
     pytest.param(_manifest_edit(lambda m: m.pop("layers")), "manifest.json: missing 'layers'", id="no-layers"),
-    pytest.param(_manifest_edit(lambda m: m["layers"].update({LAYER: [1, 2]})), f"manifest.json: missing 'padded_shape' in {LAYER}",
-                 id="layer-not-an-object"),
+    pytest.param(_manifest_edit(lambda m: m["layers"].update({LAYER: [1, 2]})),
+                 f"manifest.json: missing 'padded_shape' in {LAYER}", id="layer-not-an-object"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER].update(n="16")), f"'n' in {LAYER} has the wrong type",
                  id="n-string"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER].update(global_scale=10**400)),
@@ -802,12 +804,14 @@ TAMPERED = [
                  f"dtype of {LAYER}.weight", id="unknown-dtype"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"]["weight"].update(sha256="abc")),
                  f"sha256 of {LAYER}.weight", id="bad-sha"),
-    pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"].update(bias=m["layers"][LAYER]["tensors"]["weight"])),
-                 f"manifest.json: {LAYER}: tensors ['bias', 'weight', 'weight_global_scale', 'weight_scale'] are not the sm100 layout's",
-                 id="extra-part"),
+    pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"].update(
+                     bias=m["layers"][LAYER]["tensors"]["weight"])),
+                 f"manifest.json: {LAYER}: tensors ['bias', 'weight', 'weight_global_scale', 'weight_scale'] "
+                 "are not the sm100 layout's", id="extra-part"),
     pytest.param(_manifest_edit(lambda m: m["files"].update({"../escape.json": "0" * 64})),
                  "manifest.json: files: '../escape.json' is not a plain file name", id="files-escape"),
-    pytest.param(_manifest_edit(lambda m: m["passthrough"].update({f"{LAYER}.weight": m["passthrough"]["lm_head.weight"]})),
+    pytest.param(_manifest_edit(lambda m: m["passthrough"].update(
+                     {f"{LAYER}.weight": m["passthrough"]["lm_head.weight"]})),
                  f"manifest.json: tensor '{LAYER}.weight' is listed twice", id="name-listed-twice"),
     pytest.param(_manifest_edit(lambda m: m.update(target="sm80")), "unknown target 'sm80'", id="unknown-target"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER].update(k=24)),

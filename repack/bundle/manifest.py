@@ -220,7 +220,7 @@ def read_manifest(bundle_dir: Path) -> Manifest:
     try:
         size = path.stat().st_size
         if size > MAX_MANIFEST_BYTES:  # checked before reading: read(n) would allocate n bytes up front
-            raise _fail(f"{size} bytes is larger than the {MAX_MANIFEST_BYTES}-byte limit; not a manifest this tool wrote")
+            raise _fail(f"{size} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit; not a manifest this tool wrote")
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also huge int literals
         raise _fail(f"invalid JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

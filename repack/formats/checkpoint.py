@@ -28,7 +28,7 @@ def load_json(path: Path) -> dict:
     try:
         size = path.stat().st_size
         if size > MAX_JSON_BYTES:
-            raise RepackError(f"{path.name}: {size} bytes is larger than the {MAX_JSON_BYTES}-byte limit for JSON files")
+            raise RepackError(f"{path.name}: {size} bytes exceeds the {MAX_JSON_BYTES}-byte limit for JSON files")
         data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise RepackError(f"{path}: file not found") from None
