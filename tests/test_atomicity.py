@@ -168,7 +168,7 @@ def big(tmp_path_factory):
 
 def kill_delays(duration: float, seed: int, count: int) -> list[float]:
     rng = random.Random(seed)
-    fixed = [0.0, duration * 0.5, duration * 0.9, duration * 0.99, duration * 1.2]
+    fixed = [0.0, duration * 0.5, duration * 0.9, duration * 0.99, duration * 1.2, duration * 3 + 0.5]  # last: done
     return fixed + [rng.uniform(0, duration * 1.05) for _ in range(count)]
 
 
