@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_codes, unpack_codes
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import round_up
 
@@ -107,15 +107,6 @@ def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
     return view.permute(0, 4, 2, 1, 3).reshape(stripes * STRIPE, kp // BLOCK_SIZE).view(packed.dtype)
 
 
-def _unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    return torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2)
-
-
-def _pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    pairs = nibbles.unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
     out[: t.shape[0], : t.shape[1]] = t
@@ -124,7 +115,7 @@ def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
     np_, kp = padded_shape(weight.n, weight.k)
-    nibbles = _pad(_unpack_nibbles(weight.codes), np_, kp)
+    nibbles = _pad(unpack_codes(weight.codes), np_, kp)
     scales = _pad(weight.block_scales.view(torch.uint8), np_, kp // BLOCK_SIZE).view(torch.float8_e4m3fn)
     return RuntimeLayer(
         weight=pack_words(nibbles),
@@ -138,7 +129,7 @@ def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
     nibbles = unpack_words(layer.weight)
     scales = unpack_scales(layer.weight_scale)
     return NVFP4Weight(
-        codes=_pack_nibbles(nibbles[:n, :k]).contiguous(),
+        codes=pack_codes(nibbles[:n, :k]).contiguous(),
         block_scales=scales[:n, : k // BLOCK_SIZE].contiguous(),
         multiplier=layer.weight_global_scale.reshape(1).clone(),
     )
