@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import BUNDLE_FORMAT_VERSION, __version__
-from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord, layer_geometry
+from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.writer import check_destination, recover_interrupted, staged_folder, write_json, write_shard
 from .formats import QuantizedLayer, SourceModel, read_source
@@ -88,12 +88,12 @@ def _manifest(
     layers = {}
     for prefix, layer in source.layers.items():
         parts = plan.target.runtime_specs(layer.n, layer.k)
-        padded_shape, weights_padding_cols = layer_geometry(layer.n, layer.k)
+        geometry = plan.target.geometry(layer.n, layer.k)
         layers[prefix] = LayerRecord(
             n=layer.n,
             k=layer.k,
-            padded_shape=padded_shape,
-            weights_padding_cols=weights_padding_cols,
+            padded_shape=geometry.padded_shape,
+            weights_padding_cols=geometry.weights_padding_cols,
             global_scale=cache.global_scales[prefix],
             tensors={part: records.pop(f"{prefix}.{part}") for part in parts},
         )

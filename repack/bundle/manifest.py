@@ -16,7 +16,6 @@ from typing import Any
 from .. import BUNDLE_FORMAT_VERSION
 from ..errors import RepackError
 from ..formats.safetensors_io import DTYPES
-from ..targets.layout import PaddedShape
 
 MANIFEST_NAME = "manifest.json"
 BUNDLE_KIND = "nvfp4-repack-bundle"
@@ -71,13 +70,6 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-
-
-def layer_geometry(n: int, k: int) -> tuple[list[int], int]:
-    """``padded_shape`` and ``weights_padding_cols`` of an ``[N, K]`` layer: convert records them and
-    ``open_bundle`` insists on them (runtime code sizes activation padding from the manifest)."""
-    shape = PaddedShape(n, k)
-    return [shape.n_padded, shape.k_padded], shape.weights_padding_cols
 
 
 def _fail(what: str) -> RepackError:

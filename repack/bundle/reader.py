@@ -12,7 +12,7 @@ from ..formats.checkpoint import contained_file, load_json, resolve_model_dir
 from ..formats.safetensors_io import TensorEntry, read_header, read_tensor
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
-from .manifest import MANIFEST_NAME, LayerRecord, Manifest, layer_geometry, read_manifest
+from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
 
 
 @dataclass
@@ -78,7 +78,8 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
     (``weights_padding_cols`` sizes the activation padding, the part names become RuntimeLayer fields)."""
     if record.n == 0 or record.k == 0 or record.k % BLOCK_SIZE:
         raise RepackError(f"{MANIFEST_NAME}: {prefix}: N={record.n}, K={record.k} is not an NVFP4 layer shape")
-    if (record.padded_shape, record.weights_padding_cols) != layer_geometry(record.n, record.k):
+    geometry = target.geometry(record.n, record.k)
+    if (record.padded_shape, record.weights_padding_cols) != (geometry.padded_shape, geometry.weights_padding_cols):
         raise RepackError(
             f"{MANIFEST_NAME}: {prefix}: padded_shape {record.padded_shape} / weights_padding_cols "
             f"{record.weights_padding_cols} do not follow from N={record.n}, K={record.k}"

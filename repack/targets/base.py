@@ -26,6 +26,19 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class LayerGeometry:
+    """The padded ``[n_padded, k_padded]`` a target's kernel sees, and the K padding of activations in bytes."""
+
+    n_padded: int
+    k_padded: int
+    weights_padding_cols: int
+
+    @property
+    def padded_shape(self) -> list[int]:
+        return [self.n_padded, self.k_padded]
+
+
+@dataclass(frozen=True)
 class RuntimeLayer:
     """One layer as a serving engine holds it after its load-time processing.
 
@@ -61,6 +74,7 @@ class Target:
         to_runtime: canonical weight -> runtime layer.
         from_runtime: ``(runtime layer, n, k)`` -> canonical weight, the exact inverse.
         runtime_specs: ``(n, k)`` -> dtype and shape of each runtime tensor.
+        geometry: ``(n, k)`` -> padded shape and activation padding, recorded in manifests.
     """
 
     name: str
@@ -73,6 +87,7 @@ class Target:
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
     from_runtime: Callable[[RuntimeLayer, int, int], NVFP4Weight]
     runtime_specs: Callable[[int, int], dict[str, TensorSpec]]
+    geometry: Callable[[int, int], LayerGeometry]
 
     @property
     def names(self) -> tuple[str, ...]:

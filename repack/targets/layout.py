@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..nvfp4 import BLOCK_SIZE
+from .base import LayerGeometry
 
 PAD_ALIGNMENT = 64  # vLLM's pad_nvfp4_weight_for_cutlass(alignment=64), on N and on K (elements)
 
@@ -44,6 +45,12 @@ class PaddedShape:
     def swizzled_scale_shape(self) -> tuple[int, int]:
         """``[round_up(N, 128), round_up(K/16, 4)]``: uses the ORIGINAL N, as vLLM does."""
         return round_up(self.n, 128), round_up(self.k // BLOCK_SIZE, 4)
+
+
+def vllm_geometry(n: int, k: int) -> LayerGeometry:
+    """vLLM's 64-alignment of N and K, K padding in bytes (sm100 and sm120 layouts)."""
+    shape = PaddedShape(n, k)
+    return LayerGeometry(shape.n_padded, shape.k_padded, shape.weights_padding_cols)
 
 
 def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .base import RuntimeLayer, Target, TensorSpec
-from .layout import PaddedShape, pad_codes, swizzle_128x4, unswizzle_128x4
+from .layout import PaddedShape, pad_codes, swizzle_128x4, unswizzle_128x4, vllm_geometry
 
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
@@ -53,4 +53,5 @@ TARGET = Target(
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
+    geometry=vllm_geometry,
 )

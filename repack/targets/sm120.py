@@ -18,7 +18,7 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .base import RuntimeLayer, Target, TensorSpec
-from .layout import PaddedShape, pad_2d, pad_codes
+from .layout import PaddedShape, pad_2d, pad_codes, vllm_geometry
 
 # Packed-code tile (rows x cols) -> int32 order, as axes of the 8-D view of [Np, Kp/2]:
 # codes.view(NT, s, h, w, c, KT, q, r) -> (KT, NT, w, c, r, s, h, q).
@@ -94,4 +94,5 @@ TARGET = Target(
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
+    geometry=vllm_geometry,
 )

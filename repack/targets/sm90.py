@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_codes, unpack_codes
-from .base import RuntimeLayer, Target, TensorSpec
+from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .layout import round_up
 
 ROW_ALIGN = 128  # the kernel's largest N tile: no masks on weight loads
@@ -187,4 +187,5 @@ TARGET = Target(
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
+    geometry=lambda n, k: LayerGeometry(*padded_shape(n, k), weights_padding_cols=0),
 )
