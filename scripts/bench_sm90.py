@@ -6,10 +6,13 @@ and the op's achieved bandwidth against the device-to-device copy bandwidth meas
 Times are CUDA-graph replays of many calls, each call on another copy of the weights so that the
 60 MB L2 never holds them; every shape is first checked against a float64 reference.
 
-    PYTHONPATH=. python3 scripts/bench_sm90.py [--sweep] [--json out.json]
+    PYTHONPATH=. python3 scripts/bench_sm90.py [--sweep] [--json out.json] [--gemv SPT,CHUNKS,WARPS,MAXNREG[;...]]
 
-``--sweep`` instead times the fused kernel's candidate tile configs and split-K factors and the
+``--sweep`` instead times the wgmma kernel's candidate tile configs and split-K factors and the
 dequantize + cuBLAS path for M <= 256 (how ``config_for`` and ``dense_crossover_m`` were chosen).
+``--gemv`` replaces ``gemv_config_for`` (the decode kernel's work split) for this run, to time candidates
+from ``scripts/sm90_experiments.py`` before making them the default: one ``GemvConfig`` for every M <= 16,
+or two separated by ``;`` for M <= 8 and M = 9 .. 16.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from repack.runtime.backends import triton_sm90 as backend
-from repack.runtime.backends.triton_sm90 import KernelConfig
+from repack.runtime.backends.triton_sm90 import GemvConfig, KernelConfig
 from repack.targets import RuntimeLayer, sm90
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (57344, 8192), (8192, 28672)]
@@ -168,7 +171,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time candidate configs instead of the table (for tuning)")
     parser.add_argument("--json", help="write all numbers to this file (rewritten after every shape)")
+    parser.add_argument("--gemv", help="decode-kernel work split(s) SPT,CHUNKS,WARPS,MAXNREG[;...] (see above)")
     args = parser.parse_args()
+    if args.gemv:
+        small, *large = [GemvConfig(*map(int, part.split(","))) for part in args.gemv.split(";")]
+        backend.gemv_config_for = lambda m, n, k: small if m <= 8 or not large else large[0]
+        print(f"decode kernel work split overridden: {args.gemv}")
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB, torch {torch.__version__}")

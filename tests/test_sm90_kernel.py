@@ -107,6 +107,25 @@ def test_fused_every_bucket_and_split_writes_all(m: int, split_k: int) -> None:
     check(y, x, dequantize(weight).cuda())
 
 
+@pytest.mark.parametrize("n,k", [(208, 1040), (272, 2048)])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize(
+    "config",
+    [(1, 1, 4, 0), (1, 2, 8, 0), (1, 4, 4, 96), (1, 2, 4, 96), (2, 2, 4, 128), (4, 1, 4, 0), (1, 8, 4, 168)],
+)  # fmt: skip
+def test_gemv_every_split_and_m_writes_all(n: int, k: int, m: int, config: tuple) -> None:
+    """Decode kernel: M on both sides of the 8-row n-tile; K not a multiple of 64 nor of the step (208 x 1040, 17
+    chunks) and both (272 x 2048, 32 chunks: the unmasked ``EVEN`` specialisation)."""
+    weight = random_weight(n, k, seed=m * 7 + sum(config) + k)
+    tensors = runtime_on_gpu(weight)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    b = backend()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = b.gemv_linear(x, **tensors, n=n, k=k, config=b.GemvConfig(*config), out=out)
+    assert y.data_ptr() == out.data_ptr()
+    check(y, x, dequantize(weight).cuda())
+
+
 def test_dequantize_matches_reference() -> None:
     n, k = 1040, 4096
     weight = random_weight(n, k, seed=11)

@@ -71,3 +71,37 @@ def test_registered_and_resolvable() -> None:
     assert sm90.TARGET in TARGETS
     assert resolve_target("SM90a") is sm90.TARGET
     assert target_for_capability(9, 0) is sm90.TARGET
+
+
+def test_word_element_position_matches_documented_v2_formula() -> None:
+    """One nonzero code at a time lands in the word and element the module docstring names."""
+    n, k = 32, 256
+    np_, kp = sm90.padded_shape(n, k)
+    for row, col in [(0, 0), (9, 17), (31, 255), (20, 100), (13, 70)]:
+        nibbles = torch.zeros((np_, kp), dtype=torch.uint8)
+        nibbles[row, col] = 0x9  # sign bit and the lowest magnitude bit: both fields must land
+        words = sm90.pack_words(nibbles)
+        s, g, h = row // 16, row % 8, (row % 16) // 8
+        c, t, j, q, p = col // 64, (col % 64) // 16, (col % 16) // 4, (col % 4) // 2, col % 2
+        e = p + 2 * h + 4 * q
+        want = torch.zeros_like(words)
+        want[s, 128 * c + 4 * (4 * g + t) + j] = (1 << sm90.MAG_SHIFT[e]) | (1 << sm90.SIGN_SHIFT[e])
+        assert torch.equal(words, want), (row, col)
+
+
+def test_kslot_column_is_a_permutation_within_chunks() -> None:
+    kslot = torch.arange(512)
+    col = sm90.kslot_column(kslot)
+    assert torch.equal(col.sort().values, kslot)
+    assert torch.equal(col // 64, kslot // 64)
+    # lane t (k-slots 2t, 2t+1, 2t+8, 2t+9 of each tile j) reads one 16-column scale block, 4t .. 4t+3 words of x
+    assert torch.equal(col[[2, 3, 10, 11, 18, 19, 26, 27]], torch.tensor([16, 17, 18, 19, 20, 21, 22, 23]))
+
+
+def test_activations_in_kslot_order() -> None:
+    from repack.runtime.backends.triton_sm90 import kslot_order
+
+    x = torch.randn(3, 80, dtype=torch.bfloat16)
+    out = kslot_order(x, 256)
+    padded = torch.nn.functional.pad(x, (0, 176))
+    assert torch.equal(out, padded[:, sm90.kslot_column(torch.arange(256))])

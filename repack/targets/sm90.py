@@ -1,11 +1,17 @@
-"""sm90 (Hopper: H100, H200): the layout read by this project's Triton W4A16 kernel.
+"""sm90 (Hopper: H100, H200): the layout read by this project's Triton/Gluon W4A16 kernels.
 
 No serving library ships an NVFP4 weight-only kernel for Hopper, so the layout is our own, made for
-``repack/runtime/backends/triton_sm90.py``. The kernel computes ``y^T = W x^T`` on the tensor cores
-with the weights as the wgmma A operand taken straight from registers, so the layout puts, for every
+``repack/runtime/backends/triton_sm90.py``. Its kernels feed the weights to the tensor cores as the
+A operand of ``mma.m16n8k16`` / ``wgmma`` straight from registers, so the layout puts, for every
 thread, the 8 values it feeds to one 16x16 A tile into one 32-bit word, and the 4 words of 4
 consecutive tiles next to each other: one 16-byte load per thread per 64 K-elements, 512 contiguous
 bytes per warp, no shared-memory shuffle.
+
+The K order inside a 64-column chunk is permuted so that each thread's 4 words cover one 16-column
+scale block (v2): the decode kernel then converts one scale pair per thread per chunk instead of four,
+and reads its 16 activations per chunk as two 16-byte loads. The tensor cores do not care which
+columns share a k-slot as long as weights and activations agree, so the kernels load the activations
+in the same permuted order.
 
 Shapes: ``Np = round_up(N, 128)``, ``Kp = round_up(K, 256)``; padding is zero codes and zero scales,
 so padded weights are exactly 0. The kernel masks K on the activations, hence
@@ -14,16 +20,18 @@ so padded weights are exactly 0. The kernel masks K on the activations, hence
 weight: int32 ``[Np/16, 2*Kp]``. Row ``s`` is the 16-row stripe ``16s .. 16s+15``; along it, chunk
 ``c`` (64 K-elements) holds 128 words at ``[s, 128c + 4l + j]`` for lane ``l = 4g + t`` (g < 8,
 t < 4) and tile ``j`` < 4. Word element ``e = p + 2h + 4q`` (p, h, q in {0, 1}) is the weight at
-row ``16s + g + 8h``, column ``64c + 16j + 8q + 2t + p`` (the mma.m16n8k16 / wgmma A fragment).
+row ``16s + g + 8h``, column ``64c + 16t + 4j + 2q + p``; as an A fragment it sits in k-slot
+``2t + p + 8q`` of tile ``j`` (so k-slot ``16j + 8q + 2t + p`` of the chunk holds column
+``16t + 4j + 2q + p``: :func:`kslot_column`).
 Each element's E2M1 code is stored as 3 magnitude bits at ``MAG_SHIFT[e] .. +2`` (in code order) and
 its sign at bit ``SIGN_SHIFT[e]``, chosen so that the kernel builds the bf16x2 pair of elements
 ``(2i, 2i+1)`` with one rotate and one or two masks (``DECODE_ROTATIONS``): that pair, read as bf16
 bits, is ``e2m1 * 2**-126`` (E2M1 zero and subnormal land on bf16 zero and subnormals).
 
 weight_scale: float8_e4m3fn ``[Np/16, Kp]``, unchanged e4m3 bytes: for stripe ``s`` and chunk ``c``,
-64 bytes at ``[s, 64c + 8g + 2j + h]`` hold the block scale of row ``16s + g + 8h``, block ``4c + j``;
-a thread reads its 8 bytes at once and converts the ``(h=0, h=1)`` byte pairs with one
-``cvt.f16x2.e4m3x2``.
+64 bytes at ``[s, 64c + 8g + 2t + h]`` hold the block scale of row ``16s + g + 8h``, block ``4c + t``:
+the (h=0, h=1) byte pair of lane ``4g + t`` is the uint16 at ``32 (s * Kp/64 + c) + l``, converted
+with one ``cvt.f16x2.e4m3x2``.
 
 weight_global_scale: the float32 ``[1]`` multiplier.
 """
@@ -57,19 +65,26 @@ def padded_shape(n: int, k: int) -> tuple[int, int]:
     return round_up(n, ROW_ALIGN), round_up(k, K_ALIGN)
 
 
-def _element_view(nibbles: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles ``[Np, Kp]`` -> ``[Np/16, Kp/64, g, t, j, q, h, p]`` -> word order ``[s, c, g, t, j, q, h, p]``.
+def kslot_column(kslot: torch.Tensor) -> torch.Tensor:
+    """Column (within K) held by A-fragment k-slot ``64c + 16j + 8q + 2t + p``: ``64c + 16t + 4j + 2q + p``."""
+    c, r = kslot // CHUNK, kslot % CHUNK
+    j, q, t, p = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
+    return c * CHUNK + 16 * t + 4 * j + 2 * q + p
 
-    Row = ``16s + 8h + g``, column = ``64c + 16j + 8q + 2t + p``.
+
+def _element_view(nibbles: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles ``[Np, Kp]`` -> ``[Np/16, 2, 8, Kp/64, t, j, q, p]`` -> word order ``[s, c, g, t, j, q, h, p]``.
+
+    Row = ``16s + 8h + g``, column = ``64c + 16t + 4j + 2q + p``.
     """
     np_, kp = nibbles.shape
-    view = nibbles.view(np_ // STRIPE, 2, 8, kp // CHUNK, 4, 2, 4, 2)  # s, h, g, c, j, q, t, p
-    return view.permute(0, 3, 2, 6, 4, 5, 1, 7)
+    view = nibbles.view(np_ // STRIPE, 2, 8, kp // CHUNK, 4, 4, 2, 2)  # s, h, g, c, t, j, q, p
+    return view.permute(0, 3, 2, 4, 5, 6, 1, 7)
 
 
 def _element_unview(words_order: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
     """Inverse of :func:`_element_view`: ``[s, c, g, t, j, q, h, p]`` -> ``[Np, Kp]``."""
-    return words_order.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(np_, kp)
+    return words_order.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(np_, kp)
 
 
 def pack_words(nibbles: torch.Tensor) -> torch.Tensor:
@@ -94,16 +109,16 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn ``[Np, Kp/16]`` -> ``[Np/16, Kp]``: per stripe and chunk, bytes in ``(g, j, h)`` order."""
+    """float8_e4m3fn ``[Np, Kp/16]`` -> ``[Np/16, Kp]``: per stripe and chunk, bytes in ``(g, t, h)`` order."""
     np_, kb = scales.shape
-    view = scales.view(torch.uint8).view(np_ // STRIPE, 2, 8, kb // 4, 4)  # s, h, g, c, j
+    view = scales.view(torch.uint8).view(np_ // STRIPE, 2, 8, kb // 4, 4)  # s, h, g, c, t (block 4c + t)
     return view.permute(0, 3, 2, 4, 1).reshape(np_ // STRIPE, kb * BLOCK_SIZE).view(scales.dtype)
 
 
 def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
     """Exact inverse of :func:`pack_scales`."""
     stripes, kp = packed.shape
-    view = packed.contiguous().view(torch.uint8).view(stripes, kp // CHUNK, 8, 4, 2)  # s, c, g, j, h
+    view = packed.contiguous().view(torch.uint8).view(stripes, kp // CHUNK, 8, 4, 2)  # s, c, g, t, h
     return view.permute(0, 4, 2, 1, 3).reshape(stripes * STRIPE, kp // BLOCK_SIZE).view(packed.dtype)
 
 
@@ -179,10 +194,10 @@ def dequantize_runtime(layer: RuntimeLayer, n: int, k: int) -> torch.Tensor:
 TARGET = Target(
     name="sm90",
     aliases=("sm90a",),
-    layout_id="sm90-triton-v1",
+    layout_id="sm90-triton-v2",
     compute_capabilities=((9, 0),),
     backend="triton",
-    description="Hopper (H100, H200): this project's Triton W4A16 kernel, wgmma A-fragment words, 128x256 padding",
+    description="Hopper (H100, H200): this project's Triton W4A16 kernels, mma A-fragment words, 128x256 padding",
     flashinfer_versions=(),
     to_runtime=to_runtime,
     from_runtime=from_runtime,

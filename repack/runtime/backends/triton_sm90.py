@@ -1,29 +1,39 @@
 """Triton W4A16 linear for Hopper (sm90): bf16 activations x NVFP4 weights in the ``sm90`` layout -> bf16.
 
-Kernel (``_w4a16_kernel``): one program computes a ``[BN, BM]`` tile of ``y^T = W x^T`` over a K range,
-with the dequantized weights as the wgmma A operand held in registers (``repack/targets/sm90.py``
-lays the codes out as the A fragments, so they go from Triton's cp.async pipeline in shared memory
-straight into the A registers) and ``x^T`` as the shared-memory B operand. Per 32-bit word (8 weights)
-the decode is 5 rotates, 6 masks and 4 ``mul.bf16x2`` that apply the block scale and the exponent bias
-at once; each (row, block) scale pair is read once per lane group and goes ``cvt.f16x2.e4m3x2`` ->
-shift into bf16 -> two exact power-of-two ``mul.bf16x2`` (2**231 does not fit in one bf16).
-Accumulation is float32 on the tensor cores; the epilogue multiplies by ``multiplier * 2**7`` (the part
-of the bias left in the weights, which keeps every decoded weight exact and normal in bf16).
+Two kernels read the same layout (``repack/targets/sm90.py``), whose 32-bit words are tensor-core A
+fragments: a word decodes (5 rotates, 6 masks, 4 ``mul.bf16x2`` that apply the block scale and the
+exponent bias at once) into the four bf16x2 registers one thread feeds to a 16x16 A tile. A block
+scale pair goes ``cvt.f16x2.e4m3x2`` -> shift into bf16 -> two exact power-of-two ``mul.bf16x2``
+(2**231 does not fit in one bf16); weights come out as ``e2m1 * scale * 2**-7``, exact and normal in
+bf16, and the epilogue multiplies by ``multiplier * 2**7``. Accumulation is float32 on the tensor cores.
 
-Split-K is atomic-free and deterministic: each split writes a float32 partial tile, bumps a per-tile
-counter (release/acquire at GPU scope after a CTA barrier), and the last split to arrive sums the
-partials in split order and writes bf16. The counters are zeroed by a memset inside the op, so it
-captures into CUDA graphs and runs under ``torch.compile`` (no host synchronisation, nothing cached
-between calls apart from the SM count).
+* ``_gemv_kernel`` (Gluon, ``M <= 16``): decode-bound, so written for the fewest instructions per
+  weight (about 23 per 32-bit word in the loop, against 34 for the wgmma kernel). One inline-PTX block
+  per thread and 64-column chunk decodes its 4 words (one scale pair: the v2 layout gives a thread one
+  scale block per chunk) and chains 4 ``mma.sync.m16n8k16`` (8 for ``M > 8``) with the activations as
+  the B operand, read straight from global memory as two 16-byte vectors per chunk. No shared memory in
+  the loop. A program owns ``spt`` 16-row stripes over the whole K; its warps split K and are summed
+  once at the end (deterministic, no workspace). ``maxnreg`` lets ptxas keep a step's loads ahead of
+  their use (by default it sinks each load next to its mma to save registers: one memory round trip per
+  chunk).
+* ``_w4a16_kernel`` (Triton, ``16 < M <= 128``): one program computes a ``[BN, BM]`` tile of
+  ``y^T = W x^T`` over a K range with the decoded weights as the wgmma A operand in registers
+  (Triton's cp.async pipeline stages the words in shared memory) and ``x^T`` as the shared-memory B
+  operand, permuted beforehand into the layout's k-slot order (``kslot_order``, two small copies).
+  Split-K is atomic-free and deterministic: each split writes a float32 partial tile, bumps a per-tile
+  counter (release/acquire at GPU scope after a CTA barrier), and the last split to arrive sums the
+  partials in split order and writes bf16. The counters are zeroed by a memset inside the op.
+
+Every path captures into CUDA graphs and runs under ``torch.compile`` (no host synchronisation,
+nothing cached between calls apart from the SM count).
 
 Dispatch (``linear``), measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
 
-* ``M <= 128``: the fused kernel, tiles from ``config_for`` (M buckets 16 / 32 / 64 / 128); K is split
-  so that about two programs run per SM (``_split_k``), at least twice for ``BM >= 64``.
-* ``M > 128`` (``dense_crossover_m``): ``dequantize`` (this module's ``_dequant_kernel``, bf16 weights
-  rounded once) then cuBLAS through ``torch.nn.functional.linear``. Above 128 rows the fused kernel was
-  slower than this on most swept shapes, and both are slower than cuBLAS on pre-dequantized weights
-  (the dequantization pass writes 2 bytes a weight).
+* ``M <= 16``: ``_gemv_kernel`` with ``gemv_config_for``.
+* ``M <= 128``: ``_w4a16_kernel``, tiles from ``config_for`` (M buckets 32 / 64 / 128); K is split so
+  that about two programs run per SM (``_split_k``), at least twice for ``BM >= 64``.
+* ``M > 128`` (``dense_crossover_m``): ``dequantize`` (``_dequant_kernel``, bf16 weights rounded once)
+  then cuBLAS through ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
@@ -38,11 +48,13 @@ from ...targets import sm90 as layout
 try:
     import triton
     import triton.language as tl
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
 except ImportError:  # CPU-only installs: importing must work, calling must say why it cannot
-    triton = None
-    tl = None
+    triton = tl = gluon = gl = None
 
 _PROGRAMS_PER_SM = 2
+GEMV_MAX_M = 16  # two m16n8 B tiles per mma step
 
 
 @dataclass(frozen=True)
@@ -57,8 +69,29 @@ class KernelConfig:
     min_split: int = 1  # fewest K splits (more programs in flight measured faster for bm >= 64)
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """Work split of one ``_gemv_kernel`` launch."""
+
+    spt: int  # 16-row stripes per program (and per thread: activations are reused across them): 1, 2, 4 or 8
+    chunks: int  # 64-column chunks per warp per loop step (16-byte weight loads per stripe and round trip)
+    num_warps: int  # warps per program, each taking every num_warps-th group of chunks along K
+    maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
+
+
+def gemv_config_for(m: int, n: int, k: int) -> GemvConfig:
+    """Work split for ``_gemv_kernel``: the fastest on the N*K >= 8192*8192 shapes of the H200 sweep
+    (scripts/sm90_experiments.py, docs/benchmarks.md), within 1% of the best geometric mean over all 7."""
+    if m <= 8:
+        return GemvConfig(spt=1, chunks=4, num_warps=4, maxnreg=96)
+    return GemvConfig(spt=1, chunks=2, num_warps=4, maxnreg=96)
+
+
 def config_for(m: int) -> KernelConfig:
-    """Tile shape for ``m`` activation rows: the fastest on most shapes of the H200 sweep (docs/benchmarks.md)."""
+    """Tile shape for ``m`` activation rows: the fastest on most shapes of the H200 sweep (docs/benchmarks.md).
+
+    ``linear`` sends only ``16 < m <= 128`` here; the ``m <= 16`` tile serves explicit ``fused_linear`` calls.
+    """
     if m <= 16:
         return KernelConfig(bn=64, bm=16, bk=256, num_warps=4, num_stages=3)
     if m <= 32:
@@ -124,7 +157,39 @@ def linear(
     m = x.shape[0]
     if m >= dense_crossover_m(n, k):
         return torch.nn.functional.linear(x, dequantize(weight, weight_scale, weight_global_scale, n, k))
+    if m <= GEMV_MAX_M:
+        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, gemv_config_for(m, n, k))
     return fused_linear(x, weight, weight_scale, weight_global_scale, n, k, config_for(m))
+
+
+def gemv_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    n: int,
+    k: int,
+    config: GemvConfig,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decode kernel (``M <= 16``) with an explicit work split; ``out`` (contiguous bf16 ``[M, N]``) optional."""
+    _require_triton(x)
+    m = x.shape[0]
+    if m > GEMV_MAX_M:
+        raise ValueError(f"the decode kernel takes at most {GEMV_MAX_M} rows, got {m}")
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    stripes, chunks = weight.shape[0], weight.shape[1] // 128
+    _gemv_kernel[(stripes // config.spt,)](
+        x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out,
+        m, n, k, chunks,
+        SPT=config.spt, C_T=config.chunks, WK=config.num_warps, NT=1 if m <= 8 else 2,
+        EVEN=k == 64 * chunks and chunks % (config.chunks * config.num_warps) == 0,
+        num_warps=config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
+    )  # fmt: skip
+    return out
 
 
 def fused_linear(
@@ -138,7 +203,7 @@ def fused_linear(
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fused kernel with an explicit tile config (``linear`` picks one; benchmarks and tests sweep them).
+    """The wgmma kernel with an explicit tile config (``linear`` picks one; benchmarks and tests sweep them).
 
     ``split_k`` defaults to the occupancy heuristic; ``out`` (contiguous bf16 ``[M, N]``) to a new tensor.
     """
@@ -159,11 +224,26 @@ def fused_linear(
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
     _w4a16_kernel[(n_tiles, m_tiles, split_k)](
-        x, weight, weight_scale.view(torch.uint16), weight_global_scale, out, partials, counters,
-        m, n, k, weight.shape[1] // 128, steps_per_split, split_k,
+        kslot_order(x, weight.shape[1] // 2), weight, weight_scale.view(torch.uint16), weight_global_scale, out,
+        partials, counters, m, n, weight.shape[1] // 2, weight.shape[1] // 128, steps_per_split, split_k,
         BN=config.bn, BM=config.bm, BK=config.bk, SPLIT=split_k > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+    return out
+
+
+def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """``x [M, K]`` zero-padded to ``kp`` columns and permuted into the layout's k-slot order (``sm90.kslot_column``).
+
+    The wgmma kernel then reads 16-byte runs of activations that line up with its decoded A fragments;
+    gathering the permuted columns inside the kernel (4-byte runs) compiled to more instructions per weight.
+    """
+    m, k = x.shape
+    if k < kp:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    out = torch.empty((m, kp), dtype=x.dtype, device=x.device)
+    # k-slot 64c + 16j + 8q + 2t + p <- column 64c + 16t + 4j + 2q + p
+    out.view(m, kp // 64, 4, 2, 4, 2).copy_(x.view(m, kp // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5))
     return out
 
 
@@ -182,108 +262,169 @@ def dequantize(
     return out
 
 
-def _decode_asm() -> str:
-    """PTX for one word: ``$8`` int32 word, ``$9`` the (h=0, h=1) e4m3 scale pair -> ``$0..$7`` bf16 weights."""
-    rotations = sorted({r for pair in layout.DECODE_ROTATIONS for r in pair if r})
-    mag, sign = layout.PAIR_MAG_MASK, layout.PAIR_SIGN_MASK
-    lines = [
-        ".reg .b32 f, c0, c1, s0, s1, t, u, p<4>;",
-        *(f".reg .b32 r{r};" for r in rotations),
-        # scales: e4m3 -> exact f16 -> bits >> 3 are the bf16 of s * 2**-112 -> * 2**115 * 2**116 = s * 2**119
-        "cvt.rn.f16x2.e4m3x2 f, $9;",
+def _scale_lines(pair: str) -> list[str]:
+    """PTX: the (h=0, h=1) e4m3 scale pair in ``pair`` -> ``s0`` = (S_h0, S_h0), ``s1`` = (S_h1, S_h1), S = s * 2**119.
+
+    e4m3 -> exact f16 -> bits >> 3 are the bf16 of s * 2**-112 -> * 2**115 * 2**116.
+    """
+    return [
+        f"cvt.rn.f16x2.e4m3x2 f, {pair};",
         "shr.b32 f, f, 3;",
         "mov.b32 c0, 0x79007900;",
         "mov.b32 c1, 0x79807980;",
         "mul.rn.bf16x2 f, f, c0;",
         "mul.rn.bf16x2 f, f, c1;",
-        "prmt.b32 s0, f, f, 0x1010;",  # (S_h0, S_h0)
-        "prmt.b32 s1, f, f, 0x3232;",  # (S_h1, S_h1)
-        *(f"shf.l.wrap.b32 r{r}, $8, $8, {r};" for r in rotations),
+        "prmt.b32 s0, f, f, 0x1010;",
+        "prmt.b32 s1, f, f, 0x3232;",
     ]
+
+
+def _word_lines(word: str) -> list[str]:
+    """PTX: one word -> ``p0..p3``, the bf16x2 A-fragment registers ``e2m1 * S`` (pair i uses ``s{i % 2}``)."""
+    rotations = sorted({r for pair in layout.DECODE_ROTATIONS for r in pair if r})
+    mag, sign = layout.PAIR_MAG_MASK, layout.PAIR_SIGN_MASK
+    lines = [f"shf.l.wrap.b32 r{r}, {word}, {word}, {r};" for r in rotations]
     for i, (rm, rs) in enumerate(layout.DECODE_ROTATIONS):
-        src_m, src_s = (f"r{rm}" if rm else "$8"), (f"r{rs}" if rs else "$8")
+        src_m, src_s = (f"r{rm}" if rm else word), (f"r{rs}" if rs else word)
         if rm == rs:
             lines.append(f"and.b32 p{i}, {src_m}, {mag | sign:#010x};")
         else:
             lines += [f"and.b32 t, {src_m}, {mag:#010x};", f"and.b32 u, {src_s}, {sign:#010x};", f"or.b32 p{i}, t, u;"]
-        # pair i holds rows h = i % 2: e2m1 * 2**-126 times s * 2**119, exact in bf16
-        lines.append(f"mul.rn.bf16x2 p{i}, p{i}, s{i % 2};")
-        lines.append(f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};")
-    return "{\n" + "\n".join(lines) + "\n}"
+        lines.append(f"mul.rn.bf16x2 p{i}, p{i}, s{i % 2};")  # exact: e2m1 * 2**-126 * s * 2**119
+    return lines
+
+
+def _asm_block(lines: list[str]) -> str:
+    rotations = sorted({r for pair in layout.DECODE_ROTATIONS for r in pair if r})
+    regs = [".reg .b32 f, c0, c1, s0, s1, t, u, p<4>;", ".reg .b16 lo, hi;", *(f".reg .b32 r{r};" for r in rotations)]
+    return "{\n" + "\n".join(regs + lines) + "\n}"
+
+
+def _scale_asm() -> str:
+    """``$2`` uint16 scale pair -> ``$0``, ``$1``: the splatted bf16x2 scales ``s0``, ``s1``."""
+    return _asm_block(_scale_lines("$2") + ["mov.b32 $0, s0;", "mov.b32 $1, s1;"])
+
+
+def _decode_asm() -> str:
+    """``$8`` word, ``$9``/``$10`` splatted scales -> ``$0..$7`` bf16 weights, element e = p + 2h + 4q."""
+    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8")]
+    lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(4)]
+    return _asm_block(lines)
+
+
+def _gemv_asm(nt: int) -> str:
+    """One thread's chunk: 4 words, their scale pair, x B fragments and accumulators -> accumulators.
+
+    Operands: ``$0 .. $(4nt-1)`` float32 results (m16n8 D fragments of n-tiles ``u < nt``); then the 4
+    words (tiles j), the 32-bit word holding this lane's uint16 scale pair and its neighbour's, the shift
+    (0 or 16) selecting this lane's, ``8 nt`` x registers (index ``8u + 2j + q``: bf16 pair of k-slots
+    ``2t + 8q`` of tile j) and ``4 nt`` float32 accumulators in. Tile j's mma uses the chain's previous
+    result as its C operand.
+    """
+    o = 4 * nt
+    words = [f"${o + i}" for i in range(4)]
+    xb = [f"${o + 6 + i}" for i in range(8 * nt)]
+    acc_in = [f"${o + 6 + 8 * nt + i}" for i in range(4 * nt)]
+    lines = [f"shr.b32 t, ${o + 4}, ${o + 5};", "mov.b32 {lo, hi}, t;", *_scale_lines("lo")]
+    for j in range(4):
+        lines += _word_lines(words[j])
+        for u in range(nt):
+            d = [f"${4 * u + i}" for i in range(4)]
+            c = acc_in[4 * u : 4 * u + 4] if j == 0 else d
+            lines.append(
+                f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{', '.join(d)}}}, {{p0, p1, p2, p3}}, "
+                f"{{{xb[8 * u + 2 * j]}, {xb[8 * u + 2 * j + 1]}}}, {{{', '.join(c)}}};"
+            )
+    return _asm_block(lines)
 
 
 if triton is not None:
+    _SCALE_ASM = tl.constexpr(_scale_asm())
     _DECODE_ASM = tl.constexpr(_decode_asm())
+    _GEMV_ASM_1 = gl.constexpr(_gemv_asm(1))
+    _GEMV_ASM_2 = gl.constexpr(_gemv_asm(2))
     _BIAS_FIX = tl.constexpr(2.0**7)  # the decode leaves weights as e2m1 * scale * 2**-7
 
     @triton.jit
-    def _decode_words(words, scales):
-        """int32 words and uint16 scale pairs (same shape) -> 8 bf16 tensors, element e = p + 2h + 4q."""
+    def _prepare_scales(scales):
+        """uint16 scale pairs -> int32 (bf16x2) splats of the h=0 and h=1 scales, ``s * 2**119``."""
+        return tl.inline_asm_elementwise(
+            asm=_SCALE_ASM, constraints="=r,=r,h", args=[scales], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def _decode_words(words, s0, s1):
+        """int32 words and splatted scales (same shape) -> 8 bf16 tensors, element e = p + 2h + 4q."""
         return tl.inline_asm_elementwise(
             asm=_DECODE_ASM,
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-            args=[words, scales],
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+            args=[words, s0, s1],
             dtype=(tl.bfloat16,) * 8,
             is_pure=True,
             pack=1,
         )
 
     @triton.jit
-    def _dequant_tile(words, scales, BN: tl.constexpr, BK: tl.constexpr):
-        """``[BN/16, BK/64, 32, 4]`` words + scale pairs -> bf16 ``[BN, BK]`` (times ``2**-7 / multiplier``).
+    def _dequant_tile(words, s0, s1, BN: tl.constexpr, BK: tl.constexpr, KSLOT_ORDER: tl.constexpr):
+        """``[BN/16, BK/64, 32, 4]`` words + scales -> bf16 ``[BN, BK]`` (times ``2**-7 / multiplier``).
 
-        The joins and permute only relabel registers: the result is already in the wgmma A layout.
+        ``KSLOT_ORDER``: columns in A-fragment k-slot order (the joins and permute only relabel registers,
+        the result is already in the wgmma A layout; activations must be in ``kslot_order``);
+        otherwise in true column order.
         """
-        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_words(words, scales)
+        e0, e1, e2, e3, e4, e5, e6, e7 = _decode_words(words, s0, s1)
         q0 = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [..., p, h]
         q1 = tl.join(tl.join(e4, e5), tl.join(e6, e7))
         w = tl.join(q0, q1)  # [s, c, lane, j, p, h, q]
         w = tl.reshape(w, (BN // 16, BK // 64, 8, 4, 4, 2, 2, 2))  # s, c, g, t, j, p, h, q
-        w = tl.permute(w, (0, 6, 2, 1, 4, 7, 3, 5))  # s, h, g | c, j, q, t, p
+        if KSLOT_ORDER:
+            w = tl.permute(w, (0, 6, 2, 1, 4, 7, 3, 5))  # s, h, g | c, j, q, t, p
+        else:
+            w = tl.permute(w, (0, 6, 2, 1, 3, 4, 7, 5))  # s, h, g | c, t, j, q, p
         return tl.reshape(w, (BN, BK))
 
     @triton.jit
     def _tile_offsets(pid_n, KCH, BN: tl.constexpr, BK: tl.constexpr):
         """One K step's word offsets ``[BN/16, BK/64, 32, 4]`` (int32 units) and scale-pair offsets
-        ``[BN/16, BK/64, 8, 4]`` (uint16 units; each (g, j) pair is shared by the 4 lanes of row group g)."""
+        ``[BN/16, BK/64, 32]`` (uint16 units; one pair per lane serves its 4 words)."""
         stripe = pid_n * (BN // 16) + tl.arange(0, BN // 16)
         chunk = tl.arange(0, BK // 64)
         lane = tl.arange(0, 32)
-        group = tl.arange(0, 8)
         tile = tl.arange(0, 4)
-        base = stripe[:, None, None, None] * KCH + chunk[None, :, None, None]
-        w_off = (base * 32 + lane[None, None, :, None]) * 4 + tile[None, None, None, :]
-        s_off = (base * 8 + group[None, None, :, None]) * 4 + tile[None, None, None, :]
+        base = stripe[:, None, None] * KCH + chunk[None, :, None]
+        w_off = (base[:, :, :, None] * 32 + lane[None, None, :, None]) * 4 + tile[None, None, None, :]
+        s_off = base * 32 + lane[None, None, :]
         return w_off, s_off
 
     @triton.jit
     def _load_step(w_ptr, s_ptr, w_off, s_off, step, BN: tl.constexpr, BK: tl.constexpr):
-        """Words and per-lane scale pairs of K step ``step``; the scales are read once and broadcast to lanes."""
+        """Words and splatted scales (broadcast over each lane's 4 words) of K step ``step``."""
         words = tl.load(w_ptr + w_off + step * (BK * 2))
-        scales = tl.load(s_ptr + s_off + step * (BK // 2))
-        scales = tl.broadcast_to(scales[:, :, :, None, :], (BN // 16, BK // 64, 8, 4, 4))
-        return words, tl.reshape(scales, (BN // 16, BK // 64, 32, 4))
+        s0, s1 = _prepare_scales(tl.load(s_ptr + s_off + step * (BK // 2)))
+        shape: tl.constexpr = (BN // 16, BK // 64, 32, 4)
+        return words, tl.broadcast_to(s0[:, :, :, None], shape), tl.broadcast_to(s1[:, :, :, None], shape)
 
     @triton.jit(do_not_specialize=["M", "STEPS_PER_SPLIT", "SPLIT_K"])
     def _w4a16_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, count_ptr,
-        M, N, K, KCH, STEPS_PER_SPLIT, SPLIT_K,
+        M, N, KP, KCH, STEPS_PER_SPLIT, SPLIT_K,
         BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     ):  # fmt: skip
+        """``x_ptr``: activations in k-slot order, ``[M, KP]`` (``kslot_order``)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
         w_off, s_off = _tile_offsets(pid_n, KCH, BN, BK)
         offs_m = pid_m * BM + tl.arange(0, BM)
-        x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * K
+        x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * KP
         step_lo = pid_k * STEPS_PER_SPLIT
         step_hi = tl.minimum(step_lo + STEPS_PER_SPLIT, KCH // (BK // 64))
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         for step in range(step_lo, step_hi):
-            words, scales = _load_step(w_ptr, s_ptr, w_off, s_off, step, BN, BK)
-            w = _dequant_tile(words, scales, BN, BK)
+            words, s0, s1 = _load_step(w_ptr, s_ptr, w_off, s_off, step, BN, BK)
+            w = _dequant_tile(words, s0, s1, BN, BK, True)
             offs_k = step * BK + tl.arange(0, BK)
-            xt = tl.load(x_rows + offs_k[:, None], mask=(offs_m[None, :] < M) & (offs_k[:, None] < K), other=0.0)
+            xt = tl.load(x_rows + offs_k[:, None], mask=offs_m[None, :] < M, other=0.0)
             acc = tl.dot(w, xt, acc)
         offs_n = pid_n * BN + tl.arange(0, BN)
         out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
@@ -308,9 +449,165 @@ if triton is not None:
         pid_n = tl.program_id(0)
         step = tl.program_id(1)
         w_off, s_off = _tile_offsets(pid_n, KCH, BN, BK)
-        words, scales = _load_step(w_ptr, s_ptr, w_off, s_off, step, BN, BK)
-        w = _dequant_tile(words, scales, BN, BK).to(tl.float32) * (tl.load(g_ptr) * _BIAS_FIX)
+        words, s0, s1 = _load_step(w_ptr, s_ptr, w_off, s_off, step, BN, BK)
+        w = _dequant_tile(words, s0, s1, BN, BK, False).to(tl.float32) * (tl.load(g_ptr) * _BIAS_FIX)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = step * BK + tl.arange(0, BK)
         mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
         tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], w.to(tl.bfloat16), mask=mask)
+
+    @gluon.jit
+    def _idx4(n: gl.constexpr, dim: gl.constexpr, L: gl.constexpr):
+        """``arange(n)`` along ``dim`` of a rank-4 tensor in layout ``L`` (size 1 elsewhere)."""
+        if dim == 0:
+            return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))[:, None, None, None]
+        elif dim == 1:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))[None, :, None, None]
+        elif dim == 2:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))[None, None, :, None]
+        else:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))[None, None, None, :]
+
+    @gluon.jit
+    def _idx3(n: gl.constexpr, dim: gl.constexpr, L: gl.constexpr):
+        """``arange(n)`` along ``dim`` of a rank-3 tensor in layout ``L`` (size 1 elsewhere)."""
+        if dim == 0:
+            return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))[:, None, None]
+        elif dim == 1:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))[None, :, None]
+        else:
+            return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))[None, None, :]
+
+    @gluon.jit
+    def _halves(t, L: gl.constexpr):
+        """Split the last dimension (size 2, in registers) into two tensors of layout ``L``."""
+        a, b = gl.split(t)
+        return gl.convert_layout(a, L, assert_trivial=True), gl.convert_layout(b, L, assert_trivial=True)
+
+    @gluon.jit
+    def _gemv_sources(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT: gl.constexpr, CK: gl.constexpr,
+                      L4: gl.constexpr, LX: gl.constexpr):  # fmt: skip
+        """Pointers and masks of chunks ``c0 .. c0 + CK - 1`` (none at and past ``KCH``).
+
+        Words ``[SPT, CK, 32, 4]``: one 16-byte run per thread, stripe and chunk. Scales ``[SPT, CK, 32]``: the
+        int32 holding the lane's uint16 pair and its neighbour's. x ``[1, CK, 32, 8]`` int32 (bf16 pairs) of
+        n-tile 0: lane (g, t) reads ``x[g, 64c + 16t .. +15]``, two 16-byte runs (add ``8 * K // 2`` for
+        n-tile 1; rows past M and columns past K are masked).
+        """
+        L3: gl.constexpr = gl.SliceLayout(3, L4)
+        c4 = c0 + _idx4(CK, 1, L4)
+        w_ptrs = w_ptr + ((s0 + _idx4(SPT, 0, L4)) * KCH + c4) * 128 + _idx4(32, 2, L4) * 4 + _idx4(4, 3, L4)
+        c3 = c0 + _idx3(CK, 1, L3)
+        s_ptrs = s_ptr + ((s0 + _idx3(SPT, 0, L3)) * KCH + c3) * 16 + _idx3(32, 2, L3) // 2
+        lane = _idx4(32, 2, LX)
+        col = (c0 + _idx4(CK, 1, LX)) * 64 + (lane % 4) * 16
+        x_ptrs = x_ptr + ((lane // 4).to(gl.int64) * (K // 2) + (col // 2 + _idx4(8, 3, LX)))
+        return w_ptrs, c4 < KCH, s_ptrs, c3 < KCH, x_ptrs, (lane // 4 < M) & (col < K)
+
+    @gluon.jit
+    def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, x1_off, SPT: gl.constexpr, CK: gl.constexpr,
+                   NT: gl.constexpr, EVEN: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr):  # fmt: skip
+        """(words, scale words, x n-tile 0, x n-tile 1) of the step at chunk ``c0``; nothing is read past KCH or K.
+
+        Unless ``EVEN`` (no step partly past the end), what is not read is zero. x rows past M are never read and
+        may hold anything: they only reach D columns that are not stored.
+        """
+        w_ptrs, w_mask, s_ptrs, s_mask, x_ptrs, x_mask = _gemv_sources(
+            w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT, CK, L4, LX)
+        row1_ok = 8 + _idx4(32, 2, LX) // 4 < M
+        if EVEN:
+            words = gl.load(w_ptrs)
+            sw = gl.load(s_ptrs)
+            xa = gl.load(x_ptrs, mask=_idx4(32, 2, LX) // 4 < M)
+            xb = xa
+            if NT == 2:
+                xb = gl.load(x_ptrs + x1_off, mask=row1_ok)
+        else:
+            words = gl.load(w_ptrs, mask=w_mask)
+            sw = gl.load(s_ptrs, mask=s_mask, other=0)  # zero scales make unread words exactly 0
+            xa = gl.load(x_ptrs, mask=x_mask, other=0)
+            xb = xa
+            if NT == 2:
+                xb = gl.load(x_ptrs + x1_off, mask=x_mask & row1_ok, other=0)
+        return words, sw, xa, xb
+
+    @gluon.jit
+    def _x_frags(xs, L3: gl.constexpr, LX: gl.constexpr):
+        """x ``[1, CK, 32, 8]`` -> 8 tensors ``[1, CK, 32]`` in layout ``L3`` (broadcast over stripes),
+        index ``2j + q``."""
+        LX3: gl.constexpr = gl.SliceLayout(3, LX)
+        CK: gl.constexpr = xs.shape[1]
+        q0, q1 = gl.split(gl.reshape(xs, [1, CK, 32, 4, 2]))
+        a0, a1 = gl.split(gl.reshape(q0, [1, CK, 32, 2, 2]))  # tile j = 2 * jh + jl
+        b0, b1 = gl.split(gl.reshape(q1, [1, CK, 32, 2, 2]))
+        x00, x20 = _halves(a0, LX3)
+        x10, x30 = _halves(a1, LX3)
+        x01, x21 = _halves(b0, LX3)
+        x11, x31 = _halves(b1, LX3)
+        return (
+            gl.convert_layout(x00, L3), gl.convert_layout(x01, L3), gl.convert_layout(x10, L3),
+            gl.convert_layout(x11, L3), gl.convert_layout(x20, L3), gl.convert_layout(x21, L3),
+            gl.convert_layout(x30, L3), gl.convert_layout(x31, L3),
+        )  # fmt: skip
+
+    @gluon.jit
+    def _gemv_chunk(words, sw, shift, xa, xb, accs, NT: gl.constexpr, L3: gl.constexpr, LX: gl.constexpr):
+        """Decode and multiply one step's chunks into the accumulators (a tuple of 4 or 8 tensors)."""
+        SPT: gl.constexpr = words.shape[0]
+        CK: gl.constexpr = words.shape[1]
+        wa, wb = gl.split(gl.reshape(words, [SPT, CK, 32, 2, 2]))
+        w0, w2 = _halves(wa, L3)
+        w1, w3 = _halves(wb, L3)
+        x00, x01, x10, x11, x20, x21, x30, x31 = _x_frags(xa, L3, LX)
+        if NT == 1:
+            return gl.inline_asm_elementwise(
+                _GEMV_ASM_1, "=f,=f,=f,=f,r,r,r,r,r,r" + ",r" * 8 + ",f,f,f,f",
+                [w0, w1, w2, w3, sw, shift, x00, x01, x10, x11, x20, x21, x30, x31, accs[0], accs[1], accs[2], accs[3]],
+                dtype=(gl.float32,) * 4, is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            y00, y01, y10, y11, y20, y21, y30, y31 = _x_frags(xb, L3, LX)
+            return gl.inline_asm_elementwise(
+                _GEMV_ASM_2, "=f" + ",=f" * 7 + ",r,r,r,r,r,r" + ",r" * 16 + ",f" * 8,
+                [w0, w1, w2, w3, sw, shift, x00, x01, x10, x11, x20, x21, x30, x31,
+                 y00, y01, y10, y11, y20, y21, y30, y31, accs[0], accs[1], accs[2], accs[3],
+                 accs[4], accs[5], accs[6], accs[7]],
+                dtype=(gl.float32,) * 8, is_pure=True, pack=1,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _gemv_store(y_ptr, acc0, acc1, acc2, acc3, m, n, M, N, scale):
+        """Sum the K-split partials and write one m16n8 D fragment: d0 (m, n), d1 (m+1, n), d2 (m, n+8),
+        d3 (m+1, n+8)."""
+        gl.store(y_ptr + m * N + n, (gl.sum(acc0, axis=1) * scale).to(gl.bfloat16), mask=(m < M) & (n < N))
+        gl.store(y_ptr + (m + 1) * N + n, (gl.sum(acc1, axis=1) * scale).to(gl.bfloat16), mask=(m + 1 < M) & (n < N))
+        gl.store(y_ptr + m * N + n + 8, (gl.sum(acc2, axis=1) * scale).to(gl.bfloat16), mask=(m < M) & (n + 8 < N))
+        y3 = (gl.sum(acc3, axis=1) * scale).to(gl.bfloat16)
+        gl.store(y_ptr + (m + 1) * N + n + 8, y3, mask=(m + 1 < M) & (n + 8 < N))
+
+    @gluon.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, N, K, KCH,
+        SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
+    ):  # fmt: skip
+        """``EVEN``: no padded columns (``K == 64 KCH``) and ``KCH`` a multiple of the step (``C_T * WK`` chunks)."""
+        CK: gl.constexpr = C_T * WK  # chunks per loop step; warp w takes C_T of them
+        L4: gl.constexpr = gl.BlockedLayout([SPT, C_T, 1, 4], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
+        LX: gl.constexpr = gl.BlockedLayout([1, C_T, 1, 8], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(3, L4)  # [stripe, chunk, lane]: the hardware lane is the fragment lane
+        s0 = gl.program_id(0) * SPT
+        shift = (_idx3(32, 2, L3) % 2) * 16
+        x1_off = 8 * (K // 2)  # n-tile 1: x rows 8 .. 15
+        z = gl.zeros([SPT, CK, 32], gl.float32, L3)
+        accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
+        for c in range(0, KCH, CK):
+            words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, x1_off, SPT, CK, NT, EVEN, L4, LX)
+            accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
+        LO: gl.constexpr = gl.SliceLayout(1, L3)
+        lane = gl.arange(0, 32, layout=gl.SliceLayout(0, LO))[None, :]
+        n = (s0 + gl.arange(0, SPT, layout=gl.SliceLayout(1, LO))[:, None]) * 16 + lane // 4
+        m = (lane % 4) * 2
+        scale = gl.load(g_ptr) * 128.0  # multiplier * 2**7
+        _gemv_store(y_ptr, accs[0], accs[1], accs[2], accs[3], m, n, M, N, scale)
+        if NT == 2:
+            _gemv_store(y_ptr, accs[4], accs[5], accs[6], accs[7], m + 8, n, M, N, scale)
