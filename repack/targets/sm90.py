@@ -42,12 +42,13 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_codes, unpack_codes
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
-from .layout import round_up
+from .layout import pad_2d, round_up
 
 ROW_ALIGN = 128  # the kernel's largest N tile: no masks on weight loads
 K_ALIGN = 256  # the kernel's largest K step
 STRIPE = 16  # rows of one A tile
 CHUNK = 64  # K-elements of one 16-byte word group (4 tiles of 16)
+PACK_ROWS = 512  # rows packed at a time (a multiple of ROW_ALIGN): offline memory stays flat for any layer
 
 # Element e of a word: lowest of its 3 magnitude bits, and its sign bit.
 MAG_SHIFT = (6, 22, 3, 19, 0, 16, 26, 10)
@@ -122,18 +123,16 @@ def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
     return view.permute(0, 4, 2, 1, 3).reshape(stripes * STRIPE, kp // BLOCK_SIZE).view(packed.dtype)
 
 
-def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    out = torch.zeros((rows, cols), dtype=t.dtype, device=t.device)
-    out[: t.shape[0], : t.shape[1]] = t
-    return out
-
-
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
     np_, kp = padded_shape(weight.n, weight.k)
-    nibbles = _pad(unpack_codes(weight.codes), np_, kp)
-    scales = _pad(weight.block_scales.view(torch.uint8), np_, kp // BLOCK_SIZE).view(torch.float8_e4m3fn)
+    words = torch.empty(runtime_specs(weight.n, weight.k)["weight"].shape, dtype=torch.int32)
+    for first in range(0, np_, PACK_ROWS):  # row blocks bound the nibble and int32 temporaries
+        rows = weight.codes[first : first + PACK_ROWS]
+        nibbles = pad_2d(unpack_codes(rows), min(PACK_ROWS, np_ - first), kp)
+        words[first // STRIPE : (first + nibbles.shape[0]) // STRIPE] = pack_words(nibbles)
+    scales = pad_2d(weight.block_scales.view(torch.uint8), np_, kp // BLOCK_SIZE).view(torch.float8_e4m3fn)
     return RuntimeLayer(
-        weight=pack_words(nibbles),
+        weight=words,
         weight_scale=pack_scales(scales),
         weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
         weights_padding_cols=0,
@@ -197,7 +196,7 @@ TARGET = Target(
     layout_id="sm90-triton-v2",
     compute_capabilities=((9, 0),),
     backend="triton",
-    description="Hopper (H100, H200): this project's Triton W4A16 kernels, mma A-fragment words, 128x256 padding",
+    description="H100, H200",
     flashinfer_versions=(),
     to_runtime=to_runtime,
     from_runtime=from_runtime,
