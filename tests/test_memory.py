@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from repack.targets import TARGETS
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_convert.py"
 spec = importlib.util.spec_from_file_location("bench_convert", SCRIPT)
 bench_convert = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_convert)
 
 
-@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("target", [t.name for t in TARGETS])
 def test_peak_rss_is_bounded_by_a_few_layers(tmp_path, target):
     model = tmp_path / "model"
     layer_bytes = bench_convert.make_model(model, gigabytes=0.25, n=1024, k=14336)  # ~30 layers of 8 MB
