@@ -626,12 +626,21 @@ def assert_one_line_error(err: str, match: str) -> None:
         assert part in line, f"{part!r} not in {line!r}"
 
 
-@pytest.fixture(params=CASES)
-def broken(request, make_model, tmp_path):
-    build, match, inspectable = request.param
+def _build_case(param, make_model, tmp_path):
+    build, match, inspectable = param
     work = tmp_path / "work"
     work.mkdir()
     return build(make_model, work), match, inspectable, work
+
+
+@pytest.fixture(params=CASES)
+def broken(request, make_model, tmp_path):
+    return _build_case(request.param, make_model, tmp_path)
+
+
+@pytest.fixture(params=[c for c in CASES if c.values[0][2]])  # damage inspect can see: headers, config, index
+def broken_inspectable(request, make_model, tmp_path):
+    return _build_case(request.param, make_model, tmp_path)
 
 
 def run_cli(argv, capsys):
@@ -670,10 +679,8 @@ def test_existing_output_survives(broken, tmp_path, capsys, overwrite):
     assert staging_leftovers(tmp_path, "out") == []
 
 
-def test_inspect_refuses(broken, capsys):
-    path, match, inspectable, work = broken
-    if not inspectable:
-        pytest.skip("damage lies in the tensor data, which inspect does not read")
+def test_inspect_refuses(broken_inspectable, capsys):
+    path, match, _, work = broken_inspectable
     before = sorted(p.name for p in work.rglob("*"))
     code, _, err = run_cli(["inspect", path], capsys)
     assert code == 1
