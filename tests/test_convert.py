@@ -168,3 +168,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, code, mess
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command,text", [("convert", "<model>-<target>"), ("verify", "recorded in"),
+                                          ("inspect", "bundle folder"), ("targets", "backends")])
+def test_help_is_complete(capsys, command, text):
+    assert main([command, "--help"]) == 0
+    assert text in " ".join(capsys.readouterr().out.split())

@@ -49,7 +49,7 @@ def convert(
     target: TargetOpt,
     model: Annotated[Optional[Path], typer.Argument(help="Source model folder (config.json + .safetensors).")] = None,
     out: Annotated[
-        Optional[Path], typer.Option("--out", "-o", help="Output bundle folder [default: <model>-<target>].")
+        Optional[Path], typer.Option("--out", "-o", help="Output bundle folder (default: <model>-<target>).")
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
@@ -203,11 +203,12 @@ class DeviceChoice(str, Enum):
 def verify(
     bundle: Annotated[Path, typer.Argument(help="The bundle folder to check.")],
     source: Annotated[
-        Optional[Path], typer.Option(help="Source checkpoint [default: the path recorded in the manifest, if present].")
+        Optional[Path],
+        typer.Option(help="Source checkpoint (default: the path recorded in the manifest, if it exists)."),
     ] = None,
     device: Annotated[DeviceChoice, typer.Option(help="Where the runtime GEMM runs.")] = DeviceChoice.cpu,
     json_report: Annotated[Optional[Path], typer.Option("--json", help="Also write a JSON report to this file.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for the random activations [default: fresh].")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for the random activations (default: fresh each run).")] = None,
 ) -> int:
     """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
 
