@@ -52,7 +52,8 @@ class VerifyReport:
     target: str
     device: str
     backend: str
-    source: str | None
+    source: str | None  # None: no source to compare against, so exactness was not checked
+    seed: int
     tolerance: float
     files: list[TensorCheck]
     layers: list[TensorCheck]
@@ -92,7 +93,7 @@ def _check_files(bundle: Bundle) -> list[TensorCheck]:
 
 def _check_tensor(bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None) -> None:
     """Header dtype/shape and sha256 against the manifest (and against the layout, if ``expected``)."""
-    record = bundle.manifest.all_tensors()[name]
+    record = bundle.manifest.all_tensors[name]
     try:
         entry = bundle.entry(name)
     except RepackError as exc:
@@ -117,7 +118,7 @@ def _check_layer_integrity(bundle: Bundle, prefix: str, check: TensorCheck) -> N
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
                                               b.contiguous().reshape(-1).view(torch.uint8))
 
 
@@ -162,10 +163,11 @@ def verify_bundle(
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     loaded = load_bundle(bundle, device)
     src = _source_for(bundle, source)
-    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
+    seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
     report = VerifyReport(
         bundle=str(bundle.root), target=bundle.target.name, device=device, backend=loaded.backend,
-        source=str(src.checkpoint.root) if src else None, tolerance=NUMERIC_TOLERANCE,
+        source=str(src.checkpoint.root) if src else None, seed=seed, tolerance=NUMERIC_TOLERANCE,
         files=_check_files(bundle), layers=[], passthrough=[],
     )
     tick = progress or (lambda name: None)
@@ -198,7 +200,8 @@ def verify_bundle(
                 check.fail(f"{name}: differs from the source")
         tick(name)
     if src is not None:
-        missing = sorted(set(src.layers) - set(bundle.manifest.layers))
-        for prefix in missing:
+        for prefix in sorted(set(src.layers) - set(bundle.manifest.layers)):
             report.layers.append(TensorCheck(prefix, "fail", [f"{prefix}: source layer missing from the bundle"]))
+        for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough)):
+            report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"]))
     return report

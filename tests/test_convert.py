@@ -40,7 +40,7 @@ def check_bundle_against_source(source_path, out, target):
     manifest = bundle.manifest
     assert manifest.target == target.name and manifest.layout_id == target.layout_id
     assert set(manifest.layers) == set(source.layers)
-    for name, record in manifest.all_tensors().items():
+    for name, record in manifest.all_tensors.items():
         raw = as_bytes(tensors[name]).numpy().tobytes()
         assert hashlib.sha256(raw).hexdigest() == record.sha256, name
     for prefix, layer in source.layers.items():
@@ -55,7 +55,7 @@ def check_bundle_against_source(source_path, out, target):
         assert tensors[f"{prefix}.weight_global_scale"].dtype == torch.float32
     for name in source.passthrough:
         assert torch.equal(as_bytes(tensors[name]), as_bytes(source.checkpoint.read(name))), name
-    assert set(tensors) == set(manifest.all_tensors())
+    assert set(tensors) == set(manifest.all_tensors)
     return manifest
 
 
@@ -113,9 +113,17 @@ def test_existing_output_is_never_touched(make_model, tmp_path):
     (out / "keep.txt").write_text("precious")
     with pytest.raises(RepackError, match="already exists"):
         convert(model.path, "sm100", out)
+    with pytest.raises(RepackError, match="not an nvfp4-repack bundle"):
+        convert(model.path, "sm100", out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "precious"
-    convert(model.path, "sm100", out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+
+
+def test_overwrite_replaces_a_bundle(make_model, tmp_path):
+    out = tmp_path / "bundle"
+    convert(make_model().path, "sm100", out)
+    convert(make_model().path, "sm120", out, overwrite=True)
+    assert open_bundle(out).manifest.target == "sm120"
 
 
 def test_failure_midway_leaves_nothing(make_model, tmp_path):
@@ -175,3 +183,48 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, code, mess
 def test_help_is_complete(capsys, command, text):
     assert main([command, "--help"]) == 0
     assert text in " ".join(capsys.readouterr().out.split())
+
+
+def test_each_layer_is_converted_once_and_kept_in_one_shard(make_model, tmp_path, monkeypatch):
+    """Even when a layer's weight alone exceeds --max-shard-size (the splitter gives such tensors own shards)."""
+    from repack.formats import SourceModel
+
+    model = make_model("modelopt", shapes=[(128, 512)] * 4)
+    target = TARGETS[0]
+    calls = []
+    real = SourceModel.load_layer
+    monkeypatch.setattr(SourceModel, "load_layer", lambda self, layer: calls.append(layer.prefix) or real(self, layer))
+    convert(model.path, target.name, tmp_path / "bundle", max_shard_size=10_000)
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 4
+    monkeypatch.undo()
+    manifest = open_bundle(tmp_path / "bundle").manifest
+    for layer in manifest.layers.values():
+        assert len({record.file for record in layer.tensors.values()}) == 1
+    check_bundle_against_source(model.path, tmp_path / "bundle", target)
+
+
+def test_a_manifest_in_the_source_folder_is_not_copied(make_model, tmp_path):
+    model = make_model()
+    (model.path / "manifest.json").write_text('{"unrelated": true}')
+    out = tmp_path / "bundle"
+    convert(model.path, "sm100", out)
+    assert "manifest.json" not in open_bundle(out).manifest.files
+    from repack.verify import verify_bundle
+
+    assert verify_bundle(out).passed
+
+
+def test_runtime_refuses_a_tensor_of_the_wrong_shape(make_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from repack.runtime import load_bundle
+
+    model = make_model(shapes=[(128, 256)])
+    out = tmp_path / "bundle"
+    convert(model.path, "sm100", out)
+    name = "model.layers.0.mlp.proj.weight"
+    tensors = load_file(out / "model.safetensors")
+    tensors[name] = tensors[name][:64].clone()
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(RepackError, match="is not the sm100 layout"):
+        load_bundle(out).layer("model.layers.0.mlp.proj")

@@ -320,7 +320,7 @@ def test_parse_manifest_mutated(real_manifest, data):
     if manifest is not None:
         assert isinstance(manifest, Manifest)
         assert parse_manifest(json.loads(manifest.to_json())) == manifest  # what parses, round-trips
-        manifest.all_tensors()
+        manifest.all_tensors
 
 
 @fuzz(100)

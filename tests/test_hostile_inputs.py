@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from repack.cli import main
 from repack.convert import convert
 from repack.formats.checkpoint import open_checkpoint
+from repack.sample import SAMPLE_DIR
 
 LAYER = "model.layers.1.mlp.proj"
 SHAPES = [(16, 32), (32, 64)]
@@ -665,17 +666,17 @@ def test_convert_refuses(broken, tmp_path, capsys):
 @pytest.mark.parametrize("overwrite", [False, True], ids=["keep", "overwrite"])
 def test_existing_output_survives(broken, tmp_path, capsys, overwrite):
     path, match, _, _ = broken
-    out = tmp_path / "out"
-    out.mkdir()
+    out = tmp_path / "out"  # an existing bundle (which --overwrite may replace) holding one more file
+    convert(SAMPLE_DIR, "sm100", out)
     (out / "keep.txt").write_text("precious")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     code, _, err = run_cli(["convert", path, "--target", "sm120", "-o", out] + ["--overwrite"] * overwrite, capsys)
     assert code == 1
     if overwrite:
         assert_one_line_error(err, match)
     else:  # either complaint is right: the input is bad and OUT exists
         assert_one_line_error(err, match if "already exists" not in err else "already exists")
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
-    assert (out / "keep.txt").read_text() == "precious"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert staging_leftovers(tmp_path, "out") == []
 
 
@@ -748,18 +749,19 @@ def test_disk_full_while_writing(make_model, tmp_path, capsys, monkeypatch, over
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(repack.convert, "write_shard", full)
     out = tmp_path / "out"
-    if overwrite:
-        out.mkdir()
+    if overwrite:  # an existing bundle, which --overwrite may replace, holding one more file
+        convert(SAMPLE_DIR, "sm100", out)
         (out / "keep.txt").write_text("precious")
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if overwrite else None
+    monkeypatch.setattr(repack.convert, "write_shard", full)
     argv = ["convert", small(make_model, shards=2), "-t", "sm100", "-o", out, "--max-shard-size", "2KB"]
     code, _, err = run_cli(argv + ["--overwrite"] * overwrite, capsys)
     assert code == 1
     assert_one_line_error(err, "conversion failed, nothing written: No space left on device")
     assert staging_leftovers(tmp_path, "out") == []
     if overwrite:
-        assert [p.name for p in out.iterdir()] == ["keep.txt"]
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     else:
         assert not out.exists()
 

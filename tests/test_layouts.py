@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from repack.errors import RepackError
 from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS, resolve_target
@@ -86,7 +87,7 @@ def test_padding_is_zero_and_shape_matches_vllm():
 
 
 def test_unknown_target_lists_valid_ones():
-    with pytest.raises(Exception, match="valid targets: sm100"):
+    with pytest.raises(RepackError, match="unknown target 'sm80'; valid targets: sm100"):
         resolve_target("sm80")
 
 
@@ -95,8 +96,11 @@ def test_aliases_resolve():
     assert resolve_target("sm121").name == "sm120"
 
 
-@pytest.mark.parametrize("bad", ["nan", "negative", "zero_global", "inf_global"])
-def test_canonical_validation_rejects_bad_values(bad):
+@pytest.mark.parametrize("bad,message", [("nan", "block scales contain NaN"),
+                                         ("negative", "block scales contain negative values"),
+                                         ("zero_global", "must be finite and positive, got 0.0"),
+                                         ("inf_global", "must be finite and positive, got inf")])
+def test_canonical_validation_rejects_bad_values(bad, message):
     w = random_nvfp4(16, 32)
     scales, mult = w.block_scales.view(torch.uint8).clone(), w.multiplier.clone()
     if bad == "nan":
@@ -107,5 +111,5 @@ def test_canonical_validation_rejects_bad_values(bad):
         mult[0] = 0.0
     else:
         mult[0] = float("inf")
-    with pytest.raises(Exception, match="layer"):
+    with pytest.raises(RepackError, match=f"layer: .*{message}"):
         NVFP4Weight(w.codes, scales.view(torch.float8_e4m3fn), mult).validate("layer")

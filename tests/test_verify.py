@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
+from repack.formats.safetensors_io import DTYPE_NAMES, file_sha256, tensor_bytes
 from repack.verify import verify_bundle
 
 from .conftest import PRODUCERS
@@ -59,23 +61,31 @@ def test_flipped_weight_byte_is_caught(bundle, capsys):
     assert code == 1 and LAYER in text and "sha256" in text
 
 
-def test_changed_global_scale_is_caught_even_with_a_consistent_manifest(bundle, capsys):
-    """Rewrite the tensor AND its manifest hashes: only the comparison with the source can catch it."""
-    out, model = bundle
+def rewrite_consistently(out, name, value):
+    """Replace (or, with None, delete) tensor ``name`` in its shard AND in the manifest, hashes recomputed:
+    a tamperer who knows the format. Only the comparison with the source can catch what this does."""
     manifest_path = out / "manifest.json"
-    bundle_ = open_bundle(out)
-    record = bundle_.manifest.all_tensors()[f"{LAYER}.weight_global_scale"]
-    tensors = load_file(out / record.file)
-    tensors[f"{LAYER}.weight_global_scale"] = tensors[f"{LAYER}.weight_global_scale"] * 2
-    save_file(tensors, out / record.file, metadata={"format": "pt"})
-    from repack.formats.safetensors_io import file_sha256, tensor_bytes
-    import hashlib
-
     manifest = json.loads(manifest_path.read_text())
-    manifest["layers"][LAYER]["tensors"]["weight_global_scale"]["sha256"] = hashlib.sha256(
-        tensor_bytes(tensors[f"{LAYER}.weight_global_scale"])).hexdigest()
+    record = open_bundle(out).manifest.all_tensors[name]
+    tensors = load_file(out / record.file)
+    prefix, _, part = name.rpartition(".")
+    records = manifest["layers"][prefix]["tensors"] if prefix in manifest["layers"] else manifest["passthrough"]
+    key = part if prefix in manifest["layers"] else name
+    if value is None:
+        del tensors[name], records[key]
+    else:
+        tensors[name] = value
+        records[key].update(sha256=hashlib.sha256(tensor_bytes(value)).hexdigest(),
+                            dtype=DTYPE_NAMES[value.dtype], shape=list(value.shape))
+    save_file(tensors, out / record.file, metadata={"format": "pt"})
     manifest["files"][record.file] = file_sha256(out / record.file)
     manifest_path.write_text(json.dumps(manifest))
+
+
+def test_changed_global_scale_is_caught_even_with_a_consistent_manifest(bundle, capsys):
+    out, model = bundle
+    name = f"{LAYER}.weight_global_scale"
+    rewrite_consistently(out, name, load_file(next(out.glob("*.safetensors")))[name] * 2)
     report = verify_bundle(out, source=model.path)
     failed = [c for c in report.layers if c.status == "fail"]
     assert [c.name for c in failed] == [LAYER]
@@ -85,7 +95,7 @@ def test_changed_global_scale_is_caught_even_with_a_consistent_manifest(bundle, 
 
 def test_deleted_tensor_is_caught(bundle, capsys):
     out, _ = bundle
-    record = open_bundle(out).manifest.all_tensors()[f"{LAYER}.weight_scale"]
+    record = open_bundle(out).manifest.all_tensors[f"{LAYER}.weight_scale"]
     tensors = load_file(out / record.file)
     del tensors[f"{LAYER}.weight_scale"]
     save_file(tensors, out / record.file, metadata={"format": "pt"})
@@ -116,12 +126,40 @@ def test_edited_target_is_caught(bundle, capsys):
     assert code == 1 and "is not the" in text and "layout" in text
 
 
+def test_dropped_passthrough_tensor_is_caught(bundle):
+    out, model = bundle
+    rewrite_consistently(out, "lm_head.weight", None)
+    report = verify_bundle(out, source=model.path)  # hashes and manifest are consistent; the source tells
+    assert [c.name for c in report.failures] == ["lm_head.weight"]
+    assert "missing from the bundle" in report.failures[0].errors[0]
+
+
+def test_passthrough_dtype_change_is_caught(bundle):
+    out, model = bundle
+    same_bytes = load_file(next(out.glob("*.safetensors")))["lm_head.weight"].view(torch.bfloat16)  # was fp16
+    rewrite_consistently(out, "lm_head.weight", same_bytes)
+    report = verify_bundle(out, source=model.path)
+    assert [c.name for c in report.failures] == ["lm_head.weight"]
+
+
 def test_verify_on_real_producer_bundle_without_source(tmp_path, capsys):
     out = tmp_path / "bundle"
     convert(PRODUCERS / "modelopt_nvfp4_sharded", "sm120", out)
-    # Moving the bundle away from its recorded source still verifies integrity and numerics.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["source"]["path"] = str(tmp_path / "moved-away")  # the usual case on another machine
+    (out / "manifest.json").write_text(json.dumps(manifest))
     code, text = run_verify(out, capsys)
     assert code == 0, text
+    assert "exactness was NOT checked" in " ".join(text.split())
+    assert verify_bundle(out).source is None
+
+
+def test_failure_reports_the_seed(bundle, capsys, tmp_path):
+    out, _ = bundle
+    flip_tensor_byte(out, f"{LAYER}.weight")
+    code, text = run_verify(out, capsys, "--seed", "1234", "--json", str(tmp_path / "r.json"))
+    assert code == 1 and "seed 1234" in text
+    assert json.loads((tmp_path / "r.json").read_text())["seed"] == 1234
 
 
 @pytest.mark.gpu

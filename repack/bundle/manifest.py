@@ -10,6 +10,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,9 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)
     kind: str = BUNDLE_KIND
 
+    @cached_property
     def all_tensors(self) -> dict[str, TensorRecord]:
-        """Every tensor of the bundle by its name in the safetensors files."""
+        """Every tensor of the bundle by its name in the safetensors files (built once: looked up per tensor)."""
         out = {f"{prefix}.{part}": rec for prefix, layer in self.layers.items() for part, rec in layer.tensors.items()}
         out.update(self.passthrough)
         return out

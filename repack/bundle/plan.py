@@ -82,20 +82,25 @@ def parse_size(size: int | str) -> int:
 
 
 def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str = "5GB") -> BundlePlan:
-    """Assign every output tensor to a shard, keeping the source's tensor order (a layer's parts adjacent)."""
-    outputs: dict[str, PlannedTensor] = {}
-    for layer in source.layers.values():
-        for tensor in _layer_outputs(layer, target):
-            outputs[tensor.name] = tensor
+    """Assign every output tensor to a shard, in name order.
+
+    A layer's parts are one unit for the splitter, so they always share a shard and are written one after
+    another: the layer is converted once and only one converted layer is ever held in memory.
+    """
+    units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in source.layers.values()}
+    names = {t.name: prefix for prefix, parts in units.items() for t in parts}
     for name in source.passthrough:
         entry = source.checkpoint.tensors[name]
-        if name in outputs:
-            raise RepackError(f"tensor {name!r} would collide with the converted layer {outputs[name].layer.prefix!r}")
-        outputs[name] = PlannedTensor(name, entry.dtype_name, entry.shape, entry.nbytes, source_name=name)
+        if name in names:
+            raise RepackError(f"tensor {name!r} would collide with the converted layer {names[name]!r}")
+        units[name] = [PlannedTensor(name, entry.dtype_name, entry.shape, entry.nbytes, source_name=name)]
     max_bytes = parse_size(max_shard_size)
-    ordered = dict(sorted(outputs.items()))
+    ordered = dict(sorted(units.items()))
     split = split_state_dict_into_shards_factory(
-        ordered, get_storage_size=lambda t: t.nbytes, filename_pattern=SHARD_PATTERN, max_shard_size=max_bytes
+        ordered,
+        get_storage_size=lambda parts: sum(t.nbytes for t in parts),
+        filename_pattern=SHARD_PATTERN,
+        max_shard_size=max_bytes,
     )
-    shards = {file: [ordered[name] for name in names] for file, names in split.filename_to_tensors.items()}
+    shards = {file: [t for key in keys for t in ordered[key]] for file, keys in split.filename_to_tensors.items()}
     return BundlePlan(target=target, shards=shards)

@@ -27,7 +27,7 @@ class Bundle:
 
     def entry(self, name: str) -> TensorEntry:
         """Where tensor ``name`` is, per the manifest, checked against the shard's own header."""
-        record = self.manifest.all_tensors().get(name)
+        record = self.manifest.all_tensors.get(name)
         if record is None:
             raise RepackError(f"{self.root}: the manifest lists no tensor {name!r}")
         if record.file not in self._headers:
@@ -44,6 +44,12 @@ class Bundle:
         """One layer's runtime tensors, as the target's kernels consume them."""
         record = self.layer(prefix)
         tensors = {part: self.read(f"{prefix}.{part}") for part in record.tensors}
+        for part, spec in self.target.runtime_specs(record.n, record.k).items():
+            if (tensors[part].dtype, tuple(tensors[part].shape)) != (spec.dtype, spec.shape):
+                raise RepackError(
+                    f"{prefix}.{part}: {tensors[part].dtype} {list(tensors[part].shape)} is not the {self.target.name} "
+                    f"layout's {spec.dtype} {list(spec.shape)} for N={record.n}, K={record.k}; run verify"
+                )
         return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
 
     def layer(self, prefix: str) -> LayerRecord:

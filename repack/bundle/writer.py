@@ -97,6 +97,8 @@ def check_destination(out: Path, overwrite: bool, protected: Iterable[Path] = ()
             raise RepackError(f"{out}: already exists (pass --overwrite to replace it)")
         if not out.is_dir() or out.is_symlink():
             raise RepackError(f"{out}: exists and is not a folder; refusing to replace it")
+        if not (out / "manifest.json").is_file() and any(out.iterdir()):
+            raise RepackError(f"{out}: exists and is not an nvfp4-repack bundle; --overwrite only replaces bundles")
     if not out.parent.is_dir():
         raise RepackError(f"{out.parent}: output's parent folder does not exist")
 
@@ -180,7 +182,11 @@ def _replace(staging: Path, out: Path) -> None:
         return  # staging now holds the old bundle; the caller deletes it
     retired = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
     out.rename(retired)
-    staging.rename(out)  # a kill before this line: recover_interrupted() restores ``retired``
+    try:
+        staging.rename(out)  # a kill before this line: recover_interrupted() restores ``retired``
+    except BaseException:
+        retired.rename(out)
+        raise
     shutil.rmtree(retired, ignore_errors=True)
 
 

@@ -246,10 +246,13 @@ def verify(
     if json_report is not None:
         json_report.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if report.passed:
+        scope = ("integrity, exactness against the source, numerics" if report.source else
+                 "integrity and numerics against the bundle's own decode; no source found, so exactness was NOT "
+                 "checked (pass --source)")
         stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors, "
-                     f"{len(report.files)} files; relative error <= {report.tolerance:g}")
+                     f"{len(report.files)} files; relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
         return 0
-    stdout.print(f"[red]FAIL[/]: {len(report.failures)} check(s) failed", soft_wrap=True)
+    stdout.print(f"[red]FAIL[/]: {len(report.failures)} check(s) failed (activation seed {report.seed})", soft_wrap=True)
     return 1
 
 

@@ -86,8 +86,10 @@ class Checkpoint:
         return read_tensor(self.entry(name))
 
     def side_files(self) -> list[str]:
-        """Top-level files that are neither weights nor config.json (tokenizer, generation config, recipes...)."""
-        skip = {"config.json", INDEX_NAME, *self.shard_files}
+        """Top-level files that are neither weights nor config.json (tokenizer, generation config, recipes...).
+
+        A ``manifest.json`` is not one: the bundle writes its own under that name."""
+        skip = {"config.json", INDEX_NAME, BUNDLE_MANIFEST, *self.shard_files}
         return sorted(
             p.name
             for p in self.root.iterdir()

@@ -96,8 +96,9 @@ def collect_layers(
         name[: -len(suffix)] for name in checkpoint.tensors if name.endswith(suffix) and is_quantized(name)
     )
     global_suffix = "." + scheme.global_scale
+    known = set(prefixes)
     for name in checkpoint.tensors:
-        if name.endswith(global_suffix) and name[: -len(global_suffix)] not in prefixes:
+        if name.endswith(global_suffix) and name[: -len(global_suffix)] not in known:
             raise RepackError(f"{name}: global scale without a packed NVFP4 weight {name[: -len(global_suffix)]}{suffix}")
     layers = {p: _layer_from_headers(checkpoint, scheme, p) for p in prefixes}
     consumed = {name for layer in layers.values() for name in layer.tensor_names}
