@@ -16,11 +16,11 @@ from typing import Any
 
 from .. import BUNDLE_FORMAT_VERSION
 from ..errors import RepackError
-from ..formats.safetensors_io import DTYPES
+from ..formats.checkpoint import load_json
+from ..formats.safetensors_io import DTYPES, short_repr
 
 MANIFEST_NAME = "manifest.json"
 BUNDLE_KIND = "nvfp4-repack-bundle"
-MAX_MANIFEST_BYTES = 256 << 20  # a manifest lists names and hashes: far smaller for any real model
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -94,11 +94,6 @@ def _int(obj: Any, key: str, where: str) -> int:
     return value
 
 
-def _short(value: object, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _plain_file_name(name: str) -> bool:
     """A file directly inside the bundle folder: no separators, no parent references, no NUL."""
     return name not in ("", ".", "..") and not any(c in name for c in "/\\\x00")
@@ -106,7 +101,7 @@ def _plain_file_name(name: str) -> bool:
 
 def _sha256(value: str, where: str) -> str:
     if not SHA256_HEX.fullmatch(value):
-        raise _fail(f"{where} must be 64 lowercase hex digits, got {_short(value)}")
+        raise _fail(f"{where} must be 64 lowercase hex digits, got {short_repr(value)}")
     return value
 
 
@@ -121,8 +116,8 @@ def _file_hashes(obj: Any, where: str) -> dict[str, str]:
     files = _str_map(obj, where)
     for name, digest in files.items():
         if not _plain_file_name(name):
-            raise _fail(f"{where}: {_short(name)} is not a plain file name")
-        _sha256(digest, f"sha256 of {where}[{_short(name)}]")
+            raise _fail(f"{where}: {short_repr(name)} is not a plain file name")
+        _sha256(digest, f"sha256 of {where}[{short_repr(name)}]")
     return files
 
 
@@ -132,10 +127,10 @@ def _tensor(obj: Any, where: str) -> TensorRecord:
         raise _fail(f"shape of {where} must be non-negative integers")
     file = _get(obj, "file", str, where)
     if not _plain_file_name(file):
-        raise _fail(f"file of {where} must be a plain file name in the bundle, got {_short(file)}")
+        raise _fail(f"file of {where} must be a plain file name in the bundle, got {short_repr(file)}")
     dtype = _get(obj, "dtype", str, where)
     if dtype not in DTYPES:
-        raise _fail(f"dtype of {where} is not a safetensors dtype: {_short(dtype)}")
+        raise _fail(f"dtype of {where} is not a safetensors dtype: {short_repr(dtype)}")
     return TensorRecord(
         file=file,
         dtype=dtype,
@@ -199,11 +194,11 @@ def parse_manifest(data: Any) -> Manifest:
     for prefix, layer in manifest.layers.items():
         for name in [f"{prefix}.{part}" for part in layer.tensors]:
             if name in seen:
-                raise _fail(f"tensor {_short(name)} is listed twice")
+                raise _fail(f"tensor {short_repr(name)} is listed twice")
             seen.add(name)
     for name in manifest.passthrough:
         if name in seen:
-            raise _fail(f"tensor {_short(name)} is listed twice")
+            raise _fail(f"tensor {short_repr(name)} is listed twice")
     return manifest
 
 
@@ -211,11 +206,4 @@ def read_manifest(bundle_dir: Path) -> Manifest:
     path = bundle_dir / MANIFEST_NAME
     if not path.is_file():
         raise RepackError(f"{bundle_dir}: no {MANIFEST_NAME} (not an nvfp4-repack bundle)")
-    try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:  # checked before reading: read(n) would allocate n bytes up front
-            raise _fail(f"{size} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit; not a manifest this tool wrote")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also huge int literals
-        raise _fail(f"invalid JSON ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-    return parse_manifest(data)
+    return parse_manifest(load_json(path))

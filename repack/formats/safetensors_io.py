@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 import torch
 
@@ -66,7 +66,7 @@ MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 HEADER_KEYS = {"dtype", "shape", "data_offsets"}
 
 
-def _short(value: object, limit: int = 80) -> str:
+def short_repr(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: hostile names and shapes stay one short line."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -124,7 +124,7 @@ def _raw_header(file: Path) -> tuple[int, int, object]:
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as exc:
-        raise RepackError(f"{file.name}: the header lists {_short(exc.args[0])} more than once") from None
+        raise RepackError(f"{file.name}: the header lists {short_repr(exc.args[0])} more than once") from None
     except UnicodeDecodeError:
         raise RepackError(f"{file.name}: not a valid safetensors file (header is not UTF-8)") from None
     except (ValueError, RecursionError) as exc:
@@ -134,30 +134,30 @@ def _raw_header(file: Path) -> tuple[int, int, object]:
 
 
 def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
-    where = f"{file.name}: tensor {_short(name)}"
+    where = f"{file.name}: tensor {short_repr(name)}"
     if not isinstance(info, dict) or not HEADER_KEYS <= set(info):
-        raise RepackError(f"{where} must be an object with keys dtype, shape, data_offsets, got {_short(info)}")
+        raise RepackError(f"{where} must be an object with keys dtype, shape, data_offsets, got {short_repr(info)}")
     dtype_name = info["dtype"]
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-        raise RepackError(f"{where} has unsupported dtype {_short(dtype_name)}")
+        raise RepackError(f"{where} has unsupported dtype {short_repr(dtype_name)}")
     shape = info["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise RepackError(f"{where} has an invalid shape {_short(shape)}")
+        raise RepackError(f"{where} has an invalid shape {short_repr(shape)}")
     offsets = info["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)):
-        raise RepackError(f"{where} has invalid data_offsets {_short(offsets)}")
+        raise RepackError(f"{where} has invalid data_offsets {short_repr(offsets)}")
     begin, end = offsets
     if begin > end or data_start + end > size:
         raise RepackError(
-            f"{where} spans bytes [{_short(begin, 24)}, {_short(end, 24)}) of the data, past the end of the file "
+            f"{where} spans bytes [{short_repr(begin, 24)}, {short_repr(end, 24)}) of the data, past the end of the file "
             f"({size} bytes) or reversed; the file is truncated or corrupt"
         )
     expected = _bounded_nbytes(tuple(shape), DTYPES[dtype_name].itemsize, size)
     if expected is None:
-        raise RepackError(f"{where}: {dtype_name} {_short(shape)} is larger than the whole file ({size} bytes)")
+        raise RepackError(f"{where}: {dtype_name} {short_repr(shape)} is larger than the whole file ({size} bytes)")
     if end - begin != expected:
         raise RepackError(
-            f"{where} spans bytes [{begin}, {end}) ({end - begin} bytes) but {dtype_name} {_short(shape)} "
+            f"{where} spans bytes [{begin}, {end}) ({end - begin} bytes) but {dtype_name} {short_repr(shape)} "
             f"needs {expected}"
         )
     return TensorEntry(file, name, dtype_name, tuple(shape), data_start + begin, data_start + end)
@@ -183,7 +183,7 @@ def _check_no_overlap(file: Path, entries: dict[str, TensorEntry]) -> None:
     ordered = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.begin)
     for before, after in zip(ordered, ordered[1:]):
         if after.begin < before.end:
-            raise RepackError(f"{file.name}: tensors {_short(before.name)} and {_short(after.name)} overlap")
+            raise RepackError(f"{file.name}: tensors {short_repr(before.name)} and {short_repr(after.name)} overlap")
 
 
 def read_tensor(entry: TensorEntry) -> torch.Tensor:
@@ -221,12 +221,3 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's raw little-endian bytes without copying (contiguous CPU tensors)."""
     flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy())
-
-
-def write_stream(handle: BinaryIO, chunks: Iterator[bytes | memoryview]) -> str:
-    """Write chunks, returning their sha256."""
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(chunk)
-        handle.write(chunk)
-    return digest.hexdigest()

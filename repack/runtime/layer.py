@@ -24,7 +24,6 @@ class PackedLinear(nn.Module):
         self.n, self.k = n, k
         self.in_features, self.out_features = k, n
         self.target, self.backend = target, backend
-        self.weights_padding_cols = runtime.weights_padding_cols
         for name, tensor in runtime.tensors().items():
             self.register_buffer(name, tensor.to(device))
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
