@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.sample.synthetic import random_nvfp4
 from repack.targets import RuntimeLayer, sm90
 
 pytestmark = [
@@ -29,12 +30,7 @@ def backend():
 
 
 def random_weight(n: int, k: int, seed: int) -> NVFP4Weight:
-    """All 256 code bytes, random positive e4m3 scales (no zeros), random multiplier: never all zeros."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-    multiplier = (torch.rand(1, generator=gen) * 1e-3 + 1e-5).to(torch.float32)
-    return NVFP4Weight(codes, scales, multiplier)
+    return random_nvfp4(n, k, torch.Generator().manual_seed(seed), allow_zero_scales=False)
 
 
 def runtime_on_gpu(weight: NVFP4Weight) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS, resolve_target, sm90, target_for_capability
 
 # (N, K): multiples of 16 but not of 64, N = 16, unaligned to the 128 x 256 padding, and large layers.
@@ -13,12 +14,7 @@ SHAPES = [(16, 16), (16, 4096), (48, 80), (208, 1040), (1040, 272), (4096, 4096)
 
 
 def random_weight(n: int, k: int, seed: int) -> NVFP4Weight:
-    """All 256 code bytes, non-negative non-NaN e4m3 scales (zero and subnormals included), random multiplier."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-    multiplier = (torch.rand(1, generator=gen) * 4 + 1e-3).to(torch.float32)
-    return NVFP4Weight(codes, scales, multiplier)
+    return random_nvfp4(n, k, torch.Generator().manual_seed(seed), allow_zero_scales=True)
 
 
 def assert_same_weight(got: NVFP4Weight, want: NVFP4Weight) -> None:

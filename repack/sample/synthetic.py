@@ -35,10 +35,13 @@ def quantize_nvfp4(weight: torch.Tensor) -> NVFP4Weight:
     return NVFP4Weight(pack_codes(codes), block_scales, multiplier.to(torch.float32))
 
 
-def random_nvfp4(n: int, k: int, generator: torch.Generator | None = None) -> NVFP4Weight:
-    """Random codes (all 256 byte values), random positive finite e4m3 scales, a random multiplier."""
+def random_nvfp4(
+    n: int, k: int, generator: torch.Generator | None = None, *, allow_zero_scales: bool = False
+) -> NVFP4Weight:
+    """Random codes (all 256 byte values), random finite e4m3 scales (positive, or also zero), a random multiplier."""
     codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
-    scale_bits = torch.randint(1, 0x7F, (n, k // BLOCK_SIZE), dtype=torch.uint8, generator=generator)
+    lowest = 0 if allow_zero_scales else 1
+    scale_bits = torch.randint(lowest, 0x7F, (n, k // BLOCK_SIZE), dtype=torch.uint8, generator=generator)
     multiplier = torch.rand(1, generator=generator) * 1e-2 + 1e-4
     return NVFP4Weight(codes, scale_bits.view(torch.float8_e4m3fn), multiplier.to(torch.float32))
 
