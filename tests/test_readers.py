@@ -58,3 +58,19 @@ def test_unquantized_checkpoint_is_refused(make_model):
     (model.path / "config.json").write_text(json.dumps(config))
     with pytest.raises(RepackError, match="not an NVFP4 checkpoint"):
         read_source(model.path)
+
+
+@pytest.mark.parametrize("marker", [{}, False, None, {"target": "sm100"}])
+def test_any_bundle_marker_is_refused_as_a_source(make_model, marker):
+    model = make_model("compressed-tensors")
+    config = json.loads((model.path / "config.json").read_text())
+    config["nvfp4_repack"] = marker
+    (model.path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RepackError, match="is an nvfp4-repack bundle"):
+        read_source(model.path)
+
+
+def test_config_quant_method_wins_over_a_stray_hf_quant_config(make_model):
+    model = make_model("compressed-tensors")
+    (model.path / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "FP8"}}')
+    assert read_source(model.path).format == "compressed-tensors"

@@ -13,12 +13,12 @@ from .source import QuantizedLayer, SourceModel
 def read_source(model: str | Path) -> SourceModel:
     """Open ``model`` and return it as a validated :class:`SourceModel` (headers only, no weights read)."""
     checkpoint = open_checkpoint(model)
+    qc = compressed_tensors.quantization_config(checkpoint)  # config.json's own quant_method wins over a stray
+    if qc is not None:  # hf_quant_config.json
+        return compressed_tensors.read(checkpoint, qc)
     algo = modelopt.quant_algo(checkpoint)
     if algo is not None:
         return modelopt.read(checkpoint, algo)
-    qc = compressed_tensors.quantization_config(checkpoint)
-    if qc is not None:
-        return compressed_tensors.read(checkpoint, qc)
     qc = checkpoint.config.get("quantization_config")
     method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "none"
     raise RepackError(

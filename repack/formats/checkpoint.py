@@ -132,15 +132,19 @@ def _shard_names(root: Path, weight_map: dict | None) -> list[str]:
 
 
 def _refuse_bundle(root: Path, config: dict) -> None:
-    """A bundle's tensors are already in a runtime layout: reading them as a source would double-transform."""
+    """A bundle's tensors are already in a runtime layout: reading them as a source would double-transform.
+
+    A bundle is a folder whose config.json has the marker key (whatever its value) or whose manifest.json is one.
+    """
     marker = config.get(BUNDLE_CONFIG_KEY)
+    is_bundle = BUNDLE_CONFIG_KEY in config
     manifest = root / BUNDLE_MANIFEST
-    if marker is None and manifest.is_file():
+    if not is_bundle and manifest.is_file():
         try:
-            marker = manifest.stat().st_size <= MAX_JSON_BYTES and b'"nvfp4-repack-bundle"' in manifest.read_bytes()
+            is_bundle = manifest.stat().st_size <= MAX_JSON_BYTES and b'"nvfp4-repack-bundle"' in manifest.read_bytes()
         except OSError:
-            marker = None
-    if marker:
+            is_bundle = False
+    if is_bundle:
         target = marker.get("target") if isinstance(marker, dict) else None
         kind = f" for {target}" if isinstance(target, str) else ""
         raise RepackError(
