@@ -9,7 +9,7 @@ from repack.errors import RepackError
 from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS, resolve_target
-from repack.targets.layout import PaddedShape, round_up, swizzle_128x4, unswizzle_128x4
+from repack.targets.layout import round_up, swizzle_128x4, unswizzle_128x4, vllm_geometry
 from repack.targets.sm120 import pack_tiles
 
 from .conftest import LAYER_SHAPES
@@ -81,7 +81,7 @@ def test_sm120_tiles_match_the_documented_index_formula():
 def test_padding_is_zero_and_shape_matches_vllm():
     weight = random_nvfp4(100, 80)
     runtime = resolve_target("sm100").to_runtime(weight)
-    shape = PaddedShape(100, 80)
+    shape = vllm_geometry(100, 80)
     assert runtime.weight.shape == (128, 64) and shape.weights_padding_cols == 24
     assert not runtime.weight[100:].any() and not runtime.weight[:, 40:].any()
 

@@ -12,7 +12,7 @@ from repack.formats import read_source
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
 from repack.targets import TARGETS, resolve_target
-from repack.targets.layout import PaddedShape
+from repack.targets.layout import vllm_geometry
 
 from .conftest import ODD_SHAPES, PRODUCERS
 
@@ -124,7 +124,7 @@ def test_flashinfer_call_contract(bundle_and_source, monkeypatch):
         layer = loaded.layer(prefix)
         x = torch.randn(2, 3, weight.k).to(torch.bfloat16)
         y = layer(x)
-        shape = PaddedShape(weight.n, weight.k)
+        shape = vllm_geometry(weight.n, weight.k)
         assert calls[-1] == ((6, shape.k_padded), shape.n_padded)
         assert y.shape == (2, 3, weight.n)
         assert rel_error(y, x.double() @ dequantize(weight).t()) < BF16_REL_TOL

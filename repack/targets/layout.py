@@ -7,8 +7,6 @@ cuBLAS/CUTLASS's "128x4" scale-factor layout as vLLM's ``swizzle_blockscale`` an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..nvfp4 import BLOCK_SIZE
@@ -21,36 +19,16 @@ def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-@dataclass(frozen=True)
-class PaddedShape:
-    """Logical ``(n, k)`` and the 64-aligned ``(n_padded, k_padded)`` the kernels see."""
-
-    n: int
-    k: int
-
-    @property
-    def n_padded(self) -> int:
-        return round_up(self.n, PAD_ALIGNMENT)
-
-    @property
-    def k_padded(self) -> int:
-        return round_up(self.k, PAD_ALIGNMENT)
-
-    @property
-    def weights_padding_cols(self) -> int:
-        """K padding in BYTES, the value vLLM stores; activations are padded by twice this."""
-        return (self.k_padded - self.k) // 2
-
-    @property
-    def swizzled_scale_shape(self) -> tuple[int, int]:
-        """``[round_up(N, 128), round_up(K/16, 4)]``: uses the ORIGINAL N, as vLLM does."""
-        return round_up(self.n, 128), round_up(self.k // BLOCK_SIZE, 4)
-
-
 def vllm_geometry(n: int, k: int) -> LayerGeometry:
-    """vLLM's 64-alignment of N and K, K padding in bytes (sm100 and sm120 layouts)."""
-    shape = PaddedShape(n, k)
-    return LayerGeometry(shape.n_padded, shape.k_padded, shape.weights_padding_cols)
+    """vLLM's ``pad_nvfp4_weight_for_cutlass``: N and K to multiples of 64, the K padding stored in BYTES
+    (activations are padded by twice that). Shared by the sm100 and sm120 layouts."""
+    k_padded = round_up(k, PAD_ALIGNMENT)
+    return LayerGeometry(round_up(n, PAD_ALIGNMENT), k_padded, (k_padded - k) // 2)
+
+
+def swizzled_scale_shape(n: int, k: int) -> tuple[int, int]:
+    """``[round_up(N, 128), round_up(K/16, 4)]``: uses the ORIGINAL N, as vLLM does."""
+    return round_up(n, 128), round_up(k // BLOCK_SIZE, 4)
 
 
 def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -62,9 +40,9 @@ def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def pad_codes(codes: torch.Tensor, shape: PaddedShape) -> torch.Tensor:
+def pad_codes(codes: torch.Tensor, geometry: LayerGeometry) -> torch.Tensor:
     """uint8 ``[N, K/2]`` -> ``[n_padded, k_padded/2]`` with zero codes (zero weights) appended."""
-    return pad_2d(codes, shape.n_padded, shape.k_padded // 2)
+    return pad_2d(codes, geometry.n_padded, geometry.k_padded // 2)
 
 
 def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
@@ -73,7 +51,7 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
     Byte ``(n, k)`` lands at ``((n//128)*(Kp/4) + k//4)*512 + (n%32)*16 + ((n%128)//32)*4 + k%4``:
     view the padded matrix as ``(N/128, 4, 32, Kp/4, 4)`` and bring the 32-row index inside the 4x4 atom.
     """
-    rows, cols = round_up(scales.shape[0], 128), round_up(scales.shape[1], 4)
+    rows, cols = swizzled_scale_shape(scales.shape[0], scales.shape[1] * BLOCK_SIZE)
     padded = pad_2d(scales.view(torch.uint8), rows, cols)
     tiles = padded.view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4)
     return tiles.reshape(rows, cols).view(scales.dtype)
@@ -81,7 +59,7 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_128x4(swizzled: torch.Tensor, n: int, k_sf: int) -> torch.Tensor:
     """Exact inverse of :func:`swizzle_128x4`: the linear ``[n, k_sf]`` scales, padding dropped."""
-    rows, cols = round_up(n, 128), round_up(k_sf, 4)
+    rows, cols = swizzled_scale_shape(n, k_sf * BLOCK_SIZE)
     flat = swizzled.contiguous().view(torch.uint8).reshape(rows // 128, cols // 4, 32, 4, 4)
     linear = flat.permute(0, 3, 2, 1, 4).reshape(rows, cols)
     return linear[:n, :k_sf].contiguous().view(swizzled.dtype)

@@ -12,16 +12,16 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .base import RuntimeLayer, Target, TensorSpec
-from .layout import PaddedShape, pad_codes, swizzle_128x4, unswizzle_128x4, vllm_geometry
+from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
-    shape = PaddedShape(weight.n, weight.k)
+    geometry = vllm_geometry(weight.n, weight.k)
     return RuntimeLayer(
-        weight=pad_codes(weight.codes, shape),
+        weight=pad_codes(weight.codes, geometry),
         weight_scale=swizzle_128x4(weight.block_scales),
         weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
-        weights_padding_cols=shape.weights_padding_cols,
+        weights_padding_cols=geometry.weights_padding_cols,
     )
 
 
@@ -34,10 +34,10 @@ def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
 
 
 def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
-    shape = PaddedShape(n, k)
+    geometry = vllm_geometry(n, k)
     return {
-        "weight": TensorSpec(torch.uint8, (shape.n_padded, shape.k_padded // 2)),
-        "weight_scale": TensorSpec(torch.float8_e4m3fn, shape.swizzled_scale_shape),
+        "weight": TensorSpec(torch.uint8, (geometry.n_padded, geometry.k_padded // 2)),
+        "weight_scale": TensorSpec(torch.float8_e4m3fn, swizzled_scale_shape(n, k)),
         "weight_global_scale": TensorSpec(torch.float32, (1,)),
     }
 

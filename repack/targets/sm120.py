@@ -1,7 +1,7 @@
 """sm120 / sm121 (Blackwell RTX, RTX PRO, GB10): FlashInfer's sm12x cute-dsl repack, done offline.
 
-Starts from the sm100 layout (64-padded codes, 128x4-swizzled scales), then as
-``_prepare_cute_dsl_sm12x`` does:
+The same as ``_prepare_cute_dsl_sm12x`` applied to vLLM's 64-padded codes and 128x4-swizzled scales, computed
+straight from the canonical linear scales (the swizzle and FlashInfer's unswizzle cancel):
 
 weight: int32 ``[Kp/16, 2*Np]``. The transposed codes ``[Kp/2, Np]`` are cut into tiles of 8 packed rows
 x 64 columns; tile ``(kt, nt)`` becomes 128 little-endian int32 at ``[kt, nt*128 : nt*128+128]``. Byte ``j``
@@ -18,7 +18,7 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .base import RuntimeLayer, Target, TensorSpec
-from .layout import PaddedShape, pad_2d, pad_codes, vllm_geometry
+from .layout import pad_2d, pad_codes, vllm_geometry
 
 # Packed-code tile (rows x cols) -> int32 order, as axes of the 8-D view of [Np, Kp/2]:
 # codes.view(NT, s, h, w, c, KT, q, r) -> (KT, NT, w, c, r, s, h, q).
@@ -54,13 +54,13 @@ def s0e5m3_to_e4m3(encoded: torch.Tensor) -> torch.Tensor:
 
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
-    shape = PaddedShape(weight.n, weight.k)
-    scales = pad_2d(weight.block_scales.view(torch.uint8), shape.n_padded, shape.k_padded // BLOCK_SIZE)
+    geometry = vllm_geometry(weight.n, weight.k)
+    scales = pad_2d(weight.block_scales.view(torch.uint8), geometry.n_padded, geometry.k_padded // BLOCK_SIZE)
     return RuntimeLayer(
-        weight=pack_tiles(pad_codes(weight.codes, shape)),
+        weight=pack_tiles(pad_codes(weight.codes, geometry)),
         weight_scale=e4m3_to_s0e5m3(scales.view(torch.float8_e4m3fn).t().contiguous()),
         weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
-        weights_padding_cols=shape.weights_padding_cols,
+        weights_padding_cols=geometry.weights_padding_cols,
     )
 
 
@@ -75,10 +75,10 @@ def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
 
 
 def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
-    shape = PaddedShape(n, k)
+    geometry = vllm_geometry(n, k)
     return {
-        "weight": TensorSpec(torch.int32, (shape.k_padded // 16, 2 * shape.n_padded)),
-        "weight_scale": TensorSpec(torch.uint8, (shape.k_padded // BLOCK_SIZE, shape.n_padded)),
+        "weight": TensorSpec(torch.int32, (geometry.k_padded // 16, 2 * geometry.n_padded)),
+        "weight_scale": TensorSpec(torch.uint8, (geometry.k_padded // BLOCK_SIZE, geometry.n_padded)),
         "weight_global_scale": TensorSpec(torch.float32, (1,)),
     }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...targets.layout import PaddedShape
+from ...targets.layout import vllm_geometry
 
 
 def _kernel_scales(weight_scale: torch.Tensor, target: str, n_padded: int, k_padded: int) -> torch.Tensor:
@@ -25,7 +25,7 @@ def _kernel_scales(weight_scale: torch.Tensor, target: str, n_padded: int, k_pad
 def linear(x, weight, weight_scale, weight_global_scale, n: int, k: int, target: str) -> torch.Tensor:
     from flashinfer.gemm import mm_bf16_fp4
 
-    shape = PaddedShape(n, k)
+    shape = vllm_geometry(n, k)
     x_padded = F.pad(x, (0, shape.k_padded - k)) if shape.k_padded != k else x
     y = mm_bf16_fp4(
         x_padded.contiguous(),
