@@ -26,9 +26,10 @@ from .bundle.reader import Bundle, open_bundle
 from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
-from .formats.safetensors_io import DTYPE_NAMES, file_sha256, iter_raw_chunks
+from .formats.safetensors_io import DTYPE_NAMES, file_sha256, read_tensor, tensor_bytes
 from .nvfp4 import NVFP4Weight, dequantize
 from .runtime import load_bundle
+from .targets import RuntimeLayer
 
 NUMERIC_TOLERANCE = 1e-2
 BATCH_SIZES = (1, 7, 32)
@@ -71,13 +72,6 @@ class VerifyReport:
         return {**asdict(self), "passed": self.passed}
 
 
-def _sha256_of_tensor(bundle: Bundle, name: str) -> str:
-    digest = hashlib.sha256()
-    for chunk in iter_raw_chunks(bundle.entry(name)):
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _check_files(bundle: Bundle) -> list[TensorCheck]:
     checks = []
     for name, sha in sorted(bundle.manifest.files.items()):
@@ -91,30 +85,41 @@ def _check_files(bundle: Bundle) -> list[TensorCheck]:
     return checks
 
 
-def _check_tensor(bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None) -> None:
-    """Header dtype/shape and sha256 against the manifest (and against the layout, if ``expected``)."""
+def _checked_tensor(
+    bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None
+) -> torch.Tensor | None:
+    """Header dtype/shape against the manifest (and the layout, if ``expected``), then the data, read once and
+    hashed in memory; the tensor when everything matches, else None with the failure recorded."""
     record = bundle.manifest.all_tensors[name]
     try:
         entry = bundle.entry(name)
     except RepackError as exc:
         check.fail(str(exc))
-        return
+        return None
     if (entry.dtype_name, list(entry.shape)) != (record.dtype, record.shape):
         check.fail(f"{name}: file has {entry.dtype_name} {list(entry.shape)}, manifest says {record.dtype} {record.shape}")
-    elif expected is not None and (record.dtype, record.shape) != expected:
+        return None
+    if expected is not None and (record.dtype, record.shape) != expected:
         check.fail(f"{name}: {record.dtype} {record.shape} is not the {bundle.target.name} layout {expected}")
-    elif _sha256_of_tensor(bundle, name) != record.sha256:
+        return None
+    tensor = read_tensor(entry)
+    if hashlib.sha256(tensor_bytes(tensor)).hexdigest() != record.sha256:
         check.fail(f"{name}: sha256 differs from the manifest")
+        return None
+    return tensor
 
 
-def _check_layer_integrity(bundle: Bundle, prefix: str, check: TensorCheck) -> None:
+def _checked_runtime_layer(bundle: Bundle, prefix: str, check: TensorCheck) -> RuntimeLayer | None:
+    """The layer's runtime tensors, each checked against the manifest and the target layout (open_bundle has
+    already made sure the manifest lists exactly the layout's parts)."""
     record = bundle.manifest.layers[prefix]
-    specs = bundle.target.runtime_specs(record.n, record.k)
-    if set(record.tensors) != set(specs):
-        check.fail(f"{prefix}: manifest lists tensors {sorted(record.tensors)}, layout needs {sorted(specs)}")
-        return
-    for part, spec in specs.items():
-        _check_tensor(bundle, f"{prefix}.{part}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
+    tensors = {
+        part: _checked_tensor(bundle, f"{prefix}.{part}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
+        for part, spec in bundle.target.runtime_specs(record.n, record.k).items()
+    }
+    if check.status == "fail":
+        return None
+    return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -174,11 +179,10 @@ def verify_bundle(
     for prefix, record in bundle.manifest.layers.items():
         check = TensorCheck(prefix)
         report.layers.append(check)
-        _check_layer_integrity(bundle, prefix, check)
-        if check.status == "fail":
+        runtime = _checked_runtime_layer(bundle, prefix, check)
+        if runtime is None:
             tick(prefix)
             continue
-        runtime = bundle.runtime_layer(prefix)
         decoded = bundle.target.from_runtime(runtime, record.n, record.k)
         reference = decoded
         if src is not None:
@@ -192,11 +196,11 @@ def verify_bundle(
     for name in bundle.manifest.passthrough:
         check = TensorCheck(name)
         report.passthrough.append(check)
-        _check_tensor(bundle, name, check)
-        if check.status == "ok" and src is not None:
+        tensor = _checked_tensor(bundle, name, check)
+        if tensor is not None and src is not None:
             if name not in src.checkpoint.tensors:
                 check.fail(f"{name}: not in the source")
-            elif not _same_bits(bundle.read(name), src.checkpoint.read(name)):
+            elif not _same_bits(tensor, src.checkpoint.read(name)):
                 check.fail(f"{name}: differs from the source")
         tick(name)
     if src is not None:
