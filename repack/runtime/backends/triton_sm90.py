@@ -50,6 +50,8 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # CPU-only installs: importing must work, calling must say why it cannot
     triton = tl = gluon = gl = None
 
@@ -77,6 +79,7 @@ class GemvConfig:
     chunks: int  # 64-column chunks per warp per loop step (16-byte weight loads per stripe and round trip)
     num_warps: int  # warps per program, each taking every num_warps-th group of chunks along K
     maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
+    stages: int = 0  # TMA ring depth for words and scales (0: plain loads into registers)
 
 
 def gemv_config_for(m: int, n: int, k: int) -> GemvConfig:
@@ -182,12 +185,27 @@ def gemv_linear(
     if m == 0:
         return out
     stripes, chunks = weight.shape[0], weight.shape[1] // 128
-    _gemv_kernel[(stripes // config.spt,)](
-        x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out,
-        m, n, k, chunks,
+    ck = config.chunks * config.num_warps
+    options = dict(
         SPT=config.spt, C_T=config.chunks, WK=config.num_warps, NT=1 if m <= 8 else 2,
-        EVEN=k == 64 * chunks and chunks % (config.chunks * config.num_warps) == 0,
+        EVEN=k == 64 * chunks and chunks % ck == 0,
         num_warps=config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
+    )  # fmt: skip
+    if not config.stages:
+        _gemv_kernel[(stripes // config.spt,)](
+            x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out, m, n, k, chunks,
+            **options,
+        )  # fmt: skip
+        return out
+    words = weight.view(stripes, chunks, 128)
+    scales = weight_scale.view(torch.int16).view(stripes, chunks, 32)
+    w_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [config.spt, ck, 128],
+                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))  # fmt: skip
+    s_desc = TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [config.spt, ck, 32],
+                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))  # fmt: skip
+    _gemv_tma_kernel[(stripes // config.spt,)](
+        x.view(torch.int32), w_desc, s_desc, weight_global_scale, out, m, n, k, chunks, STAGES=config.stages,
+        **options,
     )  # fmt: skip
     return out
 
@@ -248,17 +266,58 @@ def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
 
 
 def dequantize(
-    weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    n: int,
+    k: int,
+    out: torch.Tensor | None = None,
+    tile: tuple[int, int, int] = (64, 256, 4),
 ) -> torch.Tensor:
-    """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors."""
+    """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors.
+
+    ``out``: a contiguous bf16 ``[n, k]`` destination; ``tile``: (rows, columns, warps) per program.
+    """
     _require_triton(weight)
-    out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
-    bn, bk = 64, 256
+    if out is None:
+        out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
+    bn, bk, warps = tile
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _dequant_kernel[grid](
         weight, weight_scale.view(torch.uint16), weight_global_scale, out, n, k, weight.shape[1] // 128,
-        BN=bn, BK=bk, num_warps=4,
+        BN=bn, BK=bk, num_warps=warps,
     )  # fmt: skip
+    return out
+
+
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    n: int,
+    k: int,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Dequantize + cuBLAS, ``chunk_rows`` output features at a time through one reused bf16 buffer.
+
+    A chunk small enough to stay in L2 is written by the dequantize kernel and read back by cuBLAS without
+    a round trip to HBM: the dense path then moves the 4.5-bit weights once instead of writing and reading
+    16 bits per weight. ``None``: one chunk (the whole matrix).
+    """
+    m = x.shape[0]
+    rows = n if chunk_rows is None else min(n, chunk_rows)
+    if rows == n:
+        return torch.nn.functional.linear(x, dequantize(weight, weight_scale, weight_global_scale, n, k))
+    if rows % layout.ROW_ALIGN:
+        raise ValueError(f"chunk_rows must be a multiple of {layout.ROW_ALIGN}, got {rows}")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    buffer = torch.empty((rows, k), dtype=torch.bfloat16, device=x.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        s0, s1 = n0 // layout.STRIPE, triton.cdiv(n1, layout.ROW_ALIGN) * (layout.ROW_ALIGN // layout.STRIPE)
+        w = dequantize(weight[s0:s1], weight_scale[s0:s1], weight_global_scale, n1 - n0, k, out=buffer[: n1 - n0])
+        torch.mm(x, w.t(), out=out[:, n0:n1])
     return out
 
 
@@ -485,24 +544,18 @@ if triton is not None:
         return gl.convert_layout(a, L, assert_trivial=True), gl.convert_layout(b, L, assert_trivial=True)
 
     @gluon.jit
-    def _gemv_sources(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT: gl.constexpr, CK: gl.constexpr,
-                      L4: gl.constexpr, LX: gl.constexpr):  # fmt: skip
+    def _gemv_sources(w_ptr, s_ptr, s0, c0, KCH, SPT: gl.constexpr, CK: gl.constexpr, L4: gl.constexpr):
         """Pointers and masks of chunks ``c0 .. c0 + CK - 1`` (none at and past ``KCH``).
 
         Words ``[SPT, CK, 32, 4]``: one 16-byte run per thread, stripe and chunk. Scales ``[SPT, CK, 32]``: the
-        int32 holding the lane's uint16 pair and its neighbour's. x ``[1, CK, 32, 8]`` int32 (bf16 pairs) of
-        n-tile 0: lane (g, t) reads ``x[g, 64c + 16t .. +15]``, two 16-byte runs (add ``8 * K // 2`` for
-        n-tile 1; rows past M and columns past K are masked).
+        int32 holding the lane's uint16 pair and its neighbour's.
         """
         L3: gl.constexpr = gl.SliceLayout(3, L4)
         c4 = c0 + _idx4(CK, 1, L4)
         w_ptrs = w_ptr + ((s0 + _idx4(SPT, 0, L4)) * KCH + c4) * 128 + _idx4(32, 2, L4) * 4 + _idx4(4, 3, L4)
         c3 = c0 + _idx3(CK, 1, L3)
         s_ptrs = s_ptr + ((s0 + _idx3(SPT, 0, L3)) * KCH + c3) * 16 + _idx3(32, 2, L3) // 2
-        lane = _idx4(32, 2, LX)
-        col = (c0 + _idx4(CK, 1, LX)) * 64 + (lane % 4) * 16
-        x_ptrs = x_ptr + ((lane // 4).to(gl.int64) * (K // 2) + (col // 2 + _idx4(8, 3, LX)))
-        return w_ptrs, c4 < KCH, s_ptrs, c3 < KCH, x_ptrs, (lane // 4 < M) & (col < K)
+        return w_ptrs, c4 < KCH, s_ptrs, c3 < KCH
 
     @gluon.jit
     def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, x1_off, SPT: gl.constexpr, CK: gl.constexpr,
@@ -512,24 +565,39 @@ if triton is not None:
         Unless ``EVEN`` (no step partly past the end), what is not read is zero. x rows past M are never read and
         may hold anything: they only reach D columns that are not stored.
         """
-        w_ptrs, w_mask, s_ptrs, s_mask, x_ptrs, x_mask = _gemv_sources(
-            w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT, CK, L4, LX)
-        row1_ok = 8 + _idx4(32, 2, LX) // 4 < M
+        w_ptrs, w_mask, s_ptrs, s_mask = _gemv_sources(w_ptr, s_ptr, s0, c0, KCH, SPT, CK, L4)
         if EVEN:
             words = gl.load(w_ptrs)
             sw = gl.load(s_ptrs)
-            xa = gl.load(x_ptrs, mask=_idx4(32, 2, LX) // 4 < M)
+        else:
+            words = gl.load(w_ptrs, mask=w_mask)
+            sw = gl.load(s_ptrs, mask=s_mask, other=0)  # zero scales make unread words exactly 0
+        xa, xb = _x_load(x_ptr, c0, M, K, x1_off, CK, NT, EVEN, LX)
+        return words, sw, xa, xb
+
+    @gluon.jit
+    def _x_load(x_ptr, c0, M, K, x1_off, CK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, LX: gl.constexpr):
+        """x B fragments ``[1, CK, 32, 8]`` int32 (bf16 pairs) of chunks ``c0 ..`` for n-tiles 0 and 1 (rows 8..15).
+
+        Lane (g, t) reads ``x[g, 64c + 16t .. +15]``, two 16-byte runs. Rows past M are never read and may hold
+        anything: they only reach D columns that are not stored. Unless ``EVEN``, columns past K read as zero.
+        """
+        lane = _idx4(32, 2, LX)
+        col = (c0 + _idx4(CK, 1, LX)) * 64 + (lane % 4) * 16
+        x_ptrs = x_ptr + ((lane // 4).to(gl.int64) * (K // 2) + (col // 2 + _idx4(8, 3, LX)))
+        row0_ok = lane // 4 < M
+        row1_ok = 8 + lane // 4 < M
+        if EVEN:
+            xa = gl.load(x_ptrs, mask=row0_ok)
             xb = xa
             if NT == 2:
                 xb = gl.load(x_ptrs + x1_off, mask=row1_ok)
         else:
-            words = gl.load(w_ptrs, mask=w_mask)
-            sw = gl.load(s_ptrs, mask=s_mask, other=0)  # zero scales make unread words exactly 0
-            xa = gl.load(x_ptrs, mask=x_mask, other=0)
+            xa = gl.load(x_ptrs, mask=row0_ok & (col < K), other=0)
             xb = xa
             if NT == 2:
-                xb = gl.load(x_ptrs + x1_off, mask=x_mask & row1_ok, other=0)
-        return words, sw, xa, xb
+                xb = gl.load(x_ptrs + x1_off, mask=row1_ok & (col < K), other=0)
+        return xa, xb
 
     @gluon.jit
     def _x_frags(xs, L3: gl.constexpr, LX: gl.constexpr):
@@ -603,11 +671,69 @@ if triton is not None:
         for c in range(0, KCH, CK):
             words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, x1_off, SPT, CK, NT, EVEN, L4, LX)
             accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
+        _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)
+
+    @gluon.jit
+    def _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT: gl.constexpr, NT: gl.constexpr, L3: gl.constexpr):
+        """Sum each accumulator over its chunks and warps, scale by ``multiplier * 2**7`` and store bf16."""
         LO: gl.constexpr = gl.SliceLayout(1, L3)
         lane = gl.arange(0, 32, layout=gl.SliceLayout(0, LO))[None, :]
         n = (s0 + gl.arange(0, SPT, layout=gl.SliceLayout(1, LO))[:, None]) * 16 + lane // 4
         m = (lane % 4) * 2
-        scale = gl.load(g_ptr) * 128.0  # multiplier * 2**7
+        scale = gl.load(g_ptr) * 128.0
         _gemv_store(y_ptr, accs[0], accs[1], accs[2], accs[3], m, n, M, N, scale)
         if NT == 2:
             _gemv_store(y_ptr, accs[4], accs[5], accs[6], accs[7], m + 8, n, M, N, scale)
+
+    @gluon.jit
+    def _gemv_tma_issue(w_desc, s_desc, w_smem, s_smem, bars, s0, step, STAGES: gl.constexpr, CK: gl.constexpr):
+        """Start the copy of step ``step``'s words and scales into its ring slot; its mbarrier counts the bytes."""
+        slot = step % STAGES
+        bar = bars.index(slot)
+        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [s0, step * CK, 0], bar, w_smem.index(slot))
+        tma.async_copy_global_to_shared(s_desc, [s0, step * CK, 0], bar, s_smem.index(slot))
+
+    @gluon.jit
+    def _gemv_tma_kernel(
+        x_ptr, w_desc, s_desc, g_ptr, y_ptr, M, N, K, KCH,
+        SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """``_gemv_kernel`` with words and scales streamed by TMA through a ``STAGES``-deep shared-memory ring.
+
+        Bytes in flight then cost no registers (the register-fed kernel is latency-bound at ~3 warps per
+        scheduler); chunks past ``KCH`` arrive as zeros (the descriptors are [stripes, chunks, ...]).
+        """
+        CK: gl.constexpr = C_T * WK
+        L4: gl.constexpr = gl.BlockedLayout([SPT, C_T, 1, 4], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
+        LX: gl.constexpr = gl.BlockedLayout([1, C_T, 1, 8], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
+        LW: gl.constexpr = gl.BlockedLayout([SPT, C_T, 4], [1, 1, 32], [1, WK, 1], [2, 1, 0])
+        L3: gl.constexpr = gl.SliceLayout(3, L4)
+        s0 = gl.program_id(0) * SPT
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, SPT, CK, 128], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, SPT, CK, 32], s_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        steps = gl.cdiv(KCH, CK)
+        for i in gl.static_range(STAGES - 1):
+            if i < steps:
+                _gemv_tma_issue(w_desc, s_desc, w_smem, s_smem, bars, s0, i, STAGES, CK)
+        shift = gl.zeros([SPT, CK, 32], gl.int32, L3)  # each lane reads its own uint16 scale pair
+        x1_off = 8 * (K // 2)
+        z = gl.zeros([SPT, CK, 32], gl.float32, L3)
+        accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
+        for i in range(steps):
+            if i + STAGES - 1 < steps:  # refill the slot every warp finished reading in the previous step
+                fence_async_shared()
+                _gemv_tma_issue(w_desc, s_desc, w_smem, s_smem, bars, s0, i + STAGES - 1, STAGES, CK)
+            xa, xb = _x_load(x_ptr, i * CK, M, K, x1_off, CK, NT, EVEN, LX)
+            slot = i % STAGES
+            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+            words = gl.convert_layout(gl.reshape(w_smem.index(slot).load(LW), [SPT, CK, 32, 4]), L4)
+            sw = s_smem.index(slot).load(L3).to(gl.int32) & 0xFFFF
+            accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)
