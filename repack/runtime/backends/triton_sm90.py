@@ -30,10 +30,10 @@ nothing cached between calls apart from the SM count).
 Dispatch (``linear``), measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
 
 * ``M <= 16``: ``_gemv_kernel`` with ``gemv_config_for``.
-* ``M <= 128``: ``_w4a16_kernel``, tiles from ``config_for`` (M buckets 32 / 64 / 128); K is split so
+* ``16 < M < dense_crossover_m``: ``_w4a16_kernel``, tiles from ``config_for`` (M buckets 32 / 64 / 128); K is split so
   that about two programs run per SM (``_split_k``), at least twice for ``BM >= 64``.
-* ``M > 128`` (``dense_crossover_m``): ``dequantize`` (``_dequant_kernel``, bf16 weights rounded once)
-  then cuBLAS through ``torch.nn.functional.linear``.
+* ``M >= dense_crossover_m`` (129; 65 for layers of at most 4096 x 4096): ``dequantize`` (``_dequant_kernel``,
+  bf16 weights rounded once) then cuBLAS through ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # CPU-only installs: importing must work, calling must say why it cannot
     triton = tl = gluon = gl = None
 
@@ -79,7 +77,6 @@ class GemvConfig:
     chunks: int  # 64-column chunks per warp per loop step (16-byte weight loads per stripe and round trip)
     num_warps: int  # warps per program, each taking every num_warps-th group of chunks along K
     maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
-    stages: int = 0  # TMA ring depth for words and scales (0: plain loads into registers)
 
 
 def gemv_config_for(m: int, n: int, k: int) -> GemvConfig:
@@ -93,7 +90,8 @@ def gemv_config_for(m: int, n: int, k: int) -> GemvConfig:
 def config_for(m: int) -> KernelConfig:
     """Tile shape for ``m`` activation rows: the fastest on most shapes of the H200 sweep (docs/benchmarks.md).
 
-    ``linear`` sends only ``16 < m <= 128`` here; the ``m <= 16`` tile serves explicit ``fused_linear`` calls.
+    ``linear`` sends only ``16 < m < dense_crossover_m`` here; the ``m <= 16`` tile serves explicit ``fused_linear``
+    calls.
     """
     if m <= 16:
         return KernelConfig(bn=64, bm=16, bk=256, num_warps=4, num_stages=3)
@@ -105,12 +103,14 @@ def config_for(m: int) -> KernelConfig:
 
 
 def dense_crossover_m(n: int, k: int) -> int:
-    """Smallest M served by dequantize + cuBLAS (same for every swept shape).
+    """Smallest M served by dequantize + cuBLAS, measured per layer size on the H200 (docs/benchmarks.md).
 
-    At M = 256 dequantize + cuBLAS beat the best fused config on 4 of the 7 benchmark shapes and lost by at
-    most 13% on the others; at M = 128 the fused kernel won on all 7.
+    Dequantizing costs a pass proportional to N*K while the fused kernel's fixed costs (activation permute,
+    split-K counters) weigh most on small layers: at 4096x4096 the two tie at M = 64 and dequantize + cuBLAS
+    wins at M = 128 (26.7 against 35.6 us); on every larger benchmark layer the fused kernel wins at M = 128
+    (by 1.4-2.0x) and loses at M = 256.
     """
-    return 129
+    return 65 if n * k <= 4096 * 4096 else 129
 
 
 def _require_triton(t: torch.Tensor) -> None:
@@ -185,27 +185,12 @@ def gemv_linear(
     if m == 0:
         return out
     stripes, chunks = weight.shape[0], weight.shape[1] // 128
-    ck = config.chunks * config.num_warps
-    options = dict(
+    _gemv_kernel[(stripes // config.spt,)](
+        x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out,
+        m, n, k, chunks,
         SPT=config.spt, C_T=config.chunks, WK=config.num_warps, NT=1 if m <= 8 else 2,
-        EVEN=k == 64 * chunks and chunks % ck == 0,
+        EVEN=k == 64 * chunks and chunks % (config.chunks * config.num_warps) == 0,
         num_warps=config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
-    )  # fmt: skip
-    if not config.stages:
-        _gemv_kernel[(stripes // config.spt,)](
-            x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out, m, n, k, chunks,
-            **options,
-        )  # fmt: skip
-        return out
-    words = weight.view(stripes, chunks, 128)
-    scales = weight_scale.view(torch.int16).view(stripes, chunks, 32)
-    w_desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [config.spt, ck, 128],
-                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3))  # fmt: skip
-    s_desc = TensorDescriptor(scales, list(scales.shape), list(scales.stride()), [config.spt, ck, 32],
-                              gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3))  # fmt: skip
-    _gemv_tma_kernel[(stripes // config.spt,)](
-        x.view(torch.int32), w_desc, s_desc, weight_global_scale, out, m, n, k, chunks, STAGES=config.stages,
-        **options,
     )  # fmt: skip
     return out
 
@@ -266,58 +251,17 @@ def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
 
 
 def dequantize(
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
-    out: torch.Tensor | None = None,
-    tile: tuple[int, int, int] = (64, 256, 4),
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors.
-
-    ``out``: a contiguous bf16 ``[n, k]`` destination; ``tile``: (rows, columns, warps) per program.
-    """
+    """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors."""
     _require_triton(weight)
-    if out is None:
-        out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
-    bn, bk, warps = tile
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
+    bn, bk = 64, 128  # 81-87% of copy bandwidth on the H200; 1-5% ahead of 64 x 256 (docs/benchmarks.md)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _dequant_kernel[grid](
         weight, weight_scale.view(torch.uint16), weight_global_scale, out, n, k, weight.shape[1] // 128,
-        BN=bn, BK=bk, num_warps=warps,
+        BN=bn, BK=bk, num_warps=4,
     )  # fmt: skip
-    return out
-
-
-def dense_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
-    chunk_rows: int | None = None,
-) -> torch.Tensor:
-    """Dequantize + cuBLAS, ``chunk_rows`` output features at a time through one reused bf16 buffer.
-
-    A chunk small enough to stay in L2 is written by the dequantize kernel and read back by cuBLAS without
-    a round trip to HBM: the dense path then moves the 4.5-bit weights once instead of writing and reading
-    16 bits per weight. ``None``: one chunk (the whole matrix).
-    """
-    m = x.shape[0]
-    rows = n if chunk_rows is None else min(n, chunk_rows)
-    if rows == n:
-        return torch.nn.functional.linear(x, dequantize(weight, weight_scale, weight_global_scale, n, k))
-    if rows % layout.ROW_ALIGN:
-        raise ValueError(f"chunk_rows must be a multiple of {layout.ROW_ALIGN}, got {rows}")
-    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    buffer = torch.empty((rows, k), dtype=torch.bfloat16, device=x.device)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        s0, s1 = n0 // layout.STRIPE, triton.cdiv(n1, layout.ROW_ALIGN) * (layout.ROW_ALIGN // layout.STRIPE)
-        w = dequantize(weight[s0:s1], weight_scale[s0:s1], weight_global_scale, n1 - n0, k, out=buffer[: n1 - n0])
-        torch.mm(x, w.t(), out=out[:, n0:n1])
     return out
 
 
@@ -684,56 +628,3 @@ if triton is not None:
         _gemv_store(y_ptr, accs[0], accs[1], accs[2], accs[3], m, n, M, N, scale)
         if NT == 2:
             _gemv_store(y_ptr, accs[4], accs[5], accs[6], accs[7], m + 8, n, M, N, scale)
-
-    @gluon.jit
-    def _gemv_tma_issue(w_desc, s_desc, w_smem, s_smem, bars, s0, step, STAGES: gl.constexpr, CK: gl.constexpr):
-        """Start the copy of step ``step``'s words and scales into its ring slot; its mbarrier counts the bytes."""
-        slot = step % STAGES
-        bar = bars.index(slot)
-        mbarrier.expect(bar, w_desc.block_type.nbytes + s_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [s0, step * CK, 0], bar, w_smem.index(slot))
-        tma.async_copy_global_to_shared(s_desc, [s0, step * CK, 0], bar, s_smem.index(slot))
-
-    @gluon.jit
-    def _gemv_tma_kernel(
-        x_ptr, w_desc, s_desc, g_ptr, y_ptr, M, N, K, KCH,
-        SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """``_gemv_kernel`` with words and scales streamed by TMA through a ``STAGES``-deep shared-memory ring.
-
-        Bytes in flight then cost no registers (the register-fed kernel is latency-bound at ~3 warps per
-        scheduler); chunks past ``KCH`` arrive as zeros (the descriptors are [stripes, chunks, ...]).
-        """
-        CK: gl.constexpr = C_T * WK
-        L4: gl.constexpr = gl.BlockedLayout([SPT, C_T, 1, 4], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
-        LX: gl.constexpr = gl.BlockedLayout([1, C_T, 1, 8], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
-        LW: gl.constexpr = gl.BlockedLayout([SPT, C_T, 4], [1, 1, 32], [1, WK, 1], [2, 1, 0])
-        L3: gl.constexpr = gl.SliceLayout(3, L4)
-        s0 = gl.program_id(0) * SPT
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, SPT, CK, 128], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, SPT, CK, 32], s_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        steps = gl.cdiv(KCH, CK)
-        for i in gl.static_range(STAGES - 1):
-            if i < steps:
-                _gemv_tma_issue(w_desc, s_desc, w_smem, s_smem, bars, s0, i, STAGES, CK)
-        shift = gl.zeros([SPT, CK, 32], gl.int32, L3)  # each lane reads its own uint16 scale pair
-        x1_off = 8 * (K // 2)
-        z = gl.zeros([SPT, CK, 32], gl.float32, L3)
-        accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
-        for i in range(steps):
-            if i + STAGES - 1 < steps:  # refill the slot every warp finished reading in the previous step
-                fence_async_shared()
-                _gemv_tma_issue(w_desc, s_desc, w_smem, s_smem, bars, s0, i + STAGES - 1, STAGES, CK)
-            xa, xb = _x_load(x_ptr, i * CK, M, K, x1_off, CK, NT, EVEN, LX)
-            slot = i % STAGES
-            mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-            words = gl.convert_layout(gl.reshape(w_smem.index(slot).load(LW), [SPT, CK, 32, 4]), L4)
-            sw = s_smem.index(slot).load(L3).to(gl.int32) & 0xFFFF
-            accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-        _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)
