@@ -101,3 +101,19 @@ def test_activations_in_kslot_order() -> None:
     out = kslot_order(x, 256)
     padded = torch.nn.functional.pad(x, (0, 176))
     assert torch.equal(out, padded[:, sm90.kslot_column(torch.arange(256))])
+
+
+def test_decode_shifts_deliver_the_rotated_bits() -> None:
+    """Where the decode kernel's PTX uses a plain left shift instead of a rotate, every bit it keeps is the same."""
+    from repack.runtime.backends import triton_sm90 as backend
+
+    words = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
+    words[:2] = torch.tensor([0xFFFFFFFF, 0x80000001])
+    plain = 0
+    for r, mask in backend._rotation_masks().items():
+        line = backend._rotate_line("w", r, mask, plain_shifts=True)
+        shifted = (words << r) & 0xFFFFFFFF if line.startswith("shl") else sm90._rotl(words, r)
+        assert torch.equal(shifted & mask, sm90._rotl(words, r) & mask), line
+        assert backend._rotate_line("w", r, mask, plain_shifts=False).startswith("shf.l.wrap")
+        plain += line.startswith("shl")
+    assert plain == 4  # rotations 1, 2, 3 and 6 keep no wrapped bit; 12 does

@@ -282,11 +282,36 @@ def _scale_lines(pair: str) -> list[str]:
     ]
 
 
-def _word_lines(word: str) -> list[str]:
-    """PTX: one word -> ``p0..p3``, the bf16x2 A-fragment registers ``e2m1 * S`` (pair i uses ``s{i % 2}``)."""
-    rotations = sorted({r for pair in layout.DECODE_ROTATIONS for r in pair if r})
+def _rotation_masks() -> dict[int, int]:
+    """Each nonzero rotation of ``DECODE_ROTATIONS`` -> the union of the masks applied to its result."""
+    masks: dict[int, int] = {}
+    for rm, rs in layout.DECODE_ROTATIONS:
+        for r, mask in ((rm, layout.PAIR_MAG_MASK), (rs, layout.PAIR_SIGN_MASK)):
+            if r:
+                masks[r] = masks.get(r, 0) | mask
+    return dict(sorted(masks.items()))
+
+
+def _rotate_line(word: str, r: int, mask: int, plain_shifts: bool) -> str:
+    """PTX for ``r{r} = rotl(word, r)`` where only the bits in ``mask`` are used afterwards.
+
+    ``plain_shifts``: where no used bit wraps around (none below bit ``r``) a left shift gives the same bits,
+    and ptxas may issue it as ``IMAD.SHL`` on the FMA pipe: the funnel shift and the masks share the integer
+    ALU pipe, the decode kernel's busiest (62% of active cycles; docs/benchmarks.md).
+    """
+    if not plain_shifts or mask & ((1 << r) - 1):
+        return f"shf.l.wrap.b32 r{r}, {word}, {word}, {r};"
+    return f"shl.b32 r{r}, {word}, {r};"
+
+
+def _word_lines(word: str, plain_shifts: bool) -> list[str]:
+    """PTX: one word -> ``p0..p3``, the bf16x2 A-fragment registers ``e2m1 * S`` (pair i uses ``s{i % 2}``).
+
+    ``plain_shifts`` (``_rotate_line``) measured 7-12% faster in the decode kernel at M = 1 and up to 28%
+    slower in one wgmma-kernel case (57344 x 8192, M = 32), so only the decode kernel uses it.
+    """
     mag, sign = layout.PAIR_MAG_MASK, layout.PAIR_SIGN_MASK
-    lines = [f"shf.l.wrap.b32 r{r}, {word}, {word}, {r};" for r in rotations]
+    lines = [_rotate_line(word, r, mask, plain_shifts) for r, mask in _rotation_masks().items()]
     for i, (rm, rs) in enumerate(layout.DECODE_ROTATIONS):
         src_m, src_s = (f"r{rm}" if rm else word), (f"r{rs}" if rs else word)
         if rm == rs:
@@ -298,8 +323,8 @@ def _word_lines(word: str) -> list[str]:
 
 
 def _asm_block(lines: list[str]) -> str:
-    rotations = sorted({r for pair in layout.DECODE_ROTATIONS for r in pair if r})
-    regs = [".reg .b32 f, c0, c1, s0, s1, t, u, p<4>;", ".reg .b16 lo, hi;", *(f".reg .b32 r{r};" for r in rotations)]
+    rotated = [f".reg .b32 r{r};" for r in _rotation_masks()]
+    regs = [".reg .b32 f, c0, c1, s0, s1, t, u, p<4>;", ".reg .b16 lo, hi;", *rotated]
     return "{\n" + "\n".join(regs + lines) + "\n}"
 
 
@@ -310,7 +335,7 @@ def _scale_asm() -> str:
 
 def _decode_asm() -> str:
     """``$8`` word, ``$9``/``$10`` splatted scales -> ``$0..$7`` bf16 weights, element e = p + 2h + 4q."""
-    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8")]
+    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8", plain_shifts=False)]
     lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(4)]
     return _asm_block(lines)
 
@@ -330,7 +355,7 @@ def _gemv_asm(nt: int) -> str:
     acc_in = [f"${o + 6 + 8 * nt + i}" for i in range(4 * nt)]
     lines = [f"shr.b32 t, ${o + 4}, ${o + 5};", "mov.b32 {lo, hi}, t;", *_scale_lines("lo")]
     for j in range(4):
-        lines += _word_lines(words[j])
+        lines += _word_lines(words[j], plain_shifts=True)
         for u in range(nt):
             d = [f"${4 * u + i}" for i in range(4)]
             c = acc_in[4 * u : 4 * u + 4] if j == 0 else d
