@@ -175,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.gemv:
         small, *large = [GemvConfig(*map(int, part.split(","))) for part in args.gemv.split(";")]
-        backend.gemv_config_for = lambda m, n, k: small if m <= 8 or not large else large[0]
+        backend.gemv_config_for = lambda m, n, k, sm_count: small if m <= 8 or not large else large[0]
         print(f"decode kernel work split overridden: {args.gemv}")
     props = torch.cuda.get_device_properties(0)
     bandwidth = copy_bandwidth()

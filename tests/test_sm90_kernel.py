@@ -107,7 +107,8 @@ def test_fused_every_bucket_and_split_writes_all(m: int, split_k: int) -> None:
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
 @pytest.mark.parametrize(
     "config",
-    [(1, 1, 4, 0), (1, 2, 8, 0), (1, 4, 4, 96), (1, 2, 4, 96), (2, 2, 4, 128), (4, 1, 4, 0), (1, 8, 4, 168)],
+    [(1, 1, 4, 0), (1, 2, 8, 0), (1, 4, 4, 96), (1, 2, 4, 96), (2, 2, 4, 128), (4, 1, 4, 0), (1, 8, 4, 168),
+     (1, 4, 8, 64), (1, 2, 8, 80)],
 )  # fmt: skip
 def test_gemv_every_split_and_m_writes_all(n: int, k: int, m: int, config: tuple) -> None:
     """Decode kernel: M on both sides of the 8-row n-tile; K not a multiple of 64 nor of the step (208 x 1040, 17

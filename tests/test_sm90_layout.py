@@ -117,3 +117,17 @@ def test_decode_shifts_deliver_the_rotated_bits() -> None:
         assert backend._rotate_line("w", r, mask, plain_shifts=False).startswith("shf.l.wrap")
         plain += line.startswith("shl")
     assert plain == 4  # rotations 1, 2, 3 and 6 keep no wrapped bit; 12 does
+
+
+@pytest.mark.parametrize(
+    "m,n,warps",
+    [(1, 4096, 8), (1, 8192, 8), (1, 10240, 4), (1, 14336, 8), (1, 57344, 4), (16, 4096, 8), (16, 8192, 4)],
+)
+def test_decode_split_takes_eight_warps_unless_that_adds_a_wave(m: int, n: int, warps: int) -> None:
+    """On 132 SMs: 8-warp programs fit 4 per SM (64 registers; 80 at M > 8: 3), 4-warp ones 5 (96 registers).
+
+    10240 rows = 640 one-stripe programs: 2 waves of 528 against 1 of 660; 57344 rows: 7 waves against 6.
+    """
+    from repack.runtime.backends import triton_sm90 as backend
+
+    assert backend.gemv_config_for(m, n, 4096, sm_count=132).num_warps == warps

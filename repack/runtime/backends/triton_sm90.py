@@ -79,12 +79,29 @@ class GemvConfig:
     maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
 
 
-def gemv_config_for(m: int, n: int, k: int) -> GemvConfig:
-    """Work split for ``_gemv_kernel``: the fastest on the N*K >= 8192*8192 shapes of the H200 sweep
-    (scripts/sm90_experiments.py, docs/benchmarks.md), within 1% of the best geometric mean over all 7."""
+_REGISTERS_PER_SM = 65536
+_MAX_WARPS_PER_SM = 64
+
+
+def gemv_config_for(m: int, n: int, k: int, sm_count: int) -> GemvConfig:
+    """Work split for ``_gemv_kernel``: 8 warps per program hide more latency, 4 fit more programs per SM.
+
+    Measured on the H200 (docs/benchmarks.md): the 8-warp split is 5-15% faster unless it needs more waves of
+    programs than the 4-warp one (10240 x 8192 at M = 1: 640 programs, 528 resident 8-warp programs against
+    660: 18.8 against 16.0 us), so take the 8-warp split exactly when it needs no more waves.
+    """
     if m <= 8:
-        return GemvConfig(spt=1, chunks=4, num_warps=4, maxnreg=96)
-    return GemvConfig(spt=1, chunks=2, num_warps=4, maxnreg=96)
+        wide, narrow = GemvConfig(spt=1, chunks=4, num_warps=8, maxnreg=64), GemvConfig(1, 4, 4, 96)
+    else:
+        wide, narrow = GemvConfig(spt=1, chunks=2, num_warps=8, maxnreg=80), GemvConfig(1, 2, 4, 96)
+    programs = layout.padded_shape(n, k)[0] // layout.STRIPE
+    return wide if _waves(programs, wide, sm_count) <= _waves(programs, narrow, sm_count) else narrow
+
+
+def _waves(programs: int, config: GemvConfig, sm_count: int) -> int:
+    """Rounds of ``programs`` one-stripe programs on ``sm_count`` SMs, residency bounded by the register cap."""
+    per_sm = min(_REGISTERS_PER_SM // (config.maxnreg * 32 * config.num_warps), _MAX_WARPS_PER_SM // config.num_warps)
+    return -(-programs // (per_sm * sm_count))
 
 
 def config_for(m: int) -> KernelConfig:
@@ -161,7 +178,8 @@ def linear(
     if m >= dense_crossover_m(n, k):
         return torch.nn.functional.linear(x, dequantize(weight, weight_scale, weight_global_scale, n, k))
     if m <= GEMV_MAX_M:
-        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, gemv_config_for(m, n, k))
+        config = gemv_config_for(m, n, k, _sm_count(x.device.index or 0))
+        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config)
     return fused_linear(x, weight, weight_scale, weight_global_scale, n, k, config_for(m))
 
 
