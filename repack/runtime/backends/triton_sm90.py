@@ -1,8 +1,8 @@
 """Triton W4A16 linear for Hopper (sm90): bf16 activations x NVFP4 weights in the ``sm90`` layout -> bf16.
 
 Two kernels read the same layout (``repack/targets/sm90.py``), whose 32-bit words are tensor-core A
-fragments: a word decodes (5 rotates, 6 masks, 4 ``mul.bf16x2`` that apply the block scale and the
-exponent bias at once) into the four bf16x2 registers one thread feeds to a 16x16 A tile. A block
+fragments: a word decodes (5 rotates, of which the decode kernel issues 4 as plain left shifts; 6 masks;
+4 ``mul.bf16x2`` that apply the block scale and the exponent bias at once) into the four bf16x2 registers one thread feeds to a 16x16 A tile. A block
 scale pair goes ``cvt.f16x2.e4m3x2`` -> shift into bf16 -> two exact power-of-two ``mul.bf16x2``
 (2**231 does not fit in one bf16); weights come out as ``e2m1 * scale * 2**-7``, exact and normal in
 bf16, and the epilogue multiplies by ``multiplier * 2**7``. Accumulation is float32 on the tensor cores.
@@ -16,7 +16,7 @@ bf16, and the epilogue multiplies by ``multiplier * 2**7``. Accumulation is floa
   once at the end (deterministic, no workspace). ``maxnreg`` lets ptxas keep a step's loads ahead of
   their use (by default it sinks each load next to its mma to save registers: one memory round trip per
   chunk).
-* ``_w4a16_kernel`` (Triton, ``16 < M <= 128``): one program computes a ``[BN, BM]`` tile of
+* ``_w4a16_kernel`` (Triton, ``16 < M < dense_crossover_m``): one program computes a ``[BN, BM]`` tile of
   ``y^T = W x^T`` over a K range with the decoded weights as the wgmma A operand in registers
   (Triton's cp.async pipeline stages the words in shared memory) and ``x^T`` as the shared-memory B
   operand, permuted beforehand into the layout's k-slot order (``kslot_order``, two small copies).
@@ -29,9 +29,10 @@ nothing cached between calls apart from the SM count).
 
 Dispatch (``linear``), measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
 
-* ``M <= 16``: ``_gemv_kernel`` with ``gemv_config_for``.
-* ``16 < M < dense_crossover_m``: ``_w4a16_kernel``, tiles from ``config_for`` (M buckets 32 / 64 / 128); K is split so
-  that about two programs run per SM (``_split_k``), at least twice for ``BM >= 64``.
+* ``M <= 16``: ``_gemv_kernel`` with ``gemv_config_for`` (8 warps per program unless that needs more waves of
+  programs than 4 warps).
+* ``16 < M < dense_crossover_m``: ``_w4a16_kernel``, tiles from ``config_for`` (M buckets 32 / 64 / 128); K is
+  split so that about two programs run per SM (``_split_k``), at least twice for ``BM >= 64``.
 * ``M >= dense_crossover_m`` (129; 65 for layers of at most 4096 x 4096): ``dequantize`` (``_dequant_kernel``,
   bf16 weights rounded once) then cuBLAS through ``torch.nn.functional.linear``.
 """
