@@ -546,12 +546,11 @@ if triton is not None:
         return w_ptrs, c4 < KCH, s_ptrs, c3 < KCH
 
     @gluon.jit
-    def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, x1_off, SPT: gl.constexpr, CK: gl.constexpr,
+    def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT: gl.constexpr, CK: gl.constexpr,
                    NT: gl.constexpr, EVEN: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr):  # fmt: skip
         """(words, scale words, x n-tile 0, x n-tile 1) of the step at chunk ``c0``; nothing is read past KCH or K.
 
-        Unless ``EVEN`` (no step partly past the end), what is not read is zero. x rows past M are never read and
-        may hold anything: they only reach D columns that are not stored.
+        Unless ``EVEN`` (no step partly past the end), what is not read is zero (x rows past M: ``_x_load``).
         """
         w_ptrs, w_mask, s_ptrs, s_mask = _gemv_sources(w_ptr, s_ptr, s0, c0, KCH, SPT, CK, L4)
         if EVEN:
@@ -560,31 +559,33 @@ if triton is not None:
         else:
             words = gl.load(w_ptrs, mask=w_mask)
             sw = gl.load(s_ptrs, mask=s_mask, other=0)  # zero scales make unread words exactly 0
-        xa, xb = _x_load(x_ptr, c0, M, K, x1_off, CK, NT, EVEN, LX)
+        xa, xb = _x_load(x_ptr, c0, M, K, CK, NT, EVEN, LX)
         return words, sw, xa, xb
 
     @gluon.jit
-    def _x_load(x_ptr, c0, M, K, x1_off, CK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, LX: gl.constexpr):
+    def _x_load(x_ptr, c0, M, K, CK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, LX: gl.constexpr):
         """x B fragments ``[1, CK, 32, 8]`` int32 (bf16 pairs) of chunks ``c0 ..`` for n-tiles 0 and 1 (rows 8..15).
 
-        Lane (g, t) reads ``x[g, 64c + 16t .. +15]``, two 16-byte runs. Rows past M are never read and may hold
-        anything: they only reach D columns that are not stored. Unless ``EVEN``, columns past K read as zero.
+        Lane (g, t) reads ``x[g, 64c + 16t .. +15]``, two 16-byte runs. Lanes of rows past M read row M - 1
+        instead: finite values that only reach D columns which are never stored, and no predicated loads whose
+        registers must be zeroed first (one instruction per word in the loop). Unless ``EVEN``, columns past K
+        read as zero.
         """
         lane = _idx4(32, 2, LX)
         col = (c0 + _idx4(CK, 1, LX)) * 64 + (lane % 4) * 16
-        x_ptrs = x_ptr + ((lane // 4).to(gl.int64) * (K // 2) + (col // 2 + _idx4(8, 3, LX)))
-        row0_ok = lane // 4 < M
-        row1_ok = 8 + lane // 4 < M
+        offs = col // 2 + _idx4(8, 3, LX)
+        xa_ptrs = x_ptr + (gl.minimum(lane // 4, M - 1).to(gl.int64) * (K // 2) + offs)
+        xb_ptrs = x_ptr + (gl.minimum(8 + lane // 4, M - 1).to(gl.int64) * (K // 2) + offs)
         if EVEN:
-            xa = gl.load(x_ptrs, mask=row0_ok)
+            xa = gl.load(xa_ptrs)
             xb = xa
             if NT == 2:
-                xb = gl.load(x_ptrs + x1_off, mask=row1_ok)
+                xb = gl.load(xb_ptrs)
         else:
-            xa = gl.load(x_ptrs, mask=row0_ok & (col < K), other=0)
+            xa = gl.load(xa_ptrs, mask=col < K, other=0)
             xb = xa
             if NT == 2:
-                xb = gl.load(x_ptrs + x1_off, mask=row1_ok & (col < K), other=0)
+                xb = gl.load(xb_ptrs, mask=col < K, other=0)
         return xa, xb
 
     @gluon.jit
@@ -653,11 +654,10 @@ if triton is not None:
         L3: gl.constexpr = gl.SliceLayout(3, L4)  # [stripe, chunk, lane]: the hardware lane is the fragment lane
         s0 = gl.program_id(0) * SPT
         shift = (_idx3(32, 2, L3) % 2) * 16
-        x1_off = 8 * (K // 2)  # n-tile 1: x rows 8 .. 15
         z = gl.zeros([SPT, CK, 32], gl.float32, L3)
         accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
         for c in range(0, KCH, CK):
-            words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, x1_off, SPT, CK, NT, EVEN, L4, LX)
+            words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, SPT, CK, NT, EVEN, L4, LX)
             accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
         _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)
 
