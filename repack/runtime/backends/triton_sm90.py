@@ -532,38 +532,49 @@ if triton is not None:
         return gl.convert_layout(a, L, assert_trivial=True), gl.convert_layout(b, L, assert_trivial=True)
 
     @gluon.jit
-    def _gemv_sources(w_ptr, s_ptr, s0, c0, KCH, SPT: gl.constexpr, CK: gl.constexpr, L4: gl.constexpr):
-        """Pointers and masks of chunks ``c0 .. c0 + CK - 1`` (none at and past ``KCH``).
-
-        Words ``[SPT, CK, 32, 4]``: one 16-byte run per thread, stripe and chunk. Scales ``[SPT, CK, 32]``: the
-        int32 holding the lane's uint16 pair and its neighbour's.
-        """
-        L3: gl.constexpr = gl.SliceLayout(3, L4)
-        c4 = c0 + _idx4(CK, 1, L4)
-        w_ptrs = w_ptr + ((s0 + _idx4(SPT, 0, L4)) * KCH + c4) * 128 + _idx4(32, 2, L4) * 4 + _idx4(4, 3, L4)
-        c3 = c0 + _idx3(CK, 1, L3)
-        s_ptrs = s_ptr + ((s0 + _idx3(SPT, 0, L3)) * KCH + c3) * 16 + _idx3(32, 2, L3) // 2
-        return w_ptrs, c4 < KCH, s_ptrs, c3 < KCH
+    def _idx5(n: gl.constexpr, dim: gl.constexpr, L: gl.constexpr):
+        """``arange(n)`` along ``dim`` of a rank-5 tensor in layout ``L`` (size 1 elsewhere)."""
+        if dim == 2:
+            return gl.expand_dims(_idx4(n, 1, gl.SliceLayout(1, L)), 1)
+        elif dim < 2:
+            return gl.expand_dims(_idx4(n, dim, gl.SliceLayout(2, L)), 2)
+        else:
+            return gl.expand_dims(_idx4(n, dim - 1, gl.SliceLayout(2, L)), 2)
 
     @gluon.jit
-    def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT: gl.constexpr, CK: gl.constexpr,
+    def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr,
                    NT: gl.constexpr, EVEN: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr):  # fmt: skip
-        """(words, scale words, x n-tile 0, x n-tile 1) of the step at chunk ``c0``; nothing is read past KCH or K.
+        """Words ``[SPT, CK, 32, 4]`` (one 16-byte run per thread, stripe and chunk), scale words ``[SPT, CK, 32]``
+        (the int32 holding the lane's uint16 pair and its neighbour's) and x n-tiles 0 and 1 (``_x_load``) of the
+        step at chunk ``c0``, warp ``w`` taking chunks ``c0 + w C_T ..``; nothing is read past KCH or K, and unless
+        ``EVEN`` (no step partly past the end) what is not read is zero.
 
-        Unless ``EVEN`` (no step partly past the end), what is not read is zero (x rows past M: ``_x_load``).
+        Addresses are built as a per-thread pointer plus offsets that are constants per register (a rank-5 view
+        with the thread's ``C_T`` chunks on their own axis), so that ptxas folds them into the loads' immediates.
         """
-        w_ptrs, w_mask, s_ptrs, s_mask = _gemv_sources(w_ptr, s_ptr, s0, c0, KCH, SPT, CK, L4)
+        L5: gl.constexpr = gl.BlockedLayout([SPT, 1, C_T, 1, 4], [1, 1, 1, 32, 1], [1, WK, 1, 1, 1], [4, 3, 2, 1, 0])
+        LS: gl.constexpr = gl.SliceLayout(4, L5)
+        CK: gl.constexpr = C_T * WK
+        first = c0 + _idx5(WK, 1, L5) * C_T
+        w_ptrs = w_ptr + (((s0 + _idx5(SPT, 0, L5)) * KCH + first) * 128 + _idx5(32, 3, L5) * 4)
+        w_ptrs = w_ptrs + (_idx5(C_T, 2, L5) * 128 + _idx5(4, 4, L5))
+        first_s = c0 + _idx4(WK, 1, LS) * C_T
+        s_ptrs = s_ptr + (((s0 + _idx4(SPT, 0, LS)) * KCH + first_s) * 16 + _idx4(32, 3, LS) // 2)
+        s_ptrs = s_ptrs + _idx4(C_T, 2, LS) * 16
         if EVEN:
             words = gl.load(w_ptrs)
             sw = gl.load(s_ptrs)
         else:
-            words = gl.load(w_ptrs, mask=w_mask)
-            sw = gl.load(s_ptrs, mask=s_mask, other=0)  # zero scales make unread words exactly 0
-        xa, xb = _x_load(x_ptr, c0, M, K, CK, NT, EVEN, LX)
+            words = gl.load(w_ptrs, mask=first + _idx5(C_T, 2, L5) < KCH)
+            sw = gl.load(s_ptrs, mask=first_s + _idx4(C_T, 2, LS) < KCH, other=0)  # zero scales: unread words are 0
+        words = gl.convert_layout(gl.reshape(words, [SPT, CK, 32, 4]), L4)
+        sw = gl.convert_layout(gl.reshape(sw, [SPT, CK, 32]), gl.SliceLayout(3, L4))
+        xa, xb = _x_load(x_ptr, c0, M, K, C_T, WK, NT, EVEN, LX)
         return words, sw, xa, xb
 
     @gluon.jit
-    def _x_load(x_ptr, c0, M, K, CK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, LX: gl.constexpr):
+    def _x_load(x_ptr, c0, M, K, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
+                LX: gl.constexpr):  # fmt: skip
         """x B fragments ``[1, CK, 32, 8]`` int32 (bf16 pairs) of chunks ``c0 ..`` for n-tiles 0 and 1 (rows 8..15).
 
         Lane (g, t) reads ``x[g, 64c + 16t .. +15]``, two 16-byte runs. Lanes of rows past M read row M - 1
@@ -571,21 +582,26 @@ if triton is not None:
         registers must be zeroed first (one instruction per word in the loop). Unless ``EVEN``, columns past K
         read as zero.
         """
-        lane = _idx4(32, 2, LX)
-        col = (c0 + _idx4(CK, 1, LX)) * 64 + (lane % 4) * 16
-        offs = col // 2 + _idx4(8, 3, LX)
-        xa_ptrs = x_ptr + (gl.minimum(lane // 4, M - 1).to(gl.int64) * (K // 2) + offs)
-        xb_ptrs = x_ptr + (gl.minimum(8 + lane // 4, M - 1).to(gl.int64) * (K // 2) + offs)
+        L5: gl.constexpr = gl.BlockedLayout([1, 1, C_T, 1, 8], [1, 1, 1, 32, 1], [1, WK, 1, 1, 1], [4, 3, 2, 1, 0])
+        lane = _idx5(32, 3, L5)
+        col = (c0 + _idx5(WK, 1, L5) * C_T) * 64 + (lane % 4) * 16  # the thread's first chunk
+        inner = _idx5(C_T, 2, L5) * 32 + _idx5(8, 4, L5)  # constant per register
+        xa_ptrs = x_ptr + (gl.minimum(lane // 4, M - 1).to(gl.int64) * (K // 2) + col // 2) + inner
+        xb_ptrs = x_ptr + (gl.minimum(8 + lane // 4, M - 1).to(gl.int64) * (K // 2) + col // 2) + inner
         if EVEN:
             xa = gl.load(xa_ptrs)
             xb = xa
             if NT == 2:
                 xb = gl.load(xb_ptrs)
         else:
-            xa = gl.load(xa_ptrs, mask=col < K, other=0)
+            in_k = col + _idx5(C_T, 2, L5) * 64 < K
+            xa = gl.load(xa_ptrs, mask=in_k, other=0)
             xb = xa
             if NT == 2:
-                xb = gl.load(xb_ptrs, mask=col < K, other=0)
+                xb = gl.load(xb_ptrs, mask=in_k, other=0)
+        CK: gl.constexpr = C_T * WK
+        xa = gl.convert_layout(gl.reshape(xa, [1, CK, 32, 8]), LX)
+        xb = gl.convert_layout(gl.reshape(xb, [1, CK, 32, 8]), LX)
         return xa, xb
 
     @gluon.jit
@@ -657,7 +673,7 @@ if triton is not None:
         z = gl.zeros([SPT, CK, 32], gl.float32, L3)
         accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
         for c in range(0, KCH, CK):
-            words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, SPT, CK, NT, EVEN, L4, LX)
+            words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, SPT, C_T, WK, NT, EVEN, L4, LX)
             accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
         _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)
 
