@@ -2,13 +2,14 @@
 
 Two kernels read the same layout (``repack/targets/sm90.py``), whose 32-bit words are tensor-core A
 fragments: a word decodes (5 rotates, of which the decode kernel issues 4 as plain left shifts; 6 masks;
-4 ``mul.bf16x2`` that apply the block scale and the exponent bias at once) into the four bf16x2 registers one thread feeds to a 16x16 A tile. A block
-scale pair goes ``cvt.f16x2.e4m3x2`` -> shift into bf16 -> two exact power-of-two ``mul.bf16x2``
-(2**231 does not fit in one bf16); weights come out as ``e2m1 * scale * 2**-7``, exact and normal in
-bf16, and the epilogue multiplies by ``multiplier * 2**7``. Accumulation is float32 on the tensor cores.
+4 ``mul.bf16x2`` that apply the block scale and the exponent bias at once) into the four bf16x2 registers
+one thread feeds to a 16x16 A tile. A block scale pair goes ``cvt.f16x2.e4m3x2`` -> shift into bf16 ->
+two exact power-of-two ``mul.bf16x2`` (2**231 does not fit in one bf16); weights come out as
+``e2m1 * scale * 2**-7``, exact and normal in bf16, and the epilogue multiplies by ``multiplier * 2**7``.
+Accumulation is float32 on the tensor cores.
 
 * ``_gemv_kernel`` (Gluon, ``M <= 16``): decode-bound, so written for the fewest instructions per
-  weight (about 23 per 32-bit word in the loop, against 34 for the wgmma kernel). One inline-PTX block
+  weight (about 20-22 per 32-bit word in the loop, against 34 for the wgmma kernel). One inline-PTX block
   per thread and 64-column chunk decodes its 4 words (one scale pair: the v2 layout gives a thread one
   scale block per chunk) and chains 4 ``mma.sync.m16n8k16`` (8 for ``M > 8``) with the activations as
   the B operand, read straight from global memory as two 16-byte vectors per chunk. No shared memory in
@@ -534,9 +535,9 @@ if triton is not None:
     @gluon.jit
     def _idx5(n: gl.constexpr, dim: gl.constexpr, L: gl.constexpr):
         """``arange(n)`` along ``dim`` of a rank-5 tensor in layout ``L`` (size 1 elsewhere)."""
-        if dim == 2:
+        if dim == 2:  # a rank-4 view without axis 1, where axis 2 becomes axis 1
             return gl.expand_dims(_idx4(n, 1, gl.SliceLayout(1, L)), 1)
-        elif dim < 2:
+        elif dim < 2:  # without axis 2
             return gl.expand_dims(_idx4(n, dim, gl.SliceLayout(2, L)), 2)
         else:
             return gl.expand_dims(_idx4(n, dim - 1, gl.SliceLayout(2, L)), 2)
