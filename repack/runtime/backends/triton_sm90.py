@@ -127,7 +127,8 @@ def dense_crossover_m(n: int, k: int) -> int:
     Dequantizing costs a pass proportional to N*K while the fused kernel's fixed costs (activation permute,
     split-K counters) weigh most on small layers: at 4096x4096 the two tie at M = 64 and dequantize + cuBLAS
     wins at M = 128 (26.7 against 35.6 us); on every larger benchmark layer the fused kernel wins at M = 128
-    (by 1.4-2.0x) and loses at M = 256.
+    (by 1.4-2.0x), and at M = 256 dequantize + cuBLAS beat the best fused config on 4 of the 7 layers and lost by
+    at most 13% on the others.
     """
     return 65 if n * k <= 4096 * 4096 else 129
 
@@ -276,7 +277,7 @@ def dequantize(
     """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors."""
     _require_triton(weight)
     out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
-    bn, bk = 64, 128  # 81-87% of copy bandwidth on the H200; 1-5% ahead of 64 x 256 (docs/benchmarks.md)
+    bn, bk = 64, 128  # 81-87% of copy bandwidth on the H200; 0-5% ahead of 64 x 256 on 6 of 7 layers (docs/benchmarks.md)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _dequant_kernel[grid](
         weight, weight_scale.view(torch.uint16), weight_global_scale, out, n, k, weight.shape[1] // 128,
