@@ -52,6 +52,14 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # CPU-only installs: importing must work, calling must say why it cannot
     triton = tl = gluon = gl = None
 
@@ -79,6 +87,17 @@ class GemvConfig:
     chunks: int  # 64-column chunks per warp per loop step (16-byte weight loads per stripe and round trip)
     num_warps: int  # warps per program, each taking every num_warps-th group of chunks along K
     maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
+
+
+@dataclass(frozen=True)
+class TcConfig:
+    """Work split of one ``_tc_kernel`` launch (weights decoded in registers as the wgmma A operand)."""
+
+    bm: int  # activation rows per program: the wgmma N, a multiple of 16 up to 256
+    warpgroups: int  # consumer warpgroups
+    stripes: int  # 16-row stripes per warp: weight rows per program = 64 * warpgroups * stripes
+    chunks: int  # 64-column chunks per pipeline stage, even (see ``_tc_consumer``)
+    stages: int  # pipeline depth (TMA ring slots)
 
 
 _REGISTERS_PER_SM = 65536
@@ -256,6 +275,78 @@ def fused_linear(
     return out
 
 
+def tc_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    n: int,
+    k: int,
+    config: TcConfig,
+    split_k: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The warp-specialised tensor-core kernel with an explicit work split; ``split_k`` defaults to filling the SMs.
+
+    One loader warp streams activation tiles (``kslot_order``), words and scales by TMA into a ring; the consumer
+    warpgroups decode each word straight into their wgmma A registers and multiply while the next chunk decodes.
+    """
+    _require_triton(x)
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    if config.chunks % 2 or config.stages < 2:
+        raise ValueError(f"the tensor-core kernel takes an even number of chunks per stage and >= 2 stages: {config}")
+    stripes, kp = weight.shape[0], weight.shape[1] // 2
+    warps = 4 * config.warpgroups
+    rows = warps * config.stripes  # stripes per program
+    if stripes % rows:
+        raise ValueError(f"{config} needs the padded N ({16 * stripes}) to be a multiple of {16 * rows}")
+    n_tiles, m_tiles = stripes // rows, triton.cdiv(m, config.bm)
+    total_steps = kp // 64 // config.chunks
+    if split_k is None:
+        split_k = _tc_split(n_tiles * m_tiles, total_steps, _sm_count(x.device.index or 0))
+    steps = triton.cdiv(total_steps, split_k)
+    split_k = triton.cdiv(total_steps, steps)  # no empty split
+    xk = kslot_order(x, kp)
+
+    def descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    x_desc = descriptor(xk, [config.bm, 64], gl.NVMMASharedLayout.get_default_for([config.bm, 64], gl.bfloat16))
+    w_desc = descriptor(weight, [rows, 128], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    s_desc = descriptor(
+        weight_scale.view(torch.int16), [rows, 32], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    )
+    if split_k > 1:
+        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        counters = torch.zeros((n_tiles * m_tiles,), dtype=torch.int32, device=x.device)
+    else:
+        partials, counters = out, out  # unused by the SPLIT=False specialisation
+    _tc_kernel[(n_tiles, m_tiles, split_k)](
+        x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k,
+        BM=config.bm, NW=warps, SPW=config.stripes, CPS=config.chunks, STAGES=config.stages, SPLIT=split_k > 1,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _tc_split(tiles: int, steps: int, sm_count: int) -> int:
+    """K splits for ``tiles`` one-per-SM programs: the fewest (up to 4, >= 8 steps each) that fill the last wave
+    of programs at least 10% better than one fewer: every split adds a float32 partial pass over the output."""
+    best, best_fill = 1, 0.0
+    for split in range(1, 5):
+        if split > 1 and steps // split < 8:
+            break
+        programs = tiles * split
+        fill = programs / (-(-programs // sm_count) * sm_count)
+        if fill > 1.1 * best_fill:
+            best, best_fill = split, fill
+    return best
+
+
 def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
     """``x [M, K]`` zero-padded to ``kp`` columns and permuted into the layout's k-slot order (``sm90.kslot_column``).
 
@@ -354,9 +445,9 @@ def _scale_asm() -> str:
     return _asm_block(_scale_lines("$2") + ["mov.b32 $0, s0;", "mov.b32 $1, s1;"])
 
 
-def _decode_asm() -> str:
+def _decode_asm(plain_shifts: bool = False) -> str:
     """``$8`` word, ``$9``/``$10`` splatted scales -> ``$0..$7`` bf16 weights, element e = p + 2h + 4q."""
-    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8", plain_shifts=False)]
+    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8", plain_shifts)]
     lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(4)]
     return _asm_block(lines)
 
@@ -392,6 +483,7 @@ if triton is not None:
     _DECODE_ASM = tl.constexpr(_decode_asm())
     _GEMV_ASM_1 = gl.constexpr(_gemv_asm(1))
     _GEMV_ASM_2 = gl.constexpr(_gemv_asm(2))
+    _TC_DECODE_ASM = gl.constexpr(_decode_asm(plain_shifts=True))
     _BIAS_FIX = tl.constexpr(2.0**7)  # the decode leaves weights as e2m1 * scale * 2**-7
 
     @triton.jit
@@ -690,3 +782,127 @@ if triton is not None:
         _gemv_store(y_ptr, accs[0], accs[1], accs[2], accs[3], m, n, M, N, scale)
         if NT == 2:
             _gemv_store(y_ptr, accs[4], accs[5], accs[6], accs[7], m + 8, n, M, N, scale)
+
+
+    @gluon.jit
+    def _tc_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, s0, c0, steps,
+                   CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Fill ring slot ``i % STAGES`` with step ``i``'s ``CPS`` chunks once the consumers released it."""
+        nbytes: gl.constexpr = CPS * (x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        for i in range(steps):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            fence_async_shared()
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            for cc in gl.static_range(CPS):
+                c = c0 + i * CPS + cc
+                tma.async_copy_global_to_shared(x_desc, [off_m, c * 64], bar, x_smem.index(slot * CPS + cc))
+                tma.async_copy_global_to_shared(w_desc, [s0, c * 128], bar, w_smem.index(slot * CPS + cc))
+                tma.async_copy_global_to_shared(s_desc, [s0, c * 32], bar, s_smem.index(slot * CPS + cc))
+
+    @gluon.jit
+    def _tc_fragments(words, scales, a_layout: gl.constexpr):
+        """Words ``[R, W, 32, 4]`` (stripe ``r W + w``, lane, tile j) and uint16 scale pairs ``[R, W, 32]`` -> the
+        wgmma A operand ``[16 R W, 64]`` bf16 in k-slot order (``e2m1 * scale * 2**-7``). The joins and reshapes
+        only relabel registers: each thread's word already is its A fragment."""
+        R: gl.constexpr = words.shape[0]
+        W: gl.constexpr = words.shape[1]
+        s0, s1 = gl.inline_asm_elementwise(
+            _SCALE_ASM, "=r,=r,h", [scales], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
+        )
+        s0, _ = gl.broadcast(gl.expand_dims(s0, 3), words)
+        s1, _ = gl.broadcast(gl.expand_dims(s1, 3), words)
+        e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
+            _TC_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s0, s1],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+        w = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
+        w = gl.reshape(w, [R, W, 8, 4, 4, 2, 2, 2])  # r, w, g, t, j, p, h, q (element e = p + 2h + 4q)
+        w = gl.permute(w, [0, 1, 6, 2, 4, 7, 3, 5])  # r, w, h, g | j, q, t, p: k-slot 16j + 8q + 2t + p
+        return gl.convert_layout(gl.reshape(w, [16 * R * W, 64]), a_layout, assert_trivial=True)
+
+    @gluon.jit
+    def _tc_consumer(x_smem, w_smem, s_smem, ready, empty, steps, BM: gl.constexpr, NW: gl.constexpr,
+                     SPW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Per chunk: decode the words into A registers and issue an async wgmma on the activation tile; the wait
+        after it retires the previous chunk's wgmma, whose ring slot is then free.
+
+        A wgmma reads its A registers asynchronously until a wait retires it. Each of the ``CPS`` chunks of a step
+        has its own registers, rewritten only in the next step, after the wait that follows the next chunk: so
+        ``CPS`` must be even (with one chunk per step the loop rewrote the registers under the previous chunk's
+        wgmma: wrong results on the H200 at ``BM >= 128``).
+        """
+        S: gl.constexpr = NW * SPW  # stripes per program; warp w holds stripes w, w + NW, ..
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        LW: gl.constexpr = gl.BlockedLayout([SPW, 1, 1, 4], [1, 1, 32, 1], [1, NW, 1, 1], [3, 2, 1, 0])
+        acc = gl.zeros([16 * S, BM], gl.float32, acc_layout)
+        a_prev = gl.zeros([16 * S, 64], gl.bfloat16, a_layout)
+        for i in range(steps):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            for cc in gl.static_range(CPS):
+                buf = slot * CPS + cc
+                words = w_smem.index(buf).reshape([SPW, NW, 32, 4]).load(LW)
+                scales = s_smem.index(buf).reshape([SPW, NW, 32]).load(gl.SliceLayout(3, LW))
+                a = _tc_fragments(words, scales, a_layout)
+                acc = warpgroup_mma(a, x_smem.index(buf).permute((1, 0)), acc, is_async=True)
+                acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+                a_prev = a
+                if cc == 0:
+                    if i > 0:
+                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        return (acc,)  # the default partition returns a tuple
+
+    @gluon.jit
+    def _tc_kernel(
+        x_desc, w_desc, s_desc, g_ptr, y_ptr, part_ptr, count_ptr, M, N, STEPS, TOTAL_STEPS, SPLIT_K,
+        BM: gl.constexpr, NW: gl.constexpr, SPW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):  # fmt: skip
+        """``tc_linear``: program (n, m, k) computes ``y[m-tile, n-tile]^T`` over steps ``k STEPS ..`` of
+        ``CPS`` chunks; split-K partials are summed as in ``_w4a16_kernel`` (last program to arrive, in order)."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        S: gl.constexpr = NW * SPW
+        BN: gl.constexpr = 16 * S
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CPS, BM, 64], x_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * CPS, S, 128], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES * CPS, S, 32], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        steps = gl.minimum(STEPS, TOTAL_STEPS - pid_k * STEPS)
+        (acc,) = gl.warp_specialize(
+            [
+                (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, SPW, CPS, STAGES)),
+                (_tc_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_m * BM, pid_n * S,
+                              pid_k * STEPS * CPS, steps, CPS, STAGES)),
+            ],
+            [1],
+            [24],
+        )  # fmt: skip
+        LO: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, NW], [0, 1])  # 8 consecutive outputs per thread
+        acc = gl.convert_layout(acc, LO)
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))[:, None]
+        offs_m = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, LO))[None, :]
+        mask = (offs_m < M) & (offs_n < N)
+        y_off = offs_m.to(gl.int64) * N + offs_n
+        scale = gl.load(g_ptr) * 128.0
+        if not SPLIT:
+            gl.store(y_ptr + y_off, (acc * scale).to(gl.bfloat16), mask=mask)
+        else:
+            tile_elems = M.to(gl.int64) * N
+            gl.store(part_ptr + pid_k * tile_elems + y_off, acc, mask=mask)
+            gl.thread_barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(count_ptr + pid_m * gl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([BN, BM], gl.float32, LO)
+                for split in range(SPLIT_K):
+                    total += gl.load(part_ptr + split * tile_elems + y_off, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptr + y_off, (total * scale).to(gl.bfloat16), mask=mask)
