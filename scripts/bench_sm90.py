@@ -6,11 +6,10 @@ and the op's achieved bandwidth against the device-to-device copy bandwidth meas
 Times are CUDA-graph replays of many calls, each call on another copy of the weights so that the
 60 MB L2 never holds them; every shape is first checked against a float64 reference.
 
-    PYTHONPATH=. python3 scripts/bench_sm90.py [--sweep] [--json out.json] [--gemv SPT,CHUNKS,WARPS,MAXNREG[;...]]
+    PYTHONPATH=. python3 scripts/bench_sm90.py [--json out.json] [--gemv SPT,CHUNKS,WARPS,MAXNREG[;...]]
 
-``--sweep`` instead times the wgmma kernel's candidate tile configs and split-K factors and the
-dequantize + cuBLAS path for M <= 256 (how ``config_for`` and ``dense_crossover_m`` were chosen).
-``--gemv`` replaces ``gemv_config_for`` (the decode kernel's work split) for this run, to time candidates
+``scripts/sm90_tc_sweep.py`` times the tensor-core kernel's candidate work splits (how ``tc_config_for`` was
+chosen). ``--gemv`` replaces ``gemv_config_for`` (the decode kernel's work split) for this run, to time candidates
 from ``scripts/sm90_experiments.py`` before making them the default: one ``GemvConfig`` for every M <= 16,
 or two separated by ``;`` for M <= 8 and M = 9 .. 16.
 """
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from repack.runtime.backends import triton_sm90 as backend
-from repack.runtime.backends.triton_sm90 import GemvConfig, KernelConfig
+from repack.runtime.backends.triton_sm90 import GemvConfig
 from repack.targets import RuntimeLayer, sm90
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (57344, 8192), (8192, 28672)]
@@ -36,18 +35,6 @@ MS = [1, 4, 16, 32, 64, 128, 256, 1024, 4096]
 REL_TOL = 1e-2
 GRAPH_MS = 3.0  # device time per timed graph replay
 
-SWEEP = {  # bucket upper bound -> candidate configs; each is timed at split_k in SWEEP_SPLITS[bucket]
-    16: [KernelConfig(64, 16, 256, 4, 3), KernelConfig(64, 16, 128, 4, 6), KernelConfig(128, 16, 128, 8, 6),
-         KernelConfig(64, 16, 256, 4, 4)],
-    32: [KernelConfig(64, 32, 256, 4, 3), KernelConfig(64, 32, 128, 4, 6), KernelConfig(128, 32, 128, 8, 4)],
-    64: [KernelConfig(64, 64, 256, 4, 3), KernelConfig(64, 64, 128, 4, 4), KernelConfig(128, 64, 128, 8, 4),
-         KernelConfig(128, 64, 64, 8, 6)],
-    128: [KernelConfig(64, 128, 128, 4, 3), KernelConfig(128, 128, 64, 8, 3), KernelConfig(128, 128, 128, 8, 3),
-          KernelConfig(64, 64, 256, 4, 3)],
-    1 << 30: [KernelConfig(128, 128, 64, 8, 3), KernelConfig(128, 256, 64, 8, 3), KernelConfig(64, 128, 128, 4, 3)],
-}  # fmt: skip
-SWEEP_SPLITS = {16: (1, 2, 4), 32: (1, 2, 4), 64: (1, 2), 128: (1, 2), 1 << 30: (1,)}
-SWEEP_MS = (1, 16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -134,7 +121,7 @@ def check_layer(layer: Layer) -> float:
     tensors = layer.copies[0]
     w64 = sm90.dequantize_runtime(RuntimeLayer(**tensors, weights_padding_cols=0), layer.n, layer.k)
     worst = 0.0
-    for m in (1, 16, 128, backend.dense_crossover_m(layer.n, layer.k)):
+    for m in (1, 16, 64, 128, 1024):
         x = torch.randn(m, layer.k, dtype=torch.bfloat16, device="cuda")
         y = backend.linear(x, **tensors, n=layer.n, k=layer.k)
         ref = x.double() @ w64.T
@@ -150,26 +137,8 @@ def op_calls(layer: Layer, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> 
     return [lambda t=t: fn(x, **t, n=layer.n, k=layer.k) for t in layer.copies]
 
 
-def sweep_point(layer: Layer, x: torch.Tensor, m: int) -> dict[str, tuple[float, float]]:
-    """(time, relative error vs cuBLAS on the dequantized weights) of each fused candidate, and of dequant + cuBLAS."""
-    results: dict[str, tuple[float, float]] = {}
-    ref = F.linear(x, layer.dense[0]).double()
-    bucket = min(b for b in SWEEP if m <= b)
-    for config in SWEEP[bucket]:
-        for split_k in SWEEP_SPLITS[bucket]:
-            fn = lambda x, config=config, split_k=split_k, **kw: backend.fused_linear(x, **kw, config=config, split_k=split_k)
-            name = f"bn{config.bn} bm{config.bm} bk{config.bk} w{config.num_warps} s{config.num_stages} sk{split_k}"
-            y = fn(x, **layer.copies[0], n=layer.n, k=layer.k).double()
-            err = float((y - ref).norm() / ref.norm())
-            results[name] = (time_calls(op_calls(layer, x, fn)), err)
-    deq = lambda x, **kw: F.linear(x, backend.dequantize(**kw))
-    results["dequant+cublas"] = (time_calls(op_calls(layer, x, deq)), 0.0)
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="time candidate configs instead of the table (for tuning)")
     parser.add_argument("--json", help="write all numbers to this file (rewritten after every shape)")
     parser.add_argument("--gemv", help="decode-kernel work split(s) SPT,CHUNKS,WARPS,MAXNREG[;...] (see above)")
     args = parser.parse_args()
@@ -181,35 +150,23 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB, torch {torch.__version__}")
     print(f"device copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
-    report: dict = {"device": props.name, "copy_bw": bandwidth, "rows": [], "sweep": {}}
+    report: dict = {"device": props.name, "copy_bw": bandwidth, "rows": []}
     for n, k in SHAPES:
         layer = make_layer(n, k, props.L2_cache_size, seed=n * 31 + k)
-        if args.sweep:
-            for m in SWEEP_MS:
-                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-                t_dense = time_calls([lambda w=w: F.linear(x, w) for w in layer.dense])
-                point = {name: (t * 1e6, err) for name, (t, err) in sweep_point(layer, x, m).items()}
-                report["sweep"][f"{n}x{k}x{m}"] = {"cublas": t_dense * 1e6, **point}
-                ok = {name: t for name, (t, err) in point.items() if err < REL_TOL}
-                best = min(ok.items(), key=lambda kv: kv[1], default=("none correct", float("nan")))
-                bad = [name for name, (t, err) in point.items() if err >= REL_TOL]
-                print(f"{n}x{k} M={m}: cuBLAS {t_dense * 1e6:.1f} us, best {best[0]} {best[1]:.1f} us"
-                      f"{'  WRONG: ' + ', '.join(bad) if bad else ''}", flush=True)  # fmt: skip
-        else:
-            print(f"{n}x{k}: checked, worst relative error {check_layer(layer):.2e} (< {REL_TOL})", flush=True)
-            for m in MS:
-                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-                t_dense = time_calls([lambda w=w: F.linear(x, w) for w in layer.dense])
-                t_op = time_calls(op_calls(layer, x, backend.linear))
-                moved = layer.quant_bytes + 2 * m * (k + n)
-                report["rows"].append({"n": n, "k": k, "m": m, "cublas_us": t_dense * 1e6, "op_us": t_op * 1e6,
-                                       "speedup": t_dense / t_op, "pct_copy_bw": 100 * moved / t_op / bandwidth})  # fmt: skip
+        print(f"{n}x{k}: checked, worst relative error {check_layer(layer):.2e} (< {REL_TOL})", flush=True)
+        for m in MS:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            t_dense = time_calls([lambda w=w: F.linear(x, w) for w in layer.dense])
+            t_op = time_calls(op_calls(layer, x, backend.linear))
+            moved = layer.quant_bytes + 2 * m * (k + n)
+            report["rows"].append({"n": n, "k": k, "m": m, "cublas_us": t_dense * 1e6, "op_us": t_op * 1e6,
+                                   "speedup": t_dense / t_op, "pct_copy_bw": 100 * moved / t_op / bandwidth})  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
         del layer
         torch.cuda.empty_cache()
-    if report["rows"]:
+    if report["rows"]:  # the table for docs/benchmarks.md
         print("\n| N x K | M | cuBLAS bf16 (us) | sm90 W4A16 (us) | speedup | % of copy BW |")
         print("| --- | --- | --- | --- | --- | --- |")
         for r in report["rows"]:

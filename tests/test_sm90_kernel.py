@@ -89,18 +89,44 @@ def test_linear_bench_shapes(n: int, k: int) -> None:
         check(backend().linear(x, **tensors, n=n, k=k), x, w64)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 64, 200])
+TC_CONFIGS = [(32, 1, 2, 4), (64, 1, 2, 4), (128, 2, 2, 4), (256, 2, 2, 3), (64, 2, 4, 2)]  # dispatch's + one more
+
+
+@pytest.mark.parametrize("m", [17, 33, 64, 100, 200, 300])
 @pytest.mark.parametrize("split_k", [1, 2, 3, 7])
-def test_fused_every_bucket_and_split_writes_all(m: int, split_k: int) -> None:
+@pytest.mark.parametrize("config", TC_CONFIGS)
+def test_tensor_core_every_config_and_split_writes_all(m: int, split_k: int, config: tuple) -> None:
+    """208 x 1040: N not a multiple of the 64/128-row tile, K of 64 (20 chunks, padded to 1280); M below, at and
+    above the activation tile; 7 splits of 10 steps run as 5 of 2."""
     n, k = 208, 1040
-    weight = random_weight(n, k, seed=m * 13 + split_k)
+    weight = random_weight(n, k, seed=m * 13 + split_k + sum(config))
     tensors = runtime_on_gpu(weight)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     b = backend()
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = b.fused_linear(x, **tensors, n=n, k=k, config=b.config_for(m), split_k=split_k, out=out)
+    y = b.tc_linear(x, **tensors, n=n, k=k, config=b.TcConfig(*config), split_k=split_k, out=out)
     assert y.data_ptr() == out.data_ptr()
     check(y, x, dequantize(weight).cuda())
+
+
+@pytest.mark.parametrize("config", [(64, 1, 1, 4), (64, 1, 2, 1)])
+def test_tensor_core_rejects_odd_chunks_and_single_stage(config: tuple) -> None:
+    """Odd chunks per stage would rewrite A registers under an in-flight wgmma; one stage cannot be refilled."""
+    tensors = runtime_on_gpu(random_weight(64, 256, seed=5))
+    x = torch.randn(32, 256, dtype=torch.bfloat16, device="cuda")
+    b = backend()
+    with pytest.raises(ValueError, match="even number of chunks"):
+        b.tc_linear(x, **tensors, n=64, k=256, config=b.TcConfig(*config))
+
+
+def test_kslot_activations_matches_the_reference_and_zeroes_counters() -> None:
+    b = backend()
+    for m, k in ((1, 4096), (37, 336), (300, 2064)):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        counters = torch.full((1500,), 7, dtype=torch.int32, device="cuda")
+        kp = sm90.padded_shape(16, k)[1]
+        assert torch.equal(b.kslot_activations(x, kp, counters), b.kslot_order(x, kp))
+        assert not counters.any()
 
 
 @pytest.mark.parametrize("n,k", [(208, 1040), (272, 2048)])

@@ -104,17 +104,16 @@ def test_activations_in_kslot_order() -> None:
 
 
 def test_decode_shifts_deliver_the_rotated_bits() -> None:
-    """Where the decode kernel's PTX uses a plain left shift instead of a rotate, every bit it keeps is the same."""
+    """Where the decode PTX uses a plain left shift instead of a rotate, every bit it keeps is the same."""
     from repack.runtime.backends import triton_sm90 as backend
 
     words = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
     words[:2] = torch.tensor([0xFFFFFFFF, 0x80000001])
     plain = 0
     for r, mask in backend._rotation_masks().items():
-        line = backend._rotate_line("w", r, mask, plain_shifts=True)
+        line = backend._rotate_line("w", r, mask)
         shifted = (words << r) & 0xFFFFFFFF if line.startswith("shl") else sm90._rotl(words, r)
         assert torch.equal(shifted & mask, sm90._rotl(words, r) & mask), line
-        assert backend._rotate_line("w", r, mask, plain_shifts=False).startswith("shf.l.wrap")
         plain += line.startswith("shl")
     assert plain == 4  # rotations 1, 2, 3 and 6 keep no wrapped bit; 12 does
 
@@ -131,3 +130,30 @@ def test_decode_split_takes_eight_warps_unless_that_adds_a_wave(m: int, n: int, 
     from repack.runtime.backends import triton_sm90 as backend
 
     assert backend.gemv_config_for(m, n, 4096, sm_count=132).num_warps == warps
+
+
+@pytest.mark.parametrize(
+    "tiles,steps,split",
+    [(64, 64, 2), (32, 64, 4), (80, 64, 3), (32, 12, 1), (32, 16, 2), (132, 64, 1), (448, 64, 1), (112, 32, 1)],
+)
+def test_tensor_core_split_fills_the_first_wave_only(tiles: int, steps: int, split: int) -> None:
+    """K is split only while the tiles leave SMs idle (132 here), into >= 8 steps each, and only where a split
+    fills the last wave >= 10% better (112 tiles: 85% busy with 1, 2, 3 or 4 splits)."""
+    from repack.runtime.backends import triton_sm90 as backend
+
+    assert backend._tc_split(tiles, steps, 132) == split
+
+
+@pytest.mark.parametrize(
+    "m,n,k,bm",
+    [(17, 4096, 4096, 32), (64, 8192, 8192, 64), (65, 8192, 8192, 128), (256, 14336, 4096, 128),
+     (257, 8192, 8192, 256), (1024, 8192, 8192, 256), (1024, 10240, 8192, 128), (1024, 14336, 4096, 128),
+     (4096, 10240, 8192, 256)],
+)  # fmt: skip
+def test_tensor_core_tile_by_m_and_wave_fill(m: int, n: int, k: int, bm: int) -> None:
+    """Above 256 rows, 256-row tiles unless 128-row ones fill the waves >= 10% better: 10240 x 8192 at M = 1024
+    is 320 tiles of 256 rows (2.4 waves on 132 SMs) against 640 of 128 (4.8)."""
+    from repack.runtime.backends import triton_sm90 as backend
+
+    config = backend.tc_config_for(m, n, k, sm_count=132)
+    assert config.bm == bm and config.chunks % 2 == 0 and config.stages >= 2

@@ -1,41 +1,40 @@
-"""Triton W4A16 linear for Hopper (sm90): bf16 activations x NVFP4 weights in the ``sm90`` layout -> bf16.
+"""Triton/Gluon W4A16 linear for Hopper (sm90): bf16 activations x NVFP4 weights in the ``sm90`` layout -> bf16.
 
 Two kernels read the same layout (``repack/targets/sm90.py``), whose 32-bit words are tensor-core A
-fragments: a word decodes (5 rotates, of which the decode kernel issues 4 as plain left shifts; 6 masks;
-4 ``mul.bf16x2`` that apply the block scale and the exponent bias at once) into the four bf16x2 registers
-one thread feeds to a 16x16 A tile. A block scale pair goes ``cvt.f16x2.e4m3x2`` -> shift into bf16 ->
-two exact power-of-two ``mul.bf16x2`` (2**231 does not fit in one bf16); weights come out as
-``e2m1 * scale * 2**-7``, exact and normal in bf16, and the epilogue multiplies by ``multiplier * 2**7``.
-Accumulation is float32 on the tensor cores.
+fragments: a word decodes (5 rotates, 4 of them issued as plain left shifts; 6 masks; 4 ``mul.bf16x2``
+that apply the block scale and the exponent bias at once) into the four bf16x2 registers one thread
+feeds to a 16x16 A tile. A block scale pair goes ``cvt.f16x2.e4m3x2`` -> shift into bf16 -> two exact
+power-of-two ``mul.bf16x2`` (2**231 does not fit in one bf16); weights come out as ``e2m1 * scale * 2**-7``,
+exact and normal in bf16, and the epilogue multiplies by ``multiplier * 2**7``. Accumulation is float32 on
+the tensor cores.
 
 * ``_gemv_kernel`` (Gluon, ``M <= 16``): decode-bound, so written for the fewest instructions per
-  weight (about 20-22 per 32-bit word in the loop, against 34 for the wgmma kernel). One inline-PTX block
-  per thread and 64-column chunk decodes its 4 words (one scale pair: the v2 layout gives a thread one
-  scale block per chunk) and chains 4 ``mma.sync.m16n8k16`` (8 for ``M > 8``) with the activations as
-  the B operand, read straight from global memory as two 16-byte vectors per chunk. No shared memory in
-  the loop. A program owns ``spt`` 16-row stripes over the whole K; its warps split K and are summed
-  once at the end (deterministic, no workspace). ``maxnreg`` lets ptxas keep a step's loads ahead of
-  their use (by default it sinks each load next to its mma to save registers: one memory round trip per
-  chunk).
-* ``_w4a16_kernel`` (Triton, ``16 < M < dense_crossover_m``): one program computes a ``[BN, BM]`` tile of
-  ``y^T = W x^T`` over a K range with the decoded weights as the wgmma A operand in registers
-  (Triton's cp.async pipeline stages the words in shared memory) and ``x^T`` as the shared-memory B
-  operand, permuted beforehand into the layout's k-slot order (``kslot_order``, two small copies).
-  Split-K is atomic-free and deterministic: each split writes a float32 partial tile, bumps a per-tile
-  counter (release/acquire at GPU scope after a CTA barrier), and the last split to arrive sums the
-  partials in split order and writes bf16. The counters are zeroed by a memset inside the op.
+  weight (about 20-22 per 32-bit word in the loop). One inline-PTX block per thread and 64-column chunk
+  decodes its 4 words (one scale pair: the v2 layout gives a thread one scale block per chunk) and chains
+  4 ``mma.sync.m16n8k16`` (8 for ``M > 8``) with the activations as the B operand, read straight from
+  global memory as two 16-byte vectors per chunk. No shared memory in the loop. A program owns ``spt``
+  16-row stripes over the whole K; its warps split K and are summed once at the end (deterministic, no
+  workspace). ``maxnreg`` lets ptxas keep a step's loads ahead of their use.
+* ``_tc_kernel`` (Gluon, warp-specialised, ``M > 16``): a program computes a ``[64 warpgroups, BM]`` tile of
+  ``y^T = W x^T`` over a K range. A loader warp streams words, scales and activation tiles by TMA into a
+  ring of shared-memory slots (mbarriers with byte counts); the consumer warpgroups decode each word
+  straight into their wgmma A registers and issue an asynchronous ``wgmma`` with the activation tile as
+  the shared-memory B operand, decoding the next chunk while it runs. The activations are permuted into the
+  layout's k-slot order first (``kslot_activations``, one pass), so that a TMA box lines up with the decoded
+  fragments. Split-K (only while the tiles do not fill one wave) is atomic-free and deterministic: each
+  split writes a float32 partial tile, bumps a per-tile counter (release/acquire at GPU scope after a CTA
+  barrier), and the last split to arrive sums the partials in split order and writes bf16.
 
 Every path captures into CUDA graphs and runs under ``torch.compile`` (no host synchronisation,
-nothing cached between calls apart from the SM count).
+nothing cached between calls apart from the SM count), and neither materialises bf16 weights.
 
 Dispatch (``linear``), measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
 
 * ``M <= 16``: ``_gemv_kernel`` with ``gemv_config_for`` (8 warps per program unless that needs more waves of
   programs than 4 warps).
-* ``16 < M < dense_crossover_m``: ``_w4a16_kernel``, tiles from ``config_for`` (M buckets 32 / 64 / 128); K is
-  split so that about two programs run per SM (``_split_k``), at least twice for ``BM >= 64``.
-* ``M >= dense_crossover_m`` (129; 65 for layers of at most 4096 x 4096): ``dequantize`` (``_dequant_kernel``,
-  bf16 weights rounded once) then cuBLAS through ``torch.nn.functional.linear``.
+* ``M > 16``: ``_tc_kernel`` with ``tc_config_for`` (activation tile 32 / 64 / 128 / 256 rows by M).
+
+``dequantize`` (bf16 weights rounded once) serves the benchmarks' cuBLAS baseline and the tests.
 """
 
 from __future__ import annotations
@@ -63,20 +62,7 @@ try:
 except ImportError:  # CPU-only installs: importing must work, calling must say why it cannot
     triton = tl = gluon = gl = None
 
-_PROGRAMS_PER_SM = 2
 GEMV_MAX_M = 16  # two m16n8 B tiles per mma step
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile shape and launch options of one ``_w4a16_kernel`` specialisation."""
-
-    bn: int  # weight rows (output features) per program: 64 or 128
-    bm: int  # activation rows per program, >= 16
-    bk: int  # K per loop step: 64, 128 or 256
-    num_warps: int
-    num_stages: int
-    min_split: int = 1  # fewest K splits (more programs in flight measured faster for bm >= 64)
 
 
 @dataclass(frozen=True)
@@ -94,8 +80,7 @@ class TcConfig:
     """Work split of one ``_tc_kernel`` launch (weights decoded in registers as the wgmma A operand)."""
 
     bm: int  # activation rows per program: the wgmma N, a multiple of 16 up to 256
-    warpgroups: int  # consumer warpgroups
-    stripes: int  # 16-row stripes per warp: weight rows per program = 64 * warpgroups * stripes
+    warpgroups: int  # consumer warpgroups, 64 weight rows each; one warpgroup runs two programs per SM
     chunks: int  # 64-column chunks per pipeline stage, even (see ``_tc_consumer``)
     stages: int  # pipeline depth (TMA ring slots)
 
@@ -125,31 +110,27 @@ def _waves(programs: int, config: GemvConfig, sm_count: int) -> int:
     return -(-programs // (per_sm * sm_count))
 
 
-def config_for(m: int) -> KernelConfig:
-    """Tile shape for ``m`` activation rows: the fastest on most shapes of the H200 sweep (docs/benchmarks.md).
+def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
+    """Work split for ``_tc_kernel`` (``M > 16``), from the H200 sweeps (docs/benchmarks.md, round 3).
 
-    ``linear`` sends only ``16 < m < dense_crossover_m`` here; the ``m <= 16`` tile serves explicit ``fused_linear``
-    calls.
+    Up to 64 rows: one consumer warpgroup, two programs per SM (each hides the other's step latency). Up to 256:
+    128-row tiles, two warpgroups. Above: 256-row tiles (each weight decoded once per 256 rows) unless 128-row
+    tiles fill the waves of programs at least 10% better (10240 x 8192 at M = 1024: 271 against 343 us).
     """
-    if m <= 16:
-        return KernelConfig(bn=64, bm=16, bk=256, num_warps=4, num_stages=3)
     if m <= 32:
-        return KernelConfig(bn=64, bm=32, bk=256, num_warps=4, num_stages=3)
+        return TcConfig(bm=32, warpgroups=1, chunks=2, stages=4)
     if m <= 64:
-        return KernelConfig(bn=128, bm=64, bk=128, num_warps=8, num_stages=4, min_split=2)
-    return KernelConfig(bn=128, bm=128, bk=128, num_warps=8, num_stages=3, min_split=2)
+        return TcConfig(bm=64, warpgroups=1, chunks=2, stages=4)
+    tall, wide = TcConfig(128, 2, 2, 4), TcConfig(256, 2, 2, 3)
+    if m <= 128 * 2:
+        return tall
+    steps = layout.padded_shape(n, k)[1] // 64 // 2
 
+    def fill(config: TcConfig) -> float:
+        tiles = layout.padded_shape(n, k)[0] // 128 * -(-m // config.bm)
+        return _wave_fill(tiles * _tc_split(tiles, steps, sm_count), sm_count)
 
-def dense_crossover_m(n: int, k: int) -> int:
-    """Smallest M served by dequantize + cuBLAS, measured per layer size on the H200 (docs/benchmarks.md).
-
-    Dequantizing costs a pass proportional to N*K while the fused kernel's fixed costs (activation permute,
-    split-K counters) weigh most on small layers: at 4096x4096 the two tie at M = 64 and dequantize + cuBLAS
-    wins at M = 128 (26.7 against 35.6 us); on every larger benchmark layer the fused kernel wins at M = 128
-    (by 1.4-2.0x), and at M = 256 dequantize + cuBLAS beat the best fused config on 4 of the 7 layers and lost by
-    at most 13% on the others.
-    """
-    return 65 if n * k <= 4096 * 4096 else 129
+    return tall if fill(tall) > 1.1 * fill(wide) else wide
 
 
 def _require_triton(t: torch.Tensor) -> None:
@@ -179,12 +160,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_k(config: KernelConfig, tiles: int, k_steps: int, sm_count: int) -> int:
-    """K splits giving about two programs per SM (measured best), at least ``min_split``, >= 4 K steps each."""
-    want = max(config.min_split, round(_PROGRAMS_PER_SM * sm_count / tiles))
-    return max(1, min(want, k_steps // 4))
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -197,12 +172,10 @@ def linear(
     _require_triton(x)
     _check_operands(x, weight, weight_scale, weight_global_scale, n, k)
     m = x.shape[0]
-    if m >= dense_crossover_m(n, k):
-        return torch.nn.functional.linear(x, dequantize(weight, weight_scale, weight_global_scale, n, k))
+    sm_count = _sm_count(x.device.index or 0)
     if m <= GEMV_MAX_M:
-        config = gemv_config_for(m, n, k, _sm_count(x.device.index or 0))
-        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config)
-    return fused_linear(x, weight, weight_scale, weight_global_scale, n, k, config_for(m))
+        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, gemv_config_for(m, n, k, sm_count))
+    return tc_linear(x, weight, weight_scale, weight_global_scale, n, k, tc_config_for(m, n, k, sm_count))
 
 
 def gemv_linear(
@@ -235,46 +208,6 @@ def gemv_linear(
     return out
 
 
-def fused_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
-    config: KernelConfig,
-    split_k: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The wgmma kernel with an explicit tile config (``linear`` picks one; benchmarks and tests sweep them).
-
-    ``split_k`` defaults to the occupancy heuristic; ``out`` (contiguous bf16 ``[M, N]``) to a new tensor.
-    """
-    _require_triton(x)
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    if m == 0:
-        return out
-    n_tiles, m_tiles = triton.cdiv(n, config.bn), triton.cdiv(m, config.bm)
-    k_steps = weight.shape[1] // 2 // config.bk
-    if split_k is None:
-        split_k = _split_k(config, n_tiles * m_tiles, k_steps, _sm_count(x.device.index or 0))
-    steps_per_split = triton.cdiv(k_steps, split_k)
-    if split_k > 1:
-        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        counters = torch.zeros((n_tiles * m_tiles,), dtype=torch.int32, device=x.device)
-    else:
-        partials, counters = out, out  # unused by the SPLIT=False specialisation
-    _w4a16_kernel[(n_tiles, m_tiles, split_k)](
-        kslot_order(x, weight.shape[1] // 2), weight, weight_scale.view(torch.uint16), weight_global_scale, out,
-        partials, counters, m, n, weight.shape[1] // 2, weight.shape[1] // 128, steps_per_split, split_k,
-        BN=config.bn, BM=config.bm, BK=config.bk, SPLIT=split_k > 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    return out
-
-
 def tc_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -286,11 +219,9 @@ def tc_linear(
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The warp-specialised tensor-core kernel with an explicit work split; ``split_k`` defaults to filling the SMs.
-
-    One loader warp streams activation tiles (``kslot_order``), words and scales by TMA into a ring; the consumer
-    warpgroups decode each word straight into their wgmma A registers and multiply while the next chunk decodes.
-    """
+    """The warp-specialised tensor-core kernel (``M > 16``) with an explicit work split (``linear`` picks one with
+    ``tc_config_for``; benchmarks and tests sweep them); ``split_k`` defaults to ``_tc_split``, ``out`` (contiguous
+    bf16 ``[M, N]``) to a new tensor."""
     _require_triton(x)
     m = x.shape[0]
     if out is None:
@@ -300,10 +231,7 @@ def tc_linear(
     if config.chunks % 2 or config.stages < 2:
         raise ValueError(f"the tensor-core kernel takes an even number of chunks per stage and >= 2 stages: {config}")
     stripes, kp = weight.shape[0], weight.shape[1] // 2
-    warps = 4 * config.warpgroups
-    rows = warps * config.stripes  # stripes per program
-    if stripes % rows:
-        raise ValueError(f"{config} needs the padded N ({16 * stripes}) to be a multiple of {16 * rows}")
+    rows = warps = 4 * config.warpgroups  # one 16-row stripe per warp
     n_tiles, m_tiles = stripes // rows, triton.cdiv(m, config.bm)
     total_steps = kp // 64 // config.chunks
     per_sm = 2 if config.warpgroups == 1 else 1  # one consumer warpgroup: two programs share an SM
@@ -314,38 +242,46 @@ def tc_linear(
     counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
     xk = kslot_activations(x, kp, counters)
 
-    def descriptor(t: torch.Tensor, block: list[int], layout) -> TensorDescriptor:
+    def descriptor(t: torch.Tensor, block: list[int], swizzle: int) -> TensorDescriptor:
+        """TMA view of ``t`` in ``block`` boxes; the activation tile is the wgmma B operand (128-byte swizzle)."""
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
-    x_desc = descriptor(xk, [config.bm, 64], gl.NVMMASharedLayout.get_default_for([config.bm, 64], gl.bfloat16))
-    w_desc = descriptor(weight, [rows, 128], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    s_desc = descriptor(
-        weight_scale.view(torch.int16), [rows, 32], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    )
+    x_desc = descriptor(xk, [config.bm, 64], 128)
+    w_desc = descriptor(weight, [rows, 128], 0)
+    s_desc = descriptor(weight_scale.view(torch.int16), [rows, 32], 0)
     if split_k > 1:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
     _tc_kernel[(n_tiles, m_tiles, split_k)](
         x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k,
-        BM=config.bm, NW=warps, SPW=config.stripes, CPS=config.chunks, STAGES=config.stages, SPLIT=split_k > 1,
+        BM=config.bm, NW=warps, CPS=config.chunks, STAGES=config.stages, SPLIT=split_k > 1,
         num_warps=warps, maxnreg=_REGISTERS_PER_SM // (per_sm * 32 * (warps + 4)) // 8 * 8,
     )  # fmt: skip
     return out
 
 
 def _tc_split(tiles: int, steps: int, slots: int) -> int:
-    """K splits for ``tiles`` programs on ``slots`` resident ones: the fewest (up to 4, >= 8 steps each) that fill
-    the last wave at least 10% better than one fewer: every split adds a float32 partial pass over the output."""
+    """K splits for ``tiles`` programs on ``slots`` resident ones: none once the tiles fill a wave; else the fewest
+    (up to 4, >= 8 steps each) that fill the last wave at least 10% better than one fewer. Every split adds a
+    float32 partial pass over the output (at 10240 x 8192, M = 1024, two splits of 256-row tiles took 343 us
+    against 271 for unsplit 128-row tiles)."""
+    if tiles >= slots:
+        return 1
     best, best_fill = 1, 0.0
     for split in range(1, 5):
         if split > 1 and steps // split < 8:
             break
-        programs = tiles * split
-        fill = programs / (-(-programs // slots) * slots)
+        fill = _wave_fill(tiles * split, slots)
         if fill > 1.1 * best_fill:
             best, best_fill = split, fill
     return best
+
+
+def _wave_fill(programs: int, slots: int) -> float:
+    """Busy fraction of the program slots over all waves (1.0 when the last wave is full)."""
+    return programs / (-(-programs // slots) * slots)
 
 
 def kslot_activations(x: torch.Tensor, kp: int, counters: torch.Tensor) -> torch.Tensor:
@@ -414,26 +350,22 @@ def _rotation_masks() -> dict[int, int]:
     return dict(sorted(masks.items()))
 
 
-def _rotate_line(word: str, r: int, mask: int, plain_shifts: bool) -> str:
+def _rotate_line(word: str, r: int, mask: int) -> str:
     """PTX for ``r{r} = rotl(word, r)`` where only the bits in ``mask`` are used afterwards.
 
-    ``plain_shifts``: where no used bit wraps around (none below bit ``r``) a left shift gives the same bits,
-    and ptxas may issue it as ``IMAD.SHL`` on the FMA pipe: the funnel shift and the masks share the integer
-    ALU pipe, the decode kernel's busiest (62% of active cycles; docs/benchmarks.md).
+    Where no used bit wraps around (none below bit ``r``) a left shift gives the same bits, and ptxas may issue
+    it as ``IMAD.SHL`` on the FMA pipe: the funnel shift and the masks share the integer ALU pipe, the decode
+    kernel's busiest (62% of active cycles; 7-12% faster at M = 1, docs/benchmarks.md).
     """
-    if not plain_shifts or mask & ((1 << r) - 1):
+    if mask & ((1 << r) - 1):
         return f"shf.l.wrap.b32 r{r}, {word}, {word}, {r};"
     return f"shl.b32 r{r}, {word}, {r};"
 
 
-def _word_lines(word: str, plain_shifts: bool) -> list[str]:
-    """PTX: one word -> ``p0..p3``, the bf16x2 A-fragment registers ``e2m1 * S`` (pair i uses ``s{i % 2}``).
-
-    ``plain_shifts`` (``_rotate_line``) measured 7-12% faster in the decode kernel at M = 1 and up to 28%
-    slower in one wgmma-kernel case (57344 x 8192, M = 32), so only the decode kernel uses it.
-    """
+def _word_lines(word: str) -> list[str]:
+    """PTX: one word -> ``p0..p3``, the bf16x2 A-fragment registers ``e2m1 * S`` (pair i uses ``s{i % 2}``)."""
     mag, sign = layout.PAIR_MAG_MASK, layout.PAIR_SIGN_MASK
-    lines = [_rotate_line(word, r, mask, plain_shifts) for r, mask in _rotation_masks().items()]
+    lines = [_rotate_line(word, r, mask) for r, mask in _rotation_masks().items()]
     for i, (rm, rs) in enumerate(layout.DECODE_ROTATIONS):
         src_m, src_s = (f"r{rm}" if rm else word), (f"r{rs}" if rs else word)
         if rm == rs:
@@ -455,9 +387,9 @@ def _scale_asm() -> str:
     return _asm_block(_scale_lines("$2") + ["mov.b32 $0, s0;", "mov.b32 $1, s1;"])
 
 
-def _decode_asm(plain_shifts: bool = False) -> str:
+def _decode_asm() -> str:
     """``$8`` word, ``$9``/``$10`` splatted scales -> ``$0..$7`` bf16 weights, element e = p + 2h + 4q."""
-    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8", plain_shifts)]
+    lines = ["mov.b32 s0, $9;", "mov.b32 s1, $10;", *_word_lines("$8")]
     lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, p{i};" for i in range(4)]
     return _asm_block(lines)
 
@@ -477,7 +409,7 @@ def _gemv_asm(nt: int) -> str:
     acc_in = [f"${o + 6 + 8 * nt + i}" for i in range(4 * nt)]
     lines = [f"shr.b32 t, ${o + 4}, ${o + 5};", "mov.b32 {lo, hi}, t;", *_scale_lines("lo")]
     for j in range(4):
-        lines += _word_lines(words[j], plain_shifts=True)
+        lines += _word_lines(words[j])
         for u in range(nt):
             d = [f"${4 * u + i}" for i in range(4)]
             c = acc_in[4 * u : 4 * u + 4] if j == 0 else d
@@ -493,7 +425,6 @@ if triton is not None:
     _DECODE_ASM = tl.constexpr(_decode_asm())
     _GEMV_ASM_1 = gl.constexpr(_gemv_asm(1))
     _GEMV_ASM_2 = gl.constexpr(_gemv_asm(2))
-    _TC_DECODE_ASM = gl.constexpr(_decode_asm(plain_shifts=True))
     _BIAS_FIX = tl.constexpr(2.0**7)  # the decode leaves weights as e2m1 * scale * 2**-7
 
     @triton.jit
@@ -516,22 +447,15 @@ if triton is not None:
         )
 
     @triton.jit
-    def _dequant_tile(words, s0, s1, BN: tl.constexpr, BK: tl.constexpr, KSLOT_ORDER: tl.constexpr):
-        """``[BN/16, BK/64, 32, 4]`` words + scales -> bf16 ``[BN, BK]`` (times ``2**-7 / multiplier``).
-
-        ``KSLOT_ORDER``: columns in A-fragment k-slot order (the joins and permute only relabel registers,
-        the result is already in the wgmma A layout; activations must be in ``kslot_order``);
-        otherwise in true column order.
-        """
+    def _dequant_tile(words, s0, s1, BN: tl.constexpr, BK: tl.constexpr):
+        """``[BN/16, BK/64, 32, 4]`` words + scales -> bf16 ``[BN, BK]`` (times ``2**-7 / multiplier``), columns in
+        true order (the joins and the permute only relabel registers)."""
         e0, e1, e2, e3, e4, e5, e6, e7 = _decode_words(words, s0, s1)
         q0 = tl.join(tl.join(e0, e1), tl.join(e2, e3))  # [..., p, h]
         q1 = tl.join(tl.join(e4, e5), tl.join(e6, e7))
         w = tl.join(q0, q1)  # [s, c, lane, j, p, h, q]
         w = tl.reshape(w, (BN // 16, BK // 64, 8, 4, 4, 2, 2, 2))  # s, c, g, t, j, p, h, q
-        if KSLOT_ORDER:
-            w = tl.permute(w, (0, 6, 2, 1, 4, 7, 3, 5))  # s, h, g | c, j, q, t, p
-        else:
-            w = tl.permute(w, (0, 6, 2, 1, 3, 4, 7, 5))  # s, h, g | c, t, j, q, p
+        w = tl.permute(w, (0, 6, 2, 1, 3, 4, 7, 5))  # s, h, g | c, t, j, q, p
         return tl.reshape(w, (BN, BK))
 
     @triton.jit
@@ -555,46 +479,6 @@ if triton is not None:
         shape: tl.constexpr = (BN // 16, BK // 64, 32, 4)
         return words, tl.broadcast_to(s0[:, :, :, None], shape), tl.broadcast_to(s1[:, :, :, None], shape)
 
-    @triton.jit(do_not_specialize=["M", "STEPS_PER_SPLIT", "SPLIT_K"])
-    def _w4a16_kernel(
-        x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, count_ptr,
-        M, N, KP, KCH, STEPS_PER_SPLIT, SPLIT_K,
-        BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    ):  # fmt: skip
-        """``x_ptr``: activations in k-slot order, ``[M, KP]`` (``kslot_order``)."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        w_off, s_off = _tile_offsets(pid_n, KCH, BN, BK)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * KP
-        step_lo = pid_k * STEPS_PER_SPLIT
-        step_hi = tl.minimum(step_lo + STEPS_PER_SPLIT, KCH // (BK // 64))
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for step in range(step_lo, step_hi):
-            words, s0, s1 = _load_step(w_ptr, s_ptr, w_off, s_off, step, BN, BK)
-            w = _dequant_tile(words, s0, s1, BN, BK, True)
-            offs_k = step * BK + tl.arange(0, BK)
-            xt = tl.load(x_rows + offs_k[:, None], mask=offs_m[None, :] < M, other=0.0)
-            acc = tl.dot(w, xt, acc)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        out_mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        y_off = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        scale = tl.load(g_ptr) * _BIAS_FIX
-        if not SPLIT:
-            tl.store(y_ptr + y_off, (acc * scale).to(tl.bfloat16), mask=out_mask)
-        else:
-            tile_elems = M.to(tl.int64) * N
-            tl.store(part_ptr + pid_k * tile_elems + y_off, acc, mask=out_mask)
-            tl.debug_barrier()  # every thread's partial is written before the release below
-            arrived = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros((BN, BM), dtype=tl.float32)
-                for split in range(SPLIT_K):
-                    part = tl.load(part_ptr + split * tile_elems + y_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-                    total += part
-                tl.store(y_ptr + y_off, (total * scale).to(tl.bfloat16), mask=out_mask)
-
     @triton.jit
     def _kslot_kernel(x_ptr, out_ptr, count_ptr, M, K, KP, COUNTERS, BR: tl.constexpr):
         """``kslot_activations``: rows ``BR`` x 256 columns per program; program (0, 0) also zeroes the counters."""
@@ -617,7 +501,7 @@ if triton is not None:
         step = tl.program_id(1)
         w_off, s_off = _tile_offsets(pid_n, KCH, BN, BK)
         words, s0, s1 = _load_step(w_ptr, s_ptr, w_off, s_off, step, BN, BK)
-        w = _dequant_tile(words, s0, s1, BN, BK, False).to(tl.float32) * (tl.load(g_ptr) * _BIAS_FIX)
+        w = _dequant_tile(words, s0, s1, BN, BK).to(tl.float32) * (tl.load(g_ptr) * _BIAS_FIX)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = step * BK + tl.arange(0, BK)
         mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
@@ -829,28 +713,27 @@ if triton is not None:
 
     @gluon.jit
     def _tc_fragments(words, scales, a_layout: gl.constexpr):
-        """Words ``[R, W, 32, 4]`` (stripe ``r W + w``, lane, tile j) and uint16 scale pairs ``[R, W, 32]`` -> the
-        wgmma A operand ``[16 R W, 64]`` bf16 in k-slot order (``e2m1 * scale * 2**-7``). The joins and reshapes
-        only relabel registers: each thread's word already is its A fragment."""
-        R: gl.constexpr = words.shape[0]
-        W: gl.constexpr = words.shape[1]
+        """Words ``[S, 32, 4]`` (stripe = warp, lane, tile j) and uint16 scale pairs ``[S, 32]`` -> the wgmma A
+        operand ``[16 S, 64]`` bf16 in k-slot order (``e2m1 * scale * 2**-7``). The joins and reshapes only
+        relabel registers: each thread's word already is its A fragment."""
+        S: gl.constexpr = words.shape[0]
         s0, s1 = gl.inline_asm_elementwise(
             _SCALE_ASM, "=r,=r,h", [scales], dtype=(gl.int32, gl.int32), is_pure=True, pack=1
         )
-        s0, _ = gl.broadcast(gl.expand_dims(s0, 3), words)
-        s1, _ = gl.broadcast(gl.expand_dims(s1, 3), words)
+        s0, _ = gl.broadcast(gl.expand_dims(s0, 2), words)
+        s1, _ = gl.broadcast(gl.expand_dims(s1, 2), words)
         e0, e1, e2, e3, e4, e5, e6, e7 = gl.inline_asm_elementwise(
-            _TC_DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s0, s1],
+            _DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [words, s0, s1],
             dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1,
         )  # fmt: skip
         w = gl.join(gl.join(gl.join(e0, e1), gl.join(e2, e3)), gl.join(gl.join(e4, e5), gl.join(e6, e7)))
-        w = gl.reshape(w, [R, W, 8, 4, 4, 2, 2, 2])  # r, w, g, t, j, p, h, q (element e = p + 2h + 4q)
-        w = gl.permute(w, [0, 1, 6, 2, 4, 7, 3, 5])  # r, w, h, g | j, q, t, p: k-slot 16j + 8q + 2t + p
-        return gl.convert_layout(gl.reshape(w, [16 * R * W, 64]), a_layout, assert_trivial=True)
+        w = gl.reshape(w, [S, 8, 4, 4, 2, 2, 2])  # s, g, t, j, p, h, q (element e = p + 2h + 4q)
+        w = gl.permute(w, [0, 5, 1, 3, 6, 2, 4])  # s, h, g | j, q, t, p: k-slot 16j + 8q + 2t + p
+        return gl.convert_layout(gl.reshape(w, [16 * S, 64]), a_layout, assert_trivial=True)
 
     @gluon.jit
     def _tc_consumer(x_smem, w_smem, s_smem, ready, empty, steps, BM: gl.constexpr, NW: gl.constexpr,
-                     SPW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+                     CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         """Per chunk: decode the words into A registers and issue an async wgmma on the activation tile; the wait
         after it retires the previous chunk's wgmma, whose ring slot is then free.
 
@@ -859,19 +742,18 @@ if triton is not None:
         ``CPS`` must be even (with one chunk per step the loop rewrote the registers under the previous chunk's
         wgmma: wrong results on the H200 at ``BM >= 128``).
         """
-        S: gl.constexpr = NW * SPW  # stripes per program; warp w holds stripes w, w + NW, ..
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        LW: gl.constexpr = gl.BlockedLayout([SPW, 1, 1, 4], [1, 1, 32, 1], [1, NW, 1, 1], [3, 2, 1, 0])
-        acc = gl.zeros([16 * S, BM], gl.float32, acc_layout)
-        a_prev = gl.zeros([16 * S, 64], gl.bfloat16, a_layout)
+        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [NW, 1, 1], [2, 1, 0])  # warp w: stripe w
+        acc = gl.zeros([16 * NW, BM], gl.float32, acc_layout)
+        a_prev = gl.zeros([16 * NW, 64], gl.bfloat16, a_layout)
         for i in range(steps):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             for cc in gl.static_range(CPS):
                 buf = slot * CPS + cc
-                words = w_smem.index(buf).reshape([SPW, NW, 32, 4]).load(LW)
-                scales = s_smem.index(buf).reshape([SPW, NW, 32]).load(gl.SliceLayout(3, LW))
+                words = w_smem.index(buf).reshape([NW, 32, 4]).load(LW)
+                scales = s_smem.index(buf).load(gl.SliceLayout(2, LW))
                 a = _tc_fragments(words, scales, a_layout)
                 acc = warpgroup_mma(a, x_smem.index(buf).permute((1, 0)), acc, is_async=True)
                 acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
@@ -885,19 +767,17 @@ if triton is not None:
     @gluon.jit
     def _tc_kernel(
         x_desc, w_desc, s_desc, g_ptr, y_ptr, part_ptr, count_ptr, M, N, STEPS, TOTAL_STEPS, SPLIT_K,
-        BM: gl.constexpr, NW: gl.constexpr, SPW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr,
-        SPLIT: gl.constexpr,
+        BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     ):  # fmt: skip
         """``tc_linear``: program (n, m, k) computes ``y[m-tile, n-tile]^T`` over steps ``k STEPS ..`` of
-        ``CPS`` chunks; split-K partials are summed as in ``_w4a16_kernel`` (last program to arrive, in order)."""
+        ``CPS`` chunks; with ``SPLIT`` the last program of a tile to arrive sums the partials in split order."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
-        S: gl.constexpr = NW * SPW
-        BN: gl.constexpr = 16 * S
+        BN: gl.constexpr = 16 * NW  # one 16-row stripe per consumer warp
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CPS, BM, 64], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * CPS, S, 128], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES * CPS, S, 32], s_desc.layout)
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * CPS, NW, 128], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES * CPS, NW, 32], s_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -906,8 +786,8 @@ if triton is not None:
         steps = gl.minimum(STEPS, TOTAL_STEPS - pid_k * STEPS)
         (acc,) = gl.warp_specialize(
             [
-                (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, SPW, CPS, STAGES)),
-                (_tc_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_m * BM, pid_n * S,
+                (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, CPS, STAGES)),
+                (_tc_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_m * BM, pid_n * NW,
                               pid_k * STEPS * CPS, steps, CPS, STAGES)),
             ],
             [1],
