@@ -146,13 +146,14 @@ def test_tensor_core_split_fills_the_first_wave_only(tiles: int, steps: int, spl
 
 @pytest.mark.parametrize(
     "m,n,k,bm",
-    [(17, 4096, 4096, 32), (64, 8192, 8192, 64), (65, 8192, 8192, 128), (256, 14336, 4096, 128),
-     (257, 8192, 8192, 256), (1024, 8192, 8192, 256), (1024, 10240, 8192, 128), (1024, 14336, 4096, 128),
-     (4096, 10240, 8192, 256)],
+    [(17, 4096, 4096, 32), (64, 8192, 8192, 64), (65, 8192, 8192, 128), (200, 8192, 8192, 128),
+     (256, 14336, 4096, 128), (256, 10240, 8192, 256), (257, 8192, 8192, 256), (1024, 8192, 8192, 256),
+     (1024, 10240, 8192, 128), (1024, 14336, 4096, 128), (4096, 10240, 8192, 256)],
 )  # fmt: skip
 def test_tensor_core_tile_by_m_and_wave_fill(m: int, n: int, k: int, bm: int) -> None:
-    """Above 256 rows, 256-row tiles unless 128-row ones fill the waves >= 10% better: 10240 x 8192 at M = 1024
-    is 320 tiles of 256 rows (2.4 waves on 132 SMs) against 640 of 128 (4.8)."""
+    """128-row tiles up to M = 256, 256-row beyond, unless the other fills the waves >= 10% better on 132 SMs:
+    10240 x 8192 at M = 256 is 160 tiles of 128 rows (1.2 waves) against 80 of 256 in 3 K splits (1.8); at
+    M = 1024, 320 tiles of 256 rows (2.4 waves) against 640 of 128 (4.8)."""
     from repack.runtime.backends import triton_sm90 as backend
 
     config = backend.tc_config_for(m, n, k, sm_count=132)

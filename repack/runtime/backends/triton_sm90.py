@@ -113,16 +113,18 @@ def _waves(programs: int, config: GemvConfig, sm_count: int) -> int:
 def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     """Work split for ``_tc_kernel`` (``M > 16``), from the H200 sweeps (docs/benchmarks.md, round 3).
 
-    Up to 64 rows: one consumer warpgroup, two programs per SM (each hides the other's step latency). Up to 256:
-    128-row tiles, two warpgroups. Above: 256-row tiles (each weight decoded once per 256 rows) unless 128-row
-    tiles fill the waves of programs at least 10% better (10240 x 8192 at M = 1024: 271 against 343 us).
+    Up to 64 rows: one consumer warpgroup, two programs per SM (each hides the other's step latency). Up to 128:
+    128-row tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each weight
+    decoded once per 256 rows), unless the other size fills the waves of programs at least 10% better
+    (10240 x 8192 at M = 256: 80 tiles of 256 rows in three K splits against 160 of 128, 1.2 waves; at M = 1024:
+    640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 32:
         return TcConfig(bm=32, warpgroups=1, chunks=2, stages=4)
     if m <= 64:
         return TcConfig(bm=64, warpgroups=1, chunks=2, stages=4)
-    tall, wide = TcConfig(128, 2, 2, 4), TcConfig(256, 2, 2, 3)
-    if m <= 128 * 2:
+    tall, wide = TcConfig(bm=128, warpgroups=2, chunks=2, stages=4), TcConfig(bm=256, warpgroups=2, chunks=2, stages=3)
+    if m <= 128:
         return tall
     steps = layout.padded_shape(n, k)[1] // 64 // 2
 
@@ -130,7 +132,8 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
         tiles = layout.padded_shape(n, k)[0] // 128 * -(-m // config.bm)
         return _wave_fill(tiles * _tc_split(tiles, steps, sm_count), sm_count)
 
-    return tall if fill(tall) > 1.1 * fill(wide) else wide
+    preferred, other = (tall, wide) if m <= 256 else (wide, tall)
+    return other if fill(other) > 1.1 * fill(preferred) else preferred
 
 
 def _require_triton(t: torch.Tensor) -> None:
