@@ -81,10 +81,14 @@ class TcConfig:
 
     bm: int  # activation rows per program: the wgmma N, a multiple of 16 up to 256
     warpgroups: int  # consumer warpgroups, 64 weight rows each; one warpgroup runs two programs per SM
-    chunks: int  # 64-column chunks per pipeline stage, even (see ``_tc_consumer``)
-    stages: int  # pipeline depth (TMA ring slots)
+    stages: int  # pipeline depth (TMA ring slots of ``_TC_CHUNKS`` chunks), at least 2
 
 
+# 64-column chunks per pipeline step of ``_tc_kernel``, each decoded into its own A registers with one wgmma
+# left in flight. One chunk rewrote the registers under the previous chunk's wgmma (wrong results on the H200 at
+# BM >= 128); with four, or two wgmmas in flight, ptxas serialises the wgmmas (offline SASS: a full wait after
+# every one) or the registers are again rewritten in flight.
+_TC_CHUNKS = 2
 _REGISTERS_PER_SM = 65536
 _MAX_WARPS_PER_SM = 64
 
@@ -120,13 +124,13 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 32:
-        return TcConfig(bm=32, warpgroups=1, chunks=2, stages=4)
+        return TcConfig(bm=32, warpgroups=1, stages=4)
     if m <= 64:
-        return TcConfig(bm=64, warpgroups=1, chunks=2, stages=4)
-    tall, wide = TcConfig(bm=128, warpgroups=2, chunks=2, stages=4), TcConfig(bm=256, warpgroups=2, chunks=2, stages=3)
+        return TcConfig(bm=64, warpgroups=1, stages=4)
+    tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
     if m <= 128:
         return tall
-    steps = layout.padded_shape(n, k)[1] // 64 // 2
+    steps = layout.padded_shape(n, k)[1] // 64 // _TC_CHUNKS
 
     def fill(config: TcConfig) -> float:
         tiles = layout.padded_shape(n, k)[0] // 128 * -(-m // config.bm)
@@ -231,38 +235,58 @@ def tc_linear(
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
-    if config.chunks % 2 or config.stages < 2:
-        raise ValueError(f"the tensor-core kernel takes an even number of chunks per stage and >= 2 stages: {config}")
+    if config.stages < 2:
+        raise ValueError(f"the tensor-core kernel needs at least 2 pipeline stages: {config}")
     stripes, kp = weight.shape[0], weight.shape[1] // 2
-    rows = warps = 4 * config.warpgroups  # one 16-row stripe per warp
-    n_tiles, m_tiles = stripes // rows, triton.cdiv(m, config.bm)
-    total_steps = kp // 64 // config.chunks
-    per_sm = 2 if config.warpgroups == 1 else 1  # one consumer warpgroup: two programs share an SM
+    n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
+    total_steps = kp // 64 // _TC_CHUNKS
     if split_k is None:
-        split_k = _tc_split(n_tiles * m_tiles, total_steps, per_sm * _sm_count(x.device.index or 0))
+        split_k = _tc_split(n_tiles * m_tiles, total_steps, _tc_per_sm(config) * _sm_count(x.device.index or 0))
     steps = triton.cdiv(total_steps, split_k)
     split_k = triton.cdiv(total_steps, steps)  # no empty split
     counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
-    xk = kslot_activations(x, kp, counters)
-
-    def descriptor(t: torch.Tensor, block: list[int], swizzle: int) -> TensorDescriptor:
-        """TMA view of ``t`` in ``block`` boxes; the activation tile is the wgmma B operand (128-byte swizzle)."""
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-    x_desc = descriptor(xk, [config.bm, 64], 128)
-    w_desc = descriptor(weight, [rows, 128], 0)
-    s_desc = descriptor(weight_scale.view(torch.int16), [rows, 32], 0)
+    x_desc, w_desc, s_desc = tc_descriptors(kslot_activations(x, kp, counters), weight, weight_scale, config)
     if split_k > 1:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
     _tc_kernel[(n_tiles, m_tiles, split_k)](
         x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k,
-        BM=config.bm, NW=warps, CPS=config.chunks, STAGES=config.stages, SPLIT=split_k > 1,
-        num_warps=warps, maxnreg=_REGISTERS_PER_SM // (per_sm * 32 * (warps + 4)) // 8 * 8,
+        SPLIT=split_k > 1, **tc_launch_options(config),
     )  # fmt: skip
     return out
+
+
+def tc_descriptors(
+    xk: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: TcConfig
+) -> tuple[TensorDescriptor, TensorDescriptor, TensorDescriptor]:
+    """TMA views: activation tiles ``[bm, 64]`` (k-slot order; the wgmma B operand, 128-byte swizzle), and per
+    program and chunk the words ``[stripes, 128]`` and scale pairs ``[stripes, 32]`` (int16)."""
+    rows = 4 * config.warpgroups
+
+    def descriptor(t: torch.Tensor, block: list[int], swizzle: int) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    return (
+        descriptor(xk, [config.bm, 64], 128),
+        descriptor(weight, [rows, 128], 0),
+        descriptor(weight_scale.view(torch.int16), [rows, 32], 0),
+    )
+
+
+def _tc_per_sm(config: TcConfig) -> int:
+    """Programs per SM: two with one consumer warpgroup (each hides the other's step latency), else one."""
+    return 2 if config.warpgroups == 1 else 1
+
+
+def tc_launch_options(config: TcConfig) -> dict[str, int]:
+    """``_tc_kernel``'s constexprs and launch options for ``config``: consumer warps, and a register cap that lets
+    ``_tc_per_sm`` programs (consumers plus the 4-warp loader group) share the register file."""
+    warps = 4 * config.warpgroups
+    maxnreg = _REGISTERS_PER_SM // (_tc_per_sm(config) * 32 * (warps + 4)) // 8 * 8
+    return {"BM": config.bm, "NW": warps, "CPS": _TC_CHUNKS, "STAGES": config.stages, "num_warps": warps,
+            "maxnreg": maxnreg}  # fmt: skip
 
 
 def _tc_split(tiles: int, steps: int, slots: int) -> int:
@@ -740,10 +764,8 @@ if triton is not None:
         """Per chunk: decode the words into A registers and issue an async wgmma on the activation tile; the wait
         after it retires the previous chunk's wgmma, whose ring slot is then free.
 
-        A wgmma reads its A registers asynchronously until a wait retires it. Each of the ``CPS`` chunks of a step
-        has its own registers, rewritten only in the next step, after the wait that follows the next chunk: so
-        ``CPS`` must be even (with one chunk per step the loop rewrote the registers under the previous chunk's
-        wgmma: wrong results on the H200 at ``BM >= 128``).
+        A wgmma reads its A registers asynchronously until a wait retires it. The two chunks of a step decode into
+        their own registers, each rewritten only in the next step, after the wait that retired it (``_TC_CHUNKS``).
         """
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
