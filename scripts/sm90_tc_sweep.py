@@ -21,15 +21,15 @@ from repack.runtime.backends import triton_sm90 as backend
 from repack.runtime.backends.triton_sm90 import TcConfig
 from repack.targets import RuntimeLayer, sm90
 
-CANDIDATES = {  # M -> configs (bm, warpgroups, stages, w_stages); the first is tc_config_for's
-    32: [TcConfig(32, 1, 4, 12), TcConfig(32, 1, 4, 4), TcConfig(32, 2, 4, 12)],
-    64: [TcConfig(64, 1, 4, 10), TcConfig(64, 1, 4, 4), TcConfig(64, 1, 3, 12)],
-    128: [TcConfig(128, 2, 4, 10), TcConfig(128, 2, 4, 4), TcConfig(128, 2, 3, 12)],
-    256: [TcConfig(128, 2, 4, 10), TcConfig(256, 2, 2, 10), TcConfig(256, 2, 3, 3)],
-    1024: [TcConfig(256, 2, 2, 10), TcConfig(256, 2, 3, 3), TcConfig(128, 2, 4, 10)],
-    4096: [TcConfig(256, 2, 2, 10), TcConfig(256, 2, 3, 3)],
+CANDIDATES = {  # M -> configs (bm, warpgroups, stages); the first is tc_config_for's
+    32: [TcConfig(32, 1, 4), TcConfig(32, 1, 3), TcConfig(32, 2, 4)],
+    64: [TcConfig(64, 1, 4), TcConfig(64, 1, 3), TcConfig(64, 2, 4)],
+    128: [TcConfig(128, 2, 4), TcConfig(128, 2, 3), TcConfig(128, 1, 2)],
+    256: [TcConfig(128, 2, 4), TcConfig(256, 2, 3)],
+    1024: [TcConfig(256, 2, 3), TcConfig(128, 2, 4)],
+    4096: [TcConfig(256, 2, 3), TcConfig(128, 2, 4)],
 }
-PROFILE = [(64, TcConfig(64, 1, 4, 10)), (128, TcConfig(128, 2, 4, 10)), (4096, TcConfig(256, 2, 2, 10))]
+PROFILE = [(64, TcConfig(64, 1, 4)), (128, TcConfig(128, 2, 4)), (4096, TcConfig(256, 2, 3))]
 CHECK_SHAPES = [(208, 336), (4096, 4096), (1040, 2064)]  # N, K multiples of 16, not all of 64/128/256
 CHECK_MS = [17, 33, 64, 100, 128, 200, 256, 300]
 

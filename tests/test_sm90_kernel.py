@@ -89,7 +89,7 @@ def test_linear_bench_shapes(n: int, k: int) -> None:
         check(backend().linear(x, **tensors, n=n, k=k), x, w64)
 
 
-TC_CONFIGS = [(32, 1, 4, 12), (64, 1, 4, 10), (128, 2, 4, 10), (256, 2, 2, 10), (64, 2, 2, 2), (16, 1, 3, 5)]
+TC_CONFIGS = [(32, 1, 4), (64, 1, 4), (128, 2, 4), (256, 2, 3), (64, 2, 2), (16, 1, 3)]  # dispatch's + two more
 
 
 @pytest.mark.parametrize("m", [17, 33, 64, 100, 200, 300])
@@ -109,15 +109,13 @@ def test_tensor_core_every_config_and_split_writes_all(m: int, split_k: int, con
     check(y, x, dequantize(weight).cuda())
 
 
-@pytest.mark.parametrize("config", [(64, 1, 1, 1), (64, 1, 4, 3)])
-def test_tensor_core_rejects_a_single_stage_or_a_shallower_weight_ring(config: tuple) -> None:
-    """A slot is refilled only after the consumers released it, one step later (one slot would deadlock); the
-    step-indexed ``consumed`` barriers have as many slots as the weight ring, which must be the deeper."""
+def test_tensor_core_rejects_a_single_stage() -> None:
+    """The loader refills a slot only after the consumers released it, one step later: one slot would deadlock."""
     tensors = runtime_on_gpu(random_weight(64, 256, seed=5))
     x = torch.randn(32, 256, dtype=torch.bfloat16, device="cuda")
     b = backend()
-    with pytest.raises(ValueError, match="2 <= stages <= w_stages"):
-        b.tc_linear(x, **tensors, n=64, k=256, config=b.TcConfig(*config))
+    with pytest.raises(ValueError, match="at least 2 pipeline stages"):
+        b.tc_linear(x, **tensors, n=64, k=256, config=b.TcConfig(64, 1, 1))
 
 
 def test_kslot_activations_matches_the_reference_and_zeroes_counters() -> None:

@@ -157,4 +157,4 @@ def test_tensor_core_tile_by_m_and_wave_fill(m: int, n: int, k: int, bm: int) ->
     from repack.runtime.backends import triton_sm90 as backend
 
     config = backend.tc_config_for(m, n, k, sm_count=132)
-    assert config.bm == bm and 2 <= config.stages <= config.w_stages
+    assert config.bm == bm and config.stages >= 2

@@ -16,11 +16,10 @@ the tensor cores.
   16-row stripes over the whole K; its warps split K and are summed once at the end (deterministic, no
   workspace). ``maxnreg`` lets ptxas keep a step's loads ahead of their use.
 * ``_tc_kernel`` (Gluon, warp-specialised, ``M > 16``): a program computes a ``[64 warpgroups, BM]`` tile of
-  ``y^T = W x^T`` over a K range. Two loader warps stream, by TMA into rings of shared-memory slots
-  (mbarriers with byte counts), the words and scales (from HBM: a deep ring) and the activation tiles (from L2:
-  a shallow one); the consumer warpgroups decode each word straight into their wgmma A registers and issue an
-  asynchronous ``wgmma`` with the activation tile as the shared-memory B operand, decoding the next chunk while
-  it runs. The activations are permuted into the
+  ``y^T = W x^T`` over a K range. A loader warp streams words, scales and activation tiles by TMA into a
+  ring of shared-memory slots (mbarriers with byte counts); the consumer warpgroups decode each word
+  straight into their wgmma A registers and issue an asynchronous ``wgmma`` with the activation tile as
+  the shared-memory B operand, decoding the next chunk while it runs. The activations are permuted into the
   layout's k-slot order first (``kslot_activations``, one pass), so that a TMA box lines up with the decoded
   fragments. Split-K (only while the tiles do not fill one wave) is atomic-free and deterministic: each
   split writes a float32 partial tile, bumps a per-tile counter (release/acquire at GPU scope after a CTA
@@ -82,8 +81,7 @@ class TcConfig:
 
     bm: int  # activation rows per program: the wgmma N, a multiple of 16 up to 256
     warpgroups: int  # consumer warpgroups, 64 weight rows each; one warpgroup runs two programs per SM
-    stages: int  # activation ring slots (steps of ``_TC_CHUNKS`` chunks, from L2), at least 2
-    w_stages: int  # weight ring slots (from HBM: deeper, and 4x smaller per weight than activation tiles at bm = 64)
+    stages: int  # pipeline depth (TMA ring slots of ``_TC_CHUNKS`` chunks), at least 2
 
 
 # 64-column chunks per pipeline step of ``_tc_kernel``, each decoded into its own A registers with one wgmma
@@ -126,11 +124,10 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 32:
-        return TcConfig(bm=32, warpgroups=1, stages=4, w_stages=12)
+        return TcConfig(bm=32, warpgroups=1, stages=4)
     if m <= 64:
-        return TcConfig(bm=64, warpgroups=1, stages=4, w_stages=10)
-    tall = TcConfig(bm=128, warpgroups=2, stages=4, w_stages=10)
-    wide = TcConfig(bm=256, warpgroups=2, stages=2, w_stages=10)
+        return TcConfig(bm=64, warpgroups=1, stages=4)
+    tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
     if m <= 128:
         return tall
     steps = layout.padded_shape(n, k)[1] // 64 // _TC_CHUNKS
@@ -238,8 +235,8 @@ def tc_linear(
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
-    if not 2 <= config.stages <= config.w_stages:
-        raise ValueError(f"the tensor-core kernel needs 2 <= stages <= w_stages: {config}")
+    if config.stages < 2:
+        raise ValueError(f"the tensor-core kernel needs at least 2 pipeline stages: {config}")
     stripes, kp = weight.shape[0], weight.shape[1] // 2
     n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
     total_steps = kp // 64 // _TC_CHUNKS
@@ -285,11 +282,11 @@ def _tc_per_sm(config: TcConfig) -> int:
 
 def tc_launch_options(config: TcConfig) -> dict[str, int]:
     """``_tc_kernel``'s constexprs and launch options for ``config``: consumer warps, and a register cap that lets
-    ``_tc_per_sm`` programs (consumers plus the loader warps, padded to a warpgroup) share the register file."""
+    ``_tc_per_sm`` programs (consumers plus the 4-warp loader group) share the register file."""
     warps = 4 * config.warpgroups
     maxnreg = _REGISTERS_PER_SM // (_tc_per_sm(config) * 32 * (warps + 4)) // 8 * 8
-    return {"BM": config.bm, "NW": warps, "CPS": _TC_CHUNKS, "STAGES": config.stages, "WSTAGES": config.w_stages,
-            "num_warps": warps, "maxnreg": maxnreg}  # fmt: skip
+    return {"BM": config.bm, "NW": warps, "CPS": _TC_CHUNKS, "STAGES": config.stages, "num_warps": warps,
+            "maxnreg": maxnreg}  # fmt: skip
 
 
 def _tc_split(tiles: int, steps: int, slots: int) -> int:
@@ -725,37 +722,21 @@ if triton is not None:
 
 
     @gluon.jit
-    def _tc_weight_loader(w_desc, s_desc, w_smem, s_smem, ready, consumed, s0, c0, steps,
-                          CPS: gl.constexpr, WSTAGES: gl.constexpr):  # fmt: skip
-        """Words and scales of step ``i`` into slot ``i % WSTAGES`` once step ``i - WSTAGES`` is consumed."""
-        nbytes: gl.constexpr = CPS * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    def _tc_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, s0, c0, steps,
+                   CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Fill ring slot ``i % STAGES`` with step ``i``'s ``CPS`` chunks once the consumers released it."""
+        nbytes: gl.constexpr = CPS * (x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
         for i in range(steps):
-            slot = i % WSTAGES
-            if i >= WSTAGES:
-                mbarrier.wait(consumed.index(slot), ((i - WSTAGES) // WSTAGES) & 1)
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             fence_async_shared()
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)
             for cc in gl.static_range(CPS):
                 c = c0 + i * CPS + cc
+                tma.async_copy_global_to_shared(x_desc, [off_m, c * 64], bar, x_smem.index(slot * CPS + cc))
                 tma.async_copy_global_to_shared(w_desc, [s0, c * 128], bar, w_smem.index(slot * CPS + cc))
                 tma.async_copy_global_to_shared(s_desc, [s0, c * 32], bar, s_smem.index(slot * CPS + cc))
-
-    @gluon.jit
-    def _tc_act_loader(x_desc, x_smem, ready, consumed, off_m, c0, steps,
-                       CPS: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr):  # fmt: skip
-        """Activation tiles of step ``i`` into slot ``i % STAGES`` once step ``i - STAGES`` is consumed (``consumed``
-        has ``WSTAGES >= STAGES`` slots, indexed by step)."""
-        for i in range(steps):
-            slot = i % STAGES
-            if i >= STAGES:
-                done = i - STAGES
-                mbarrier.wait(consumed.index(done % WSTAGES), (done // WSTAGES) & 1)
-            fence_async_shared()
-            bar = ready.index(slot)
-            mbarrier.expect(bar, CPS * x_desc.block_type.nbytes)
-            for cc in gl.static_range(CPS):
-                tma.async_copy_global_to_shared(x_desc, [off_m, (c0 + i * CPS + cc) * 64], bar, x_smem.index(slot * CPS + cc))
 
     @gluon.jit
     def _tc_fragments(words, scales, a_layout: gl.constexpr):
@@ -778,10 +759,10 @@ if triton is not None:
         return gl.convert_layout(gl.reshape(w, [16 * S, 64]), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _tc_consumer(x_smem, w_smem, s_smem, x_ready, w_ready, consumed, steps, BM: gl.constexpr, NW: gl.constexpr,
-                     CPS: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr):  # fmt: skip
+    def _tc_consumer(x_smem, w_smem, s_smem, ready, empty, steps, BM: gl.constexpr, NW: gl.constexpr,
+                     CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         """Per chunk: decode the words into A registers and issue an async wgmma on the activation tile; the wait
-        after it retires the previous chunk's wgmma, so the previous step is consumed after the first chunk.
+        after it retires the previous chunk's wgmma, whose ring slot is then free.
 
         A wgmma reads its A registers asynchronously until a wait retires it. The two chunks of a step decode into
         their own registers, each rewritten only in the next step, after the wait that retired it (``_TC_CHUNKS``).
@@ -792,28 +773,26 @@ if triton is not None:
         acc = gl.zeros([16 * NW, BM], gl.float32, acc_layout)
         a_prev = gl.zeros([16 * NW, 64], gl.bfloat16, a_layout)
         for i in range(steps):
-            w_slot = i % WSTAGES
-            x_slot = i % STAGES
-            mbarrier.wait(w_ready.index(w_slot), (i // WSTAGES) & 1)
-            mbarrier.wait(x_ready.index(x_slot), (i // STAGES) & 1)
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             for cc in gl.static_range(CPS):
-                words = w_smem.index(w_slot * CPS + cc).reshape([NW, 32, 4]).load(LW)
-                scales = s_smem.index(w_slot * CPS + cc).load(gl.SliceLayout(2, LW))
+                buf = slot * CPS + cc
+                words = w_smem.index(buf).reshape([NW, 32, 4]).load(LW)
+                scales = s_smem.index(buf).load(gl.SliceLayout(2, LW))
                 a = _tc_fragments(words, scales, a_layout)
-                acc = warpgroup_mma(a, x_smem.index(x_slot * CPS + cc).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma(a, x_smem.index(buf).permute((1, 0)), acc, is_async=True)
                 acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
                 a_prev = a
                 if cc == 0:
                     if i > 0:
-                        mbarrier.arrive(consumed.index((i + WSTAGES - 1) % WSTAGES), count=1)
+                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         return (acc,)  # the default partition returns a tuple
 
     @gluon.jit
     def _tc_kernel(
         x_desc, w_desc, s_desc, g_ptr, y_ptr, part_ptr, count_ptr, M, N, STEPS, TOTAL_STEPS, SPLIT_K,
-        BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, WSTAGES: gl.constexpr,
-        SPLIT: gl.constexpr,
+        BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     ):  # fmt: skip
         """``tc_linear``: program (n, m, k) computes ``y[m-tile, n-tile]^T`` over steps ``k STEPS ..`` of
         ``CPS`` chunks; with ``SPLIT`` the last program of a tile to arrive sums the partials in split order."""
@@ -822,28 +801,22 @@ if triton is not None:
         pid_k = gl.program_id(2)
         BN: gl.constexpr = 16 * NW  # one 16-row stripe per consumer warp
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CPS, BM, 64], x_desc.layout)
-        w_smem = gl.allocate_shared_memory(w_desc.dtype, [WSTAGES * CPS, NW, 128], w_desc.layout)
-        s_smem = gl.allocate_shared_memory(s_desc.dtype, [WSTAGES * CPS, NW, 32], s_desc.layout)
-        x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        w_ready = gl.allocate_shared_memory(gl.int64, [WSTAGES, 1], mbarrier.MBarrierLayout())
-        consumed = gl.allocate_shared_memory(gl.int64, [WSTAGES, 1], mbarrier.MBarrierLayout())
+        w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * CPS, NW, 128], w_desc.layout)
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES * CPS, NW, 32], s_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(x_ready.index(i), count=1)
-        for i in gl.static_range(WSTAGES):
-            mbarrier.init(w_ready.index(i), count=1)
-            mbarrier.init(consumed.index(i), count=1)
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
         steps = gl.minimum(STEPS, TOTAL_STEPS - pid_k * STEPS)
-        c0 = pid_k * STEPS * CPS
         (acc,) = gl.warp_specialize(
             [
-                (_tc_consumer, (x_smem, w_smem, s_smem, x_ready, w_ready, consumed, steps, BM, NW, CPS, STAGES,
-                                WSTAGES)),
-                (_tc_weight_loader, (w_desc, s_desc, w_smem, s_smem, w_ready, consumed, pid_n * NW, c0, steps, CPS,
-                                     WSTAGES)),
-                (_tc_act_loader, (x_desc, x_smem, x_ready, consumed, pid_m * BM, c0, steps, CPS, STAGES, WSTAGES)),
+                (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, CPS, STAGES)),
+                (_tc_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_m * BM, pid_n * NW,
+                              pid_k * STEPS * CPS, steps, CPS, STAGES)),
             ],
-            [1, 1],
-            [24, 24],
+            [1],
+            [24],
         )  # fmt: skip
         LO: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, NW], [0, 1])  # 8 consecutive outputs per thread
         acc = gl.convert_layout(acc, LO)
