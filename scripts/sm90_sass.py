@@ -37,12 +37,13 @@ INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(
 def compile_sass(kernel, signature: dict, constants: dict, divisible: tuple[int, ...], options: dict) -> str:
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     source = GluonASTSource(kernel, signature, constants, attrs)
-    cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
+        path.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([BIN / "cuobjdump", "-res-usage", path], capture_output=True, text=True, check=True)
-        print(" ".join(line.strip() for line in usage.stdout.splitlines() if "REG:" in line))
+        print(" ".join(line.strip() for line in usage.stdout.splitlines() if "REG:" in line),
+              f"dynamic shared memory: {compiled.metadata.shared} bytes")  # fmt: skip
         return subprocess.run([BIN / "nvdisasm", "-c", path], capture_output=True, text=True, check=True).stdout
 
 
