@@ -323,8 +323,8 @@ def kslot_activations(x: torch.Tensor, kp: int, counters: torch.Tensor) -> torch
 def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
     """``x [M, K]`` zero-padded to ``kp`` columns and permuted into the layout's k-slot order (``sm90.kslot_column``).
 
-    The wgmma kernel then reads 16-byte runs of activations that line up with its decoded A fragments;
-    gathering the permuted columns inside the kernel (4-byte runs) compiled to more instructions per weight.
+    The plain-torch definition of what ``kslot_activations`` computes in one Triton pass (the tests compare them):
+    the tensor-core kernel's TMA then reads activation tiles that line up with its decoded A fragments.
     """
     m, k = x.shape
     if k < kp:
