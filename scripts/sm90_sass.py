@@ -4,10 +4,10 @@ Needs Triton 3.6 importable (it carries ptxas and nvdisasm); used to count instr
 pipeline before spending GPU time (docs/benchmarks.md, sm90 rounds 2 and 3).
 
     PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py gemv SPT CHUNKS WARPS NT EVEN MAXNREG
-    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py tc BM WARPGROUPS STAGES SPLIT
+    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py tc BM WARPGROUPS STAGES PER_SM SPLIT
 
 ``gemv 1 4 8 1 1 64`` is the decode kernel's M <= 8 split on a layer whose K is a multiple of the step: the opcode
-mix of its K loop per 32-bit word. ``tc 128 2 4 0`` is the tensor-core kernel for M = 65..256: its consumer loop's
+mix of its K loop per 32-bit word. ``tc 128 2 4 1 0`` is the tensor-core kernel for M = 65..256: its consumer loop's
 size, barriers and wgmma waits, and every write to a register that an in-flight wgmma still reads as its A
 operand (none may exist: ``_TC_CHUNKS``). Divisibility of pointers and sizes by 16 is declared as Triton's launcher
 would specialise it at run time.
@@ -98,8 +98,8 @@ def wgmma_register_hazards(loop: list[tuple[str, str]]) -> list[str]:
 
 
 def tc(args: list[int]) -> None:
-    bm, warpgroups, stages, split = args
-    config = backend.TcConfig(bm, warpgroups, stages)
+    bm, warpgroups, stages, per_sm, split = args
+    config = backend.TcConfig(bm, warpgroups, stages, per_sm)
     n, k = 8192, 8192
     descs = backend.tc_descriptors(
         torch.empty(bm, k, dtype=torch.bfloat16),

@@ -21,15 +21,15 @@ from repack.runtime.backends import triton_sm90 as backend
 from repack.runtime.backends.triton_sm90 import TcConfig
 from repack.targets import RuntimeLayer, sm90
 
-CANDIDATES = {  # M -> configs (bm, warpgroups, stages); the first is tc_config_for's
-    32: [TcConfig(32, 1, 4), TcConfig(32, 1, 3), TcConfig(32, 2, 4)],
-    64: [TcConfig(64, 1, 4), TcConfig(64, 1, 3), TcConfig(64, 2, 4)],
-    128: [TcConfig(128, 2, 4), TcConfig(128, 2, 3), TcConfig(128, 1, 2)],
-    256: [TcConfig(128, 2, 4), TcConfig(256, 2, 3)],
-    1024: [TcConfig(256, 2, 3), TcConfig(128, 2, 4)],
-    4096: [TcConfig(256, 2, 3), TcConfig(128, 2, 4)],
+CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM); the first is tc_config_for's
+    32: [TcConfig(32, 1, 4, 2), TcConfig(32, 1, 4, 3), TcConfig(32, 1, 4, 4), TcConfig(32, 1, 3, 4)],
+    64: [TcConfig(64, 1, 4, 2), TcConfig(64, 1, 3, 3), TcConfig(64, 1, 2, 4)],
+    128: [TcConfig(128, 2, 4, 1), TcConfig(128, 1, 2, 3), TcConfig(128, 1, 2, 2)],
+    256: [TcConfig(128, 2, 4, 1), TcConfig(256, 2, 3, 1)],
+    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
+    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
 }
-PROFILE = [(64, TcConfig(64, 1, 4)), (128, TcConfig(128, 2, 4)), (4096, TcConfig(256, 2, 3))]
+PROFILE = [(64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 2, 4, 1)), (4096, TcConfig(256, 2, 3, 1))]
 CHECK_SHAPES = [(208, 336), (4096, 4096), (1040, 2064)]  # N, K multiples of 16, not all of 64/128/256
 CHECK_MS = [17, 33, 64, 100, 128, 200, 256, 300]
 
@@ -81,12 +81,14 @@ def check() -> None:
     print(f"check done: worst relative error {worst:.3g}")
 
 
-def timing(json_path: str | None) -> None:
+def timing(json_path: str | None, ms: list[int]) -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for n, k in SHAPES:
         layer = make_layer(n, k, l2, seed=n + k)
         for m, configs in CANDIDATES.items():
+            if ms and m not in ms:
+                continue
             xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
             cublas = time_calls([lambda i=i: F.linear(xs[i % 2], layer.dense[i]) for i in range(len(layer.dense))])
             ncopy = len(layer.copies)
@@ -142,13 +144,14 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--ms", help="comma-separated M values to time (default: all of CANDIDATES)")
     args = parser.parse_args()
     if args.check:
         check()
     elif args.profile:
         profile()
     else:
-        timing(args.json)
+        timing(args.json, [int(m) for m in args.ms.split(",")] if args.ms else [])
 
 
 if __name__ == "__main__":

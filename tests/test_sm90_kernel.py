@@ -89,7 +89,8 @@ def test_linear_bench_shapes(n: int, k: int) -> None:
         check(backend().linear(x, **tensors, n=n, k=k), x, w64)
 
 
-TC_CONFIGS = [(32, 1, 4), (64, 1, 4), (128, 2, 4), (256, 2, 3), (64, 2, 2), (16, 1, 3)]  # dispatch's + two more
+TC_CONFIGS = [(32, 1, 4, 2), (64, 1, 4, 2), (128, 2, 4, 1), (256, 2, 3, 1), (64, 2, 2, 1), (16, 1, 3, 1),
+              (32, 1, 4, 4), (64, 1, 3, 3)]  # fmt: skip
 
 
 @pytest.mark.parametrize("m", [17, 33, 64, 100, 200, 300])
@@ -115,7 +116,7 @@ def test_tensor_core_rejects_a_single_stage() -> None:
     x = torch.randn(32, 256, dtype=torch.bfloat16, device="cuda")
     b = backend()
     with pytest.raises(ValueError, match="at least 2 pipeline stages"):
-        b.tc_linear(x, **tensors, n=64, k=256, config=b.TcConfig(64, 1, 1))
+        b.tc_linear(x, **tensors, n=64, k=256, config=b.TcConfig(64, 1, 1, 2))
 
 
 def test_kslot_activations_matches_the_reference_and_zeroes_counters() -> None:

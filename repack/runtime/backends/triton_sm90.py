@@ -80,8 +80,9 @@ class TcConfig:
     """Work split of one ``_tc_kernel`` launch (weights decoded in registers as the wgmma A operand)."""
 
     bm: int  # activation rows per program: the wgmma N, a multiple of 16 up to 256
-    warpgroups: int  # consumer warpgroups, 64 weight rows each; one warpgroup runs two programs per SM
+    warpgroups: int  # consumer warpgroups, 64 weight rows each
     stages: int  # pipeline depth (TMA ring slots of ``_TC_CHUNKS`` chunks), at least 2
+    per_sm: int = 1  # programs resident per SM (the register cap divides the file; shared memory must fit too)
 
 
 # 64-column chunks per pipeline step of ``_tc_kernel``, each decoded into its own A registers with one wgmma
@@ -124,9 +125,9 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 32:
-        return TcConfig(bm=32, warpgroups=1, stages=4)
+        return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=2)
     if m <= 64:
-        return TcConfig(bm=64, warpgroups=1, stages=4)
+        return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
     tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
     if m <= 128:
         return tall
@@ -241,7 +242,7 @@ def tc_linear(
     n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
     total_steps = kp // 64 // _TC_CHUNKS
     if split_k is None:
-        split_k = _tc_split(n_tiles * m_tiles, total_steps, _tc_per_sm(config) * _sm_count(x.device.index or 0))
+        split_k = _tc_split(n_tiles * m_tiles, total_steps, config.per_sm * _sm_count(x.device.index or 0))
     steps = triton.cdiv(total_steps, split_k)
     split_k = triton.cdiv(total_steps, steps)  # no empty split
     counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
@@ -275,16 +276,11 @@ def tc_descriptors(
     )
 
 
-def _tc_per_sm(config: TcConfig) -> int:
-    """Programs per SM: two with one consumer warpgroup (each hides the other's step latency), else one."""
-    return 2 if config.warpgroups == 1 else 1
-
-
 def tc_launch_options(config: TcConfig) -> dict[str, int]:
     """``_tc_kernel``'s constexprs and launch options for ``config``: consumer warps, and a register cap that lets
-    ``_tc_per_sm`` programs (consumers plus the 4-warp loader group) share the register file."""
+    ``per_sm`` programs (consumers plus the 4-warp loader group) share the register file."""
     warps = 4 * config.warpgroups
-    maxnreg = _REGISTERS_PER_SM // (_tc_per_sm(config) * 32 * (warps + 4)) // 8 * 8
+    maxnreg = _REGISTERS_PER_SM // (config.per_sm * 32 * (warps + 4)) // 8 * 8
     return {"BM": config.bm, "NW": warps, "CPS": _TC_CHUNKS, "STAGES": config.stages, "num_warps": warps,
             "maxnreg": maxnreg}  # fmt: skip
 
