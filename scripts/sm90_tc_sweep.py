@@ -22,9 +22,9 @@ from repack.runtime.backends.triton_sm90 import TcConfig
 from repack.targets import RuntimeLayer, sm90
 
 CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM); the first is tc_config_for's
-    32: [TcConfig(32, 1, 4, 2), TcConfig(32, 1, 4, 3), TcConfig(32, 1, 4, 4), TcConfig(32, 1, 3, 4)],
+    32: [TcConfig(32, 1, 4, 4), TcConfig(32, 1, 4, 2), TcConfig(32, 1, 4, 3), TcConfig(32, 1, 3, 4)],
     64: [TcConfig(64, 1, 4, 2), TcConfig(64, 1, 3, 3), TcConfig(64, 1, 2, 4)],
-    128: [TcConfig(128, 2, 4, 1), TcConfig(128, 1, 2, 3), TcConfig(128, 1, 2, 2)],
+    128: [TcConfig(128, 2, 4, 1), TcConfig(128, 1, 2, 2)],
     256: [TcConfig(128, 2, 4, 1), TcConfig(256, 2, 3, 1)],
     1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
     4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],

@@ -82,7 +82,7 @@ class TcConfig:
     bm: int  # activation rows per program: the wgmma N, a multiple of 16 up to 256
     warpgroups: int  # consumer warpgroups, 64 weight rows each
     stages: int  # pipeline depth (TMA ring slots of ``_TC_CHUNKS`` chunks), at least 2
-    per_sm: int = 1  # programs resident per SM (the register cap divides the file; shared memory must fit too)
+    per_sm: int = 1  # programs resident per SM: the register cap divides the file (too low a cap fails in ptxas)
 
 
 # 64-column chunks per pipeline step of ``_tc_kernel``, each decoded into its own A registers with one wgmma
@@ -118,14 +118,16 @@ def _waves(programs: int, config: GemvConfig, sm_count: int) -> int:
 def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     """Work split for ``_tc_kernel`` (``M > 16``), from the H200 sweeps (docs/benchmarks.md, round 3).
 
-    Up to 64 rows: one consumer warpgroup, two programs per SM (each hides the other's step latency). Up to 128:
+    Up to 64 rows: one consumer warpgroup, several programs per SM hiding each other's step latency (four up to
+    32 rows: 57344 x 8192 at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers).
+    Up to 128:
     128-row tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each weight
     decoded once per 256 rows), unless the other size fills the waves of programs at least 10% better
     (10240 x 8192 at M = 256: 80 tiles of 256 rows in three K splits against 160 of 128, 1.2 waves; at M = 1024:
     640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 32:
-        return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=2)
+        return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=4)
     if m <= 64:
         return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
     tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
