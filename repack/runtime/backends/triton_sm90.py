@@ -120,9 +120,8 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
 
     Up to 64 rows: one consumer warpgroup, several programs per SM hiding each other's step latency (four up to
     32 rows: 57344 x 8192 at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers).
-    Up to 128:
-    128-row tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each weight
-    decoded once per 256 rows), unless the other size fills the waves of programs at least 10% better
+    Up to 128: 128-row tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each
+    weight decoded once per 256 rows), unless the other size fills the waves of programs at least 10% better
     (10240 x 8192 at M = 256: 80 tiles of 256 rows in three K splits against 160 of 128, 1.2 waves; at M = 1024:
     640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
