@@ -15,7 +15,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from bench_sm90 import SHAPES, make_layer, time_calls
+from bench_sm90 import REL_TOL, SHAPES, make_layer, op_calls, time_calls
 
 from repack.runtime.backends import triton_sm90 as backend
 from repack.runtime.backends.triton_sm90 import TcConfig
@@ -29,7 +29,6 @@ CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM); the fi
     4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
 }
 PROFILE = [(64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 2, 4, 1)), (4096, TcConfig(256, 2, 3, 1))]
-REL_TOL = 1e-2
 
 
 def timing(json_path: str | None, ms: list[int]) -> None:
@@ -40,29 +39,21 @@ def timing(json_path: str | None, ms: list[int]) -> None:
         for m, configs in CANDIDATES.items():
             if ms and m not in ms:
                 continue
-            xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-            cublas = time_calls([lambda i=i: F.linear(xs[i % 2], layer.dense[i]) for i in range(len(layer.dense))])
-            ncopy = len(layer.copies)
-            current = time_calls(
-                [lambda i=i: backend.linear(xs[i % 2], **layer.copies[i], n=n, k=k) for i in range(ncopy)]
-            )
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cublas = time_calls([lambda w=w: F.linear(x, w) for w in layer.dense])
+            current = time_calls(op_calls(layer, x, backend.linear))
             row = {"n": n, "k": k, "m": m, "cublas_us": cublas * 1e6, "linear_us": current * 1e6, "tc_us": {}}
-            ref = F.linear(xs[0], layer.dense[0]).double()  # dense[0] is copies[0] dequantized
+            ref = F.linear(x, layer.dense[0]).double()  # dense[0] is copies[0] dequantized
             for config in configs:
+                name = str(tuple(config.__dict__.values()))
+                fn = lambda x, config=config, **kw: backend.tc_linear(x, **kw, config=config)
                 try:
-                    y = backend.tc_linear(xs[0], **layer.copies[0], n=n, k=k, config=config).double()
-                    err = float((y - ref).norm() / ref.norm())
+                    err = float((fn(x, **layer.copies[0], n=n, k=k).double() - ref).norm() / ref.norm())
                     if not err < REL_TOL:
                         raise AssertionError(f"WRONG: relative error {err:.2e}")
-                    t = time_calls(
-                        [
-                            lambda i=i, c=config: backend.tc_linear(xs[i % 2], **layer.copies[i], n=n, k=k, config=c)
-                            for i in range(ncopy)
-                        ]
-                    )
-                    row["tc_us"][str(tuple(config.__dict__.values()))] = t * 1e6
+                    row["tc_us"][name] = time_calls(op_calls(layer, x, fn)) * 1e6
                 except Exception as exc:  # report and go on: one bad config must not hide the others
-                    row["tc_us"][str(tuple(config.__dict__.values()))] = f"{type(exc).__name__}: {exc}"[:80]
+                    row["tc_us"][name] = f"{type(exc).__name__}: {exc}"[:80]
             rows.append(row)
             tcs = " ".join(
                 f"{c}={v:.1f}({cublas * 1e6 / v:.2f}x)" if isinstance(v, float) else f"{c}={v}"

@@ -132,10 +132,11 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
     if m <= 128:
         return tall
-    steps = layout.padded_shape(n, k)[1] // 64 // _TC_CHUNKS
+    np_, kp = layout.padded_shape(n, k)
+    steps = kp // 64 // _TC_CHUNKS
 
     def fill(config: TcConfig) -> float:
-        tiles = layout.padded_shape(n, k)[0] // 128 * -(-m // config.bm)
+        tiles = np_ // 128 * -(-m // config.bm)
         return _wave_fill(tiles * _tc_split(tiles, steps, sm_count), sm_count)
 
     preferred, other = (tall, wide) if m <= 256 else (wide, tall)
