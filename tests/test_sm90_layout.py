@@ -133,6 +133,21 @@ def test_decode_split_takes_eight_warps_unless_that_adds_a_wave(m: int, n: int, 
 
 
 @pytest.mark.parametrize(
+    "m,n,decode",
+    [(1, 57344, True), (8, 57344, True), (9, 57344, False), (16, 8192, False), (16, 4096, True), (12, 4096, True),
+     (12, 4100, False), (17, 4096, False)],
+)  # fmt: skip
+def test_decode_kernel_up_to_eight_rows_and_on_narrow_layers_to_sixteen(m: int, n: int, decode: bool) -> None:
+    """On 132 SMs: M 9..16 goes to 16-row tensor-core tiles from 66 tiles of 64 rows (N = 4100 pads to 4224), to
+    the decode kernel below (N = 4096: 64 tiles); M > 16 always to the tensor-core kernel."""
+    from repack.runtime.backends import triton_sm90 as backend
+
+    assert backend.uses_decode_kernel(m, n, sm_count=132) is decode
+    if not decode and m <= 16:
+        assert backend.tc_config_for(m, n, 4096, sm_count=132).bm == 16
+
+
+@pytest.mark.parametrize(
     "tiles,steps,split",
     [(64, 64, 2), (32, 64, 4), (80, 64, 3), (32, 12, 1), (32, 16, 2), (132, 64, 1), (448, 64, 1), (112, 32, 1)],
 )

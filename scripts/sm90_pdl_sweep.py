@@ -1,0 +1,103 @@
+"""Time programmatic dependent launch (PDL), L2 prefetch before the dependency wait, and both kernels at M = 9..16.
+
+    PYTHONPATH=.:scripts python3 scripts/sm90_pdl_sweep.py [--ms 1,4,16,32,64,128] [--json out.json]
+
+One line per layer and M, in microseconds per call (CUDA-graph replays of back-to-back calls, as
+``bench_sm90.py`` times them): cuBLAS on dequantized bf16 weights; the dispatch (``linear``) with PDL off and on;
+with ``+producer``, each call preceded by an in-place ``x.mul_(1)`` so that a non-PDL kernel writes the
+activations just before (as a norm or activation kernel would in a model) for cuBLAS, PDL off and on; then
+candidates with PDL: the decode kernel (M <= 16) and the tensor-core kernel (M > 8) in their dispatched configs
+with L2 prefetch of ``p`` leading chunks per stripe (``gemv+p`` / ``tc+p``). Every candidate is first compared with
+cuBLAS on the same inputs (WRONG past 1e-2); correctness proper is the GPU tests'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from bench_sm90 import REL_TOL, SHAPES, make_layer, op_calls, time_calls
+
+from repack.runtime.backends import triton_sm90 as backend
+
+PREFETCH = [0, 8, 32]  # leading chunks per stripe
+
+
+def with_pdl(pdl: bool, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def call(*args, **kwargs):
+        backend.PDL = pdl
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            backend.PDL = True
+
+    return call
+
+
+def candidates(m: int, n: int, k: int, sm_count: int) -> dict[str, Callable[..., torch.Tensor]]:
+    """The decode kernel's (M <= 16) and the tensor-core kernel's (M > 8) dispatched configs with each prefetch."""
+    out: dict[str, Callable[..., torch.Tensor]] = {}
+    for p in PREFETCH:
+        if m <= backend.GEMV_MAX_M:
+            gemv = dataclasses.replace(backend.gemv_config_for(m, n, k, sm_count), prefetch=p)
+            out[f"gemv+{p}"] = lambda x, c=gemv, **kw: backend.gemv_linear(x, **kw, config=c)
+        if m > 8:
+            tc = dataclasses.replace(backend.tc_config_for(m, n, k, sm_count), prefetch=p)
+            out[f"tc+{p}"] = lambda x, c=tc, **kw: backend.tc_linear(x, **kw, config=c)
+    return out
+
+
+def producer_calls(calls: list[Callable[[], object]], x: torch.Tensor) -> list[Callable[[], object]]:
+    return [lambda call=call: (x.mul_(1.0), call()) for call in calls]
+
+
+def timing(json_path: str | None, ms: list[int]) -> None:
+    props = torch.cuda.get_device_properties(0)
+    rows = []
+    for n, k in SHAPES:
+        layer = make_layer(n, k, props.L2_cache_size, seed=n + 3 * k)
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            dense = [lambda w=w: F.linear(x, w) for w in layer.dense]
+            times = {
+                "cublas": time_calls(dense),
+                "pdl_off": time_calls(op_calls(layer, x, with_pdl(False, backend.linear))),
+                "pdl_on": time_calls(op_calls(layer, x, backend.linear)),
+                "cublas+producer": time_calls(producer_calls(dense, x)),
+                "pdl_off+producer": time_calls(producer_calls(op_calls(layer, x, with_pdl(False, backend.linear)), x)),
+                "pdl_on+producer": time_calls(producer_calls(op_calls(layer, x, backend.linear), x)),
+            }
+            ref = F.linear(x, layer.dense[0]).double()
+            for name, fn in candidates(m, n, k, props.multi_processor_count).items():
+                try:
+                    err = float((fn(x, **layer.copies[0], n=n, k=k).double() - ref).norm() / ref.norm())
+                    if not err < REL_TOL:
+                        raise AssertionError(f"WRONG: relative error {err:.2e}")
+                    times[name] = time_calls(op_calls(layer, x, fn))
+                except Exception as exc:  # report and go on: one bad candidate must not hide the others
+                    times[name] = f"{type(exc).__name__}: {exc}"[:80]
+            us = {key: v * 1e6 if isinstance(v, float) else v for key, v in times.items()}
+            rows.append({"n": n, "k": k, "m": m, "us": us})
+            cells = " ".join(f"{key}={v:.1f}" if isinstance(v, float) else f"{key}=<{v}>" for key, v in us.items())
+            print(f"{n}x{k} M={m}: {cells}", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    parser.add_argument("--ms", default="1,4,16,32,64,128,1024", help="comma-separated M values")
+    args = parser.parse_args()
+    timing(args.json, [int(m) for m in args.ms.split(",")])
+
+
+if __name__ == "__main__":
+    main()
