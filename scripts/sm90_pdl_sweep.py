@@ -1,20 +1,18 @@
-"""Time programmatic dependent launch (PDL), L2 prefetch before the dependency wait, and both kernels at M = 9..16.
+"""Time programmatic dependent launch (PDL) of the tensor-core kernel, and both kernels at M = 9..16.
 
-    PYTHONPATH=.:scripts python3 scripts/sm90_pdl_sweep.py [--ms 1,4,16,32,64,128] [--json out.json]
+    PYTHONPATH=.:scripts python3 scripts/sm90_pdl_sweep.py [--ms 1,4,16,32,64,128,1024] [--json out.json]
 
 One line per layer and M, in microseconds per call (CUDA-graph replays of back-to-back calls, as
 ``bench_sm90.py`` times them): cuBLAS on dequantized bf16 weights; the dispatch (``linear``) with PDL off and on;
 with ``+producer``, each call preceded by an in-place ``x.mul_(1)`` so that a non-PDL kernel writes the
-activations just before (as a norm or activation kernel would in a model) for cuBLAS, PDL off and on; then
-candidates with PDL: the decode kernel (M <= 16) and the tensor-core kernel (M > 8) in their dispatched configs
-with L2 prefetch of ``p`` leading chunks per stripe (``gemv+p`` / ``tc+p``). Every candidate is first compared with
-cuBLAS on the same inputs (WRONG past 1e-2); correctness proper is the GPU tests'.
+activations just before (as a norm or activation kernel would in a model) for cuBLAS, PDL off and on; at M = 9..16
+also the decode kernel (``gemv``) and the tensor-core kernel (``tc``) on their own. Every candidate is first
+compared with cuBLAS on the same inputs (WRONG past 1e-2); correctness proper is the GPU tests'.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Callable
 
@@ -23,8 +21,6 @@ import torch.nn.functional as F
 from bench_sm90 import REL_TOL, SHAPES, make_layer, op_calls, time_calls
 
 from repack.runtime.backends import triton_sm90 as backend
-
-PREFETCH = [0, 8, 32]  # leading chunks per stripe
 
 
 def with_pdl(pdl: bool, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -39,16 +35,14 @@ def with_pdl(pdl: bool, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.
 
 
 def candidates(m: int, n: int, k: int, sm_count: int) -> dict[str, Callable[..., torch.Tensor]]:
-    """The decode kernel's (M <= 16) and the tensor-core kernel's (M > 8) dispatched configs with each prefetch."""
-    out: dict[str, Callable[..., torch.Tensor]] = {}
-    for p in PREFETCH:
-        if m <= backend.GEMV_MAX_M:
-            gemv = dataclasses.replace(backend.gemv_config_for(m, n, k, sm_count), prefetch=p)
-            out[f"gemv+{p}"] = lambda x, c=gemv, **kw: backend.gemv_linear(x, **kw, config=c)
-        if m > 8:
-            tc = dataclasses.replace(backend.tc_config_for(m, n, k, sm_count), prefetch=p)
-            out[f"tc+{p}"] = lambda x, c=tc, **kw: backend.tc_linear(x, **kw, config=c)
-    return out
+    """At M = 9 .. 16 both kernels in their configs for M (``uses_decode_kernel`` picks one of them)."""
+    if not 8 < m <= backend.GEMV_MAX_M:
+        return {}
+    gemv, tc = backend.gemv_config_for(m, n, k, sm_count), backend.tc_config_for(m, n, k, sm_count)
+    return {
+        "gemv": lambda x, **kw: backend.gemv_linear(x, **kw, config=gemv),
+        "tc": lambda x, **kw: backend.tc_linear(x, **kw, config=tc),
+    }
 
 
 def producer_calls(calls: list[Callable[[], object]], x: torch.Tensor) -> list[Callable[[], object]]:

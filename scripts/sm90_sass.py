@@ -3,8 +3,8 @@
 Needs Triton 3.6 importable (it carries ptxas and nvdisasm); used to count instructions and check the wgmma
 pipeline before spending GPU time (docs/benchmarks.md, sm90 rounds 2 and 3).
 
-    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py gemv SPT CHUNKS WARPS NT EVEN MAXNREG [PREFETCH]
-    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py tc BM WARPGROUPS STAGES PER_SM SPLIT [PREFETCH]
+    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py gemv SPT CHUNKS WARPS NT EVEN MAXNREG
+    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py tc BM WARPGROUPS STAGES PER_SM SPLIT
 
 ``gemv 1 4 8 1 1 64`` is the decode kernel's M <= 8 split on a layer whose K is a multiple of the step: the opcode
 mix of its K loop per 32-bit word. ``tc 128 2 4 1 0`` is the tensor-core kernel for M = 65..256: its consumer loop's
@@ -63,11 +63,11 @@ def innermost_loop(sass: str, marker: str) -> list[tuple[str, str]]:
 
 
 def gemv(args: list[int]) -> None:
-    spt, chunks, warps, nt, even, maxnreg, prefetch = (*args, 0)[:7]
+    spt, chunks, warps, nt, even, maxnreg = args
     signature = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "y_ptr": "*bf16", "M": "i32",
                  "N": "i32", "K": "i32", "KCH": "i32", "SPT": "constexpr", "C_T": "constexpr", "WK": "constexpr",
-                 "NT": "constexpr", "EVEN": "constexpr", "PF": "constexpr"}  # fmt: skip
-    constants = {"SPT": spt, "C_T": chunks, "WK": warps, "NT": nt, "EVEN": bool(even), "PF": prefetch}
+                 "NT": "constexpr", "EVEN": "constexpr"}  # fmt: skip
+    constants = {"SPT": spt, "C_T": chunks, "WK": warps, "NT": nt, "EVEN": bool(even)}
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     sass = compile_sass(backend._gemv_kernel, signature, constants, (0, 1, 2, 3, 4, 6, 7, 8), options)
     ops = collections.Counter(op for op, _ in innermost_loop(sass, "HMMA"))
@@ -98,8 +98,8 @@ def wgmma_register_hazards(loop: list[tuple[str, str]]) -> list[str]:
 
 
 def tc(args: list[int]) -> None:
-    bm, warpgroups, stages, per_sm, split, prefetch = (*args, 0)[:6]
-    config = backend.TcConfig(bm, warpgroups, stages, per_sm, prefetch)
+    bm, warpgroups, stages, per_sm, split = args
+    config = backend.TcConfig(bm, warpgroups, stages, per_sm)
     n, k = 8192, 8192
     descs = backend.tc_descriptors(
         torch.empty(bm, k, dtype=torch.bfloat16),
@@ -109,14 +109,13 @@ def tc(args: list[int]) -> None:
     )
     names = ("x_desc", "w_desc", "s_desc")
     signature = {name: native_specialize_impl(BaseBackend, d, False, True, True)[0] for name, d in zip(names, descs)}
-    signature |= {"w_ptr": "*i32", "s_ptr": "*i32", "g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
-                  "count_ptr": "*i32", "M": "i32", "N": "i32", "STEPS": "i32", "TOTAL_STEPS": "i32", "SPLIT_K": "i32",
-                  "KCH": "i32"}  # fmt: skip
+    signature |= {"g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
+                  "N": "i32", "STEPS": "i32", "TOTAL_STEPS": "i32", "SPLIT_K": "i32"}  # fmt: skip
     launch = backend.tc_launch_options(config)
     options = {key: launch.pop(key) for key in ("num_warps", "maxnreg", "launch_pdl")}
     constants = {**launch, "SPLIT": bool(split)}
     signature |= {name: "constexpr" for name in constants}
-    sass = compile_sass(backend._tc_kernel, signature, constants, (3, 4, 5, 6, 7, 8, 10), options)
+    sass = compile_sass(backend._tc_kernel, signature, constants, (3, 4, 5, 6, 8), options)
     loop = innermost_loop(sass, "HGMMA")
     ops = collections.Counter(op for op, _ in loop)
     waits = collections.Counter(operands.strip(" ;") for op, operands in loop if op.startswith("WARPGROUP.DEPBAR"))

@@ -8,31 +8,32 @@ power-of-two ``mul.bf16x2`` (2**231 does not fit in one bf16); weights come out 
 exact and normal in bf16, and the epilogue multiplies by ``multiplier * 2**7``. Accumulation is float32 on
 the tensor cores.
 
-* ``_gemv_kernel`` (Gluon, ``M <= 16``): decode-bound, so written for the fewest instructions per
-  weight (about 20-22 per 32-bit word in the loop). One inline-PTX block per thread and 64-column chunk
-  decodes its 4 words (one scale pair: the v2 layout gives a thread one scale block per chunk) and chains
-  4 ``mma.sync.m16n8k16`` (8 for ``M > 8``) with the activations as the B operand, read straight from
-  global memory as two 16-byte vectors per chunk. No shared memory in the loop. A program owns ``spt``
-  16-row stripes over the whole K; its warps split K and are summed once at the end (deterministic, no
-  workspace). ``maxnreg`` lets ptxas keep a step's loads ahead of their use.
-* ``_tc_kernel`` (Gluon, warp-specialised, ``M > 16``): a program computes a ``[64 warpgroups, BM]`` tile of
-  ``y^T = W x^T`` over a K range. A loader warp streams words, scales and activation tiles by TMA into a
-  ring of shared-memory slots (mbarriers with byte counts); the consumer warpgroups decode each word
-  straight into their wgmma A registers and issue an asynchronous ``wgmma`` with the activation tile as
-  the shared-memory B operand, decoding the next chunk while it runs. The activations are permuted into the
-  layout's k-slot order first (``kslot_activations``, one pass), so that a TMA box lines up with the decoded
-  fragments. Split-K (only while the tiles do not fill one wave) is atomic-free and deterministic: each
-  split writes a float32 partial tile, bumps a per-tile counter (release/acquire at GPU scope after a CTA
-  barrier), and the last split to arrive sums the partials in split order and writes bf16.
+* ``_gemv_kernel`` (Gluon, ``M <= 8``, and up to 16 on narrow layers): decode-bound, so written for the fewest
+  instructions per weight (about 20-22 per 32-bit word in the loop). One inline-PTX block per thread and
+  64-column chunk decodes its 4 words (one scale pair: the v2 layout gives a thread one scale block per chunk)
+  and chains 4 ``mma.sync.m16n8k16`` (8 for ``M > 8``) with the activations as the B operand, read straight from
+  global memory as two 16-byte vectors per chunk. No shared memory in the loop. A program owns ``spt`` 16-row
+  stripes over the whole K; its warps split K and are summed once at the end (deterministic, no workspace).
+  ``maxnreg`` lets ptxas keep a step's loads ahead of their use.
+* ``_tc_kernel`` (Gluon, warp-specialised, the other sizes): a program computes a ``[64 warpgroups, BM]`` tile
+  of ``y^T = W x^T`` over a K range. A loader warp streams words, scales and activation tiles by TMA into a ring
+  of shared-memory slots (mbarriers with byte counts); the consumer warpgroups decode each word straight into
+  their wgmma A registers and issue an asynchronous ``wgmma`` with the activation tile as the shared-memory B
+  operand, decoding the next chunk while it runs. The activations are permuted into the layout's k-slot order
+  first (``kslot_activations``, one pass), so that a TMA box lines up with the decoded fragments; the kernel is
+  launched with programmatic dependent launch (PDL) so that its launch and set-up overlap that pass, and waits
+  for it before anything else. Split-K (only while the tiles do not fill one wave) is atomic-free and
+  deterministic: each split writes a float32 partial tile, bumps a per-tile counter (release/acquire at GPU
+  scope after a CTA barrier), and the last split to arrive sums the partials in split order and writes bf16.
 
 Every path captures into CUDA graphs and runs under ``torch.compile`` (no host synchronisation,
 nothing cached between calls apart from the SM count), and neither materialises bf16 weights.
 
 Dispatch (``linear``), measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
 
-* ``M <= 16``: ``_gemv_kernel`` with ``gemv_config_for`` (8 warps per program unless that needs more waves of
-  programs than 4 warps).
-* ``M > 16``: ``_tc_kernel`` with ``tc_config_for`` (activation tile 32 / 64 / 128 / 256 rows by M).
+* ``M <= 8``, and ``M <= 16`` on layers of fewer than half as many 64-row tiles as SMs (``uses_decode_kernel``):
+  ``_gemv_kernel`` with ``gemv_config_for`` (8 warps per program unless that needs more waves of programs than 4).
+* Otherwise ``_tc_kernel`` with ``tc_config_for`` (activation tile 16 / 32 / 64 / 128 / 256 rows by M).
 
 ``dequantize`` (bf16 weights rounded once) serves the benchmarks' cuBLAS baseline and the tests.
 """
@@ -62,7 +63,7 @@ try:
 except ImportError:  # CPU-only installs: importing must work, calling must say why it cannot
     triton = tl = gluon = gl = None
 
-GEMV_MAX_M = 16  # two m16n8 B tiles per mma step
+GEMV_MAX_M = 16  # the decode kernel's limit: two m16n8 B tiles per mma step
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,6 @@ class GemvConfig:
     chunks: int  # 64-column chunks per warp per loop step (16-byte weight loads per stripe and round trip)
     num_warps: int  # warps per program, each taking every num_warps-th group of chunks along K
     maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
-    prefetch: int = 0  # leading 64-column chunks of each stripe prefetched into L2 before the grid-dependency wait
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,6 @@ class TcConfig:
     warpgroups: int  # consumer warpgroups, 64 weight rows each
     stages: int  # pipeline depth (TMA ring slots of ``_TC_CHUNKS`` chunks), at least 2
     per_sm: int = 1  # programs resident per SM: the register cap divides the file (too low a cap fails in ptxas)
-    prefetch: int = 0  # leading 64-column chunks of each stripe prefetched into L2 before the grid-dependency wait
 
 
 # 64-column chunks per pipeline step of ``_tc_kernel``, each decoded into its own A registers with one wgmma
@@ -93,9 +92,9 @@ class TcConfig:
 # every one) or the registers are again rewritten in flight.
 _TC_CHUNKS = 2
 _REGISTERS_PER_SM = 65536
-# Programmatic dependent launch: each kernel may start while the previous kernel in the stream finishes (its
-# prologue and L2 prefetch overlap that kernel's tail) and waits on it (``griddepcontrol.wait``) before touching
-# anything the previous kernel may write: activations, outputs, workspaces.
+# Programmatic dependent launch of ``_tc_kernel``: it starts while ``kslot_activations`` (always its predecessor)
+# runs, and waits for it (``griddepcontrol.wait``) before anything else. False: plain stream order (the tests
+# compare both).
 PDL = True
 _MAX_WARPS_PER_SM = 64
 
@@ -133,14 +132,15 @@ def uses_decode_kernel(m: int, n: int, sm_count: int) -> bool:
 
 
 def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
-    """Work split for ``_tc_kernel`` (``M > 16``), from the H200 sweeps (docs/benchmarks.md, round 3).
+    """Work split for ``_tc_kernel``, from the H200 sweeps (docs/benchmarks.md, rounds 3 and 4).
 
-    Up to 64 rows: one consumer warpgroup, several programs per SM hiding each other's step latency (four up to
-    32 rows: 57344 x 8192 at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers).
-    Up to 128: 128-row tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each
-    weight decoded once per 256 rows), unless the other size fills the waves of programs at least 10% better
-    (10240 x 8192 at M = 256: 80 tiles of 256 rows in three K splits against 160 of 128, 1.2 waves; at M = 1024:
-    640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
+    Up to 16 rows (where the decode kernel is not used): 16-row tiles, four programs per SM. Up to 64 rows: one
+    consumer warpgroup, several programs per SM hiding each other's step latency (four up to 32 rows: 57344 x 8192
+    at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers). Up to 128: 128-row
+    tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each weight decoded once per
+    256 rows), unless the other size fills the waves of programs at least 10% better (10240 x 8192 at M = 256: 80
+    tiles of 256 rows in three K splits against 160 of 128, 1.2 waves; at M = 1024: 640 tiles of 128 rows, 4.8
+    waves, against 320 of 256, 2.4).
     """
     if m <= 16:
         return TcConfig(bm=16, warpgroups=1, stages=4, per_sm=4)
@@ -231,8 +231,8 @@ def gemv_linear(
         x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out,
         m, n, k, chunks,
         SPT=config.spt, C_T=config.chunks, WK=config.num_warps, NT=1 if m <= 8 else 2,
-        EVEN=k == 64 * chunks and chunks % (config.chunks * config.num_warps) == 0, PF=config.prefetch,
-        num_warps=config.num_warps, launch_pdl=PDL, **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
+        EVEN=k == 64 * chunks and chunks % (config.chunks * config.num_warps) == 0,
+        num_warps=config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {}),
     )  # fmt: skip
     return out
 
@@ -273,8 +273,8 @@ def tc_linear(
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
     _tc_kernel[(n_tiles, m_tiles, split_k)](
-        x_desc, w_desc, s_desc, weight, weight_scale.view(torch.int32), weight_global_scale, out, partials, counters,
-        m, n, steps, total_steps, split_k, kp // 64, SPLIT=split_k > 1, **tc_launch_options(config),
+        x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k,
+        SPLIT=split_k > 1, **tc_launch_options(config),
     )  # fmt: skip
     return out
 
@@ -302,8 +302,8 @@ def tc_launch_options(config: TcConfig) -> dict[str, int]:
     ``per_sm`` programs (consumers plus the 4-warp loader group) share the register file."""
     warps = 4 * config.warpgroups
     maxnreg = _REGISTERS_PER_SM // (config.per_sm * 32 * (warps + 4)) // 8 * 8
-    return {"BM": config.bm, "NW": warps, "CPS": _TC_CHUNKS, "STAGES": config.stages, "PF": config.prefetch,
-            "num_warps": warps, "maxnreg": maxnreg, "launch_pdl": PDL}  # fmt: skip
+    return {"BM": config.bm, "NW": warps, "CPS": _TC_CHUNKS, "STAGES": config.stages, "num_warps": warps,
+            "maxnreg": maxnreg, "launch_pdl": PDL}  # fmt: skip
 
 
 def _tc_split(tiles: int, steps: int, slots: int) -> int:
@@ -333,9 +333,7 @@ def kslot_activations(x: torch.Tensor, kp: int, counters: torch.Tensor) -> torch
     which also zeroes the split-K ``counters``: one launch fewer than a separate memset (1.8 us on the H200)."""
     m, k = x.shape
     out = torch.empty((m, kp), dtype=x.dtype, device=x.device)
-    _kslot_kernel[(triton.cdiv(m, 32), kp // 256)](
-        x, out, counters, m, k, kp, counters.numel(), BR=32, num_warps=4, launch_pdl=PDL
-    )
+    _kslot_kernel[(triton.cdiv(m, 32), kp // 256)](x, out, counters, m, k, kp, counters.numel(), BR=32, num_warps=4)
     return out
 
 
@@ -472,10 +470,6 @@ if triton is not None:
     _GEMV_ASM_1 = gl.constexpr(_gemv_asm(1))
     _GEMV_ASM_2 = gl.constexpr(_gemv_asm(2))
     _BIAS_FIX = tl.constexpr(2.0**7)  # the decode leaves weights as e2m1 * scale * 2**-7
-    _PREFETCH_ASM = gl.constexpr(
-        "{\n.reg .pred p;\nsetp.gt.s32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $2;\n"
-        "@p cp.async.bulk.prefetch.L2.global [$3], $4;\nmov.b32 $0, 0;\n}"
-    )
 
     @triton.jit
     def _prepare_scales(scales):
@@ -532,8 +526,7 @@ if triton is not None:
     @triton.jit
     def _kslot_kernel(x_ptr, out_ptr, count_ptr, M, K, KP, COUNTERS, BR: tl.constexpr):
         """``kslot_activations``: rows ``BR`` x 256 columns per program; program (0, 0) also zeroes the counters."""
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the tensor-core kernel's prologue overlaps this pass
+        tl.extra.cuda.gdc_launch_dependents()  # the tensor-core kernel (PDL) may launch and set up meanwhile
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
         if pid_r == 0 and pid_c == 0:
@@ -588,36 +581,10 @@ if triton is not None:
         return gl.convert_layout(a, L, assert_trivial=True), gl.convert_layout(b, L, assert_trivial=True)
 
     @gluon.jit
-    def _prefetch_stripes(w_ptr, s_ptr, s0, c0, chunks, KCH, S: gl.constexpr, T: gl.constexpr, L: gl.constexpr):
-        """L2 prefetch (``cp.async.bulk.prefetch``, fire and forget) of ``chunks`` chunks from ``c0`` of stripes
-        ``s0 .. s0 + S - 1``, words and scale pairs, as ``[S, T]`` contiguous runs (``L``: one per warp, its lanes
-        replicating it, since the instruction takes warp-uniform operands).
-
-        Safe before the grid-dependency wait: L2 is the point of coherence, so a line the previous kernel
-        writes after it was prefetched is updated there, never read stale."""
-        stripe = s0 + gl.arange(0, S, layout=gl.SliceLayout(1, L))[:, None]
-        per = (chunks + T - 1) // T
-        first = gl.arange(0, T, layout=gl.SliceLayout(0, L))[None, :] * per
-        count = gl.minimum(per, chunks - first)  # <= 0: nothing
-        chunk = stripe * KCH + c0 + first
-        gl.inline_asm_elementwise(
-            _PREFETCH_ASM, "=r,l,r,l,r", [w_ptr + chunk * 128, count * 512, s_ptr + chunk * 16, count * 64],
-            dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-    @gluon.jit
     def _grid_dependency_wait():
-        """Wait until the previous kernel in the stream has finished and its writes are visible (PDL): no
-        activation, output or workspace access may come before this."""
+        """Wait until the previous kernel in the stream has finished and its writes are visible (a no-op unless
+        launched with PDL): no activation, output or workspace access may come before this."""
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _launch_dependents():
-        """Let the next kernel launch once every program got here (PDL). Called after the main loop, not before: an
-        early launch places the next kernel's programs on whichever SMs have room, crowding them onto few SMs
-        (H200, 4096 x 14336 at M = 1: 16.6 against 13.3 us)."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _idx5(n: gl.constexpr, dim: gl.constexpr, L: gl.constexpr):
@@ -750,26 +717,19 @@ if triton is not None:
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, N, K, KCH,
         SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
-        PF: gl.constexpr,
     ):  # fmt: skip
-        """``EVEN``: no padded columns (``K == 64 KCH``) and ``KCH`` a multiple of the step (``C_T * WK`` chunks);
-        ``PF`` leading chunks per stripe are prefetched into L2 before waiting on the previous kernel."""
+        """``EVEN``: no padded columns (``K == 64 KCH``) and ``KCH`` a multiple of the step (``C_T * WK`` chunks)."""
         CK: gl.constexpr = C_T * WK  # chunks per loop step; warp w takes C_T of them
         L4: gl.constexpr = gl.BlockedLayout([SPT, C_T, 1, 4], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
         LX: gl.constexpr = gl.BlockedLayout([1, C_T, 1, 8], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
         L3: gl.constexpr = gl.SliceLayout(3, L4)  # [stripe, chunk, lane]: the hardware lane is the fragment lane
         s0 = gl.program_id(0) * SPT
-        if PF > 0:
-            _prefetch_stripes(w_ptr, s_ptr, s0, 0, gl.minimum(KCH, PF), KCH, SPT, WK,
-                              gl.BlockedLayout([1, 1], [32, 1], [1, WK], [1, 0]))  # fmt: skip
-        _grid_dependency_wait()
         shift = (_idx3(32, 2, L3) % 2) * 16
         z = gl.zeros([SPT, CK, 32], gl.float32, L3)
         accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
         for c in range(0, KCH, CK):
             words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, SPT, C_T, WK, NT, EVEN, L4, LX)
             accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
-        _launch_dependents()
         _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)
 
     @gluon.jit
@@ -855,14 +815,11 @@ if triton is not None:
 
     @gluon.jit
     def _tc_kernel(
-        x_desc, w_desc, s_desc, w_ptr, s_ptr, g_ptr, y_ptr, part_ptr, count_ptr, M, N, STEPS, TOTAL_STEPS, SPLIT_K,
-        KCH, BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, PF: gl.constexpr,
-        SPLIT: gl.constexpr,
+        x_desc, w_desc, s_desc, g_ptr, y_ptr, part_ptr, count_ptr, M, N, STEPS, TOTAL_STEPS, SPLIT_K,
+        BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     ):  # fmt: skip
         """``tc_linear``: program (n, m, k) computes ``y[m-tile, n-tile]^T`` over steps ``k STEPS ..`` of
-        ``CPS`` chunks; with ``SPLIT`` the last program of a tile to arrive sums the partials in split order.
-        ``w_ptr``/``s_ptr`` (the tensors behind ``w_desc``/``s_desc``, ``KCH`` chunks per stripe) serve the L2
-        prefetch of the first ``PF`` chunks, issued before waiting on the previous kernel."""
+        ``CPS`` chunks; with ``SPLIT`` the last program of a tile to arrive sums the partials in split order."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
@@ -876,10 +833,7 @@ if triton is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         steps = gl.minimum(STEPS, TOTAL_STEPS - pid_k * STEPS)
-        if PF > 0:
-            _prefetch_stripes(w_ptr, s_ptr, pid_n * NW, pid_k * STEPS * CPS, gl.minimum(steps * CPS, PF), KCH, NW, 1,
-                              gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0]))  # fmt: skip
-        _grid_dependency_wait()
+        _grid_dependency_wait()  # launched with PDL: the k-slot pass may still be writing x_desc's tensor
         (acc,) = gl.warp_specialize(
             [
                 (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, CPS, STAGES)),
@@ -889,7 +843,6 @@ if triton is not None:
             [1],
             [24],
         )  # fmt: skip
-        _launch_dependents()
         LO: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, NW], [0, 1])  # 8 consecutive outputs per thread
         acc = gl.convert_layout(acc, LO)
         offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))[:, None]
