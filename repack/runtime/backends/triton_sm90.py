@@ -137,10 +137,11 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     Up to 16 rows (where the decode kernel is not used): 16-row tiles, four programs per SM. Up to 64 rows: one
     consumer warpgroup, several programs per SM hiding each other's step latency (four up to 32 rows: 57344 x 8192
     at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers). Up to 128: 128-row
-    tiles, two warpgroups. Above, 128-row tiles up to M = 256 and 256-row tiles beyond (each weight decoded once per
-    256 rows), unless the other size fills the waves of programs at least 10% better (10240 x 8192 at M = 256: 80
-    tiles of 256 rows in three K splits against 160 of 128, 1.2 waves; at M = 1024: 640 tiles of 128 rows, 4.8
-    waves, against 320 of 256, 2.4).
+    tiles, two warpgroups. Up to 256: 256-row tiles (each weight decoded once) where they are more than half as
+    many as the SMs, else 128-row tiles, whose programs fill more SMs (M = 256, us: 14336 x 4096 46 against 53,
+    10240 x 8192 82 against 98, 57344 x 8192 333 against 357; 8192 x 8192, 64 tiles, 64 against 51). Beyond,
+    256-row tiles unless 128-row ones fill the waves of programs at least 10% better (10240 x 8192 at M = 1024: 640
+    tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 16:
         return TcConfig(bm=16, warpgroups=1, stages=4, per_sm=4)
@@ -152,14 +153,15 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     if m <= 128:
         return tall
     np_, kp = layout.padded_shape(n, k)
+    if m <= 256:
+        return wide if 2 * (np_ // 128) > sm_count else tall
     steps = kp // 64 // _TC_CHUNKS
 
     def fill(config: TcConfig) -> float:
         tiles = np_ // 128 * -(-m // config.bm)
         return _wave_fill(tiles * _tc_split(tiles, steps, sm_count), sm_count)
 
-    preferred, other = (tall, wide) if m <= 256 else (wide, tall)
-    return other if fill(other) > 1.1 * fill(preferred) else preferred
+    return tall if fill(tall) > 1.1 * fill(wide) else wide
 
 
 def _require_triton(t: torch.Tensor) -> None:
@@ -307,20 +309,12 @@ def tc_launch_options(config: TcConfig) -> dict[str, int]:
 
 
 def _tc_split(tiles: int, steps: int, slots: int) -> int:
-    """K splits for ``tiles`` programs on ``slots`` resident ones: none once the tiles fill a wave; else the fewest
-    (up to 4, >= 8 steps each) that fill the last wave at least 10% better than one fewer. Every split adds a
-    float32 partial pass over the output (at 10240 x 8192, M = 1024, two splits of 256-row tiles took 343 us
-    against 271 for unsplit 128-row tiles)."""
-    if tiles >= slots:
-        return 1
-    best, best_fill = 1, 0.0
-    for split in range(1, 5):
-        if split > 1 and steps // split < 8:
-            break
-        fill = _wave_fill(tiles * split, slots)
-        if fill > 1.1 * best_fill:
-            best, best_fill = split, fill
-    return best
+    """K splits for ``tiles`` programs on ``slots`` resident ones: the most (up to 4, >= 8 steps each) that keep every
+    program in the first wave, so none once the tiles fill it. A split that adds a wave costs more than the idle
+    SMs it fills: every split writes and reads back a float32 partial tile (H200, 10240 x 8192, 80 tiles on 132
+    SMs: at M = 128 three splits, two waves, took 54.9 us against 49.0 unsplit; at M = 256, 256-row tiles, 96.9
+    against 81.8)."""
+    return max(1, min(4, slots // tiles, steps // 8))
 
 
 def _wave_fill(programs: int, slots: int) -> float:
