@@ -91,7 +91,7 @@ def test_linear_bench_shapes(n: int, k: int) -> None:
 
 # (bm, warpgroups, stages, programs per SM)
 TC_CONFIGS = [(32, 1, 4, 2), (64, 1, 4, 2), (128, 2, 4, 1), (256, 2, 3, 1), (64, 2, 2, 1), (16, 1, 3, 1),
-              (32, 1, 4, 4), (64, 1, 3, 3), (8, 1, 4, 4), (16, 1, 4, 4), (16, 1, 4, 5)]  # fmt: skip
+              (32, 1, 4, 4), (64, 1, 3, 3), (8, 1, 4, 4), (16, 1, 4, 4), (16, 1, 4, 5), (128, 1, 3, 2)]  # fmt: skip
 
 
 @pytest.mark.parametrize("m", [1, 5, 17, 64, 100, 300])

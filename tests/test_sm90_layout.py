@@ -175,3 +175,5 @@ def test_tensor_core_tile_by_m_and_wave_fill(m: int, n: int, k: int, bm: int) ->
 
     config = backend.tc_config_for(m, n, k, sm_count=132)
     assert config.bm == bm and config.stages >= 2
+    if m <= 256:  # one warpgroup per program, several programs per SM, unless the tile is 256 rows
+        assert (config.warpgroups, config.per_sm > 1) == ((2, False) if bm == 256 else (1, True))

@@ -137,11 +137,12 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     Up to 16 rows (where the decode kernel is not used): 16-row tiles, four programs per SM. Up to 64 rows: one
     consumer warpgroup, several programs per SM hiding each other's step latency (four up to 32 rows: 57344 x 8192
     at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers). Up to 128: 128-row
-    tiles, two warpgroups. Up to 256: 256-row tiles (each weight decoded once) where they are more than half as
-    many as the SMs, else 128-row tiles, whose programs fill more SMs (M = 256, us: 14336 x 4096 46 against 53,
-    10240 x 8192 82 against 98, 57344 x 8192 333 against 357; 8192 x 8192, 64 tiles, 64 against 51). Beyond,
-    256-row tiles unless 128-row ones fill the waves of programs at least 10% better (10240 x 8192 at M = 1024: 640
-    tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
+    tiles, again one warpgroup and two programs per SM (0-7% faster than one program of two warpgroups on all 7
+    layers: 57344 x 8192 at M = 128 203 against 212 us). Up to 256: 256-row tiles (each weight decoded once) where
+    they are more than half as many as the SMs, else the same 128-row tiles, whose programs fill more SMs (M = 256,
+    us: 14336 x 4096 45 against 52, 10240 x 8192 82 against 99; 8192 x 8192, 64 tiles, 63 against 53). Beyond,
+    256-row tiles unless 128-row ones (two warpgroups) fill the waves of programs at least 10% better (10240 x 8192
+    at M = 1024: 640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
     if m <= 16:
         return TcConfig(bm=16, warpgroups=1, stages=4, per_sm=4)
@@ -150,11 +151,9 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     if m <= 64:
         return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
     tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
-    if m <= 128:
-        return tall
     np_, kp = layout.padded_shape(n, k)
     if m <= 256:
-        return wide if 2 * (np_ // 128) > sm_count else tall
+        return wide if m > 128 and 2 * (np_ // 128) > sm_count else TcConfig(bm=128, warpgroups=1, stages=3, per_sm=2)
     steps = kp // 64 // _TC_CHUNKS
 
     def fill(config: TcConfig) -> float:
