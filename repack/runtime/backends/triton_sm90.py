@@ -124,8 +124,9 @@ def uses_decode_kernel(m: int, n: int, sm_count: int) -> bool:
     """``M <= 8``, and ``M <= 16`` on layers with fewer 64-row tiles than half the SMs: the decode kernel, else the
     tensor-core kernel. At M = 9 .. 16 the decode kernel runs two n-tiles of mma.sync and reads the activations
     from L2 in every warp, where 16-row wgmma tiles read them once per program from shared memory (H200, M = 16,
-    us: 57344 x 8192 99 against 84, 8192 x 28672 57 against 47, 14336 x 4096 21 against 17, 8192 x 8192 and
-    10240 x 8192 even); with 64 tiles (N = 4096) too few programs share out K (4096 x 14336: 17.5 against 24.6)."""
+    us: 57344 x 8192 99 against 84, 8192 x 28672 57 against 47, 14336 x 4096 20 against 18, 8192 x 8192 and
+    10240 x 8192 even); with 64 tiles (N = 4096) too few programs share out K (4096 x 14336 18 against 19,
+    4096 x 4096 8 against 10)."""
     if m <= 8:
         return True
     return m <= GEMV_MAX_M and 2 * (layout.padded_shape(n, 64)[0] // 64) < sm_count
@@ -150,10 +151,11 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
         return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=4)
     if m <= 64:
         return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
-    tall, wide = TcConfig(bm=128, warpgroups=2, stages=4), TcConfig(bm=256, warpgroups=2, stages=3)
     np_, kp = layout.padded_shape(n, k)
+    wide = TcConfig(bm=256, warpgroups=2, stages=3)
     if m <= 256:
         return wide if m > 128 and 2 * (np_ // 128) > sm_count else TcConfig(bm=128, warpgroups=1, stages=3, per_sm=2)
+    tall = TcConfig(bm=128, warpgroups=2, stages=4)
     steps = kp // 64 // _TC_CHUNKS
 
     def fill(config: TcConfig) -> float:
