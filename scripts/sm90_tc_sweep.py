@@ -27,8 +27,8 @@ CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM); the fi
     64: [TcConfig(64, 1, 4, 2), TcConfig(64, 1, 3, 3), TcConfig(64, 1, 2, 4), TcConfig(32, 1, 4, 4)],
     128: [TcConfig(128, 2, 4, 1), TcConfig(128, 1, 2, 2), TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2)],
     256: [TcConfig(128, 2, 4, 1), TcConfig(256, 2, 3, 1), TcConfig(128, 1, 3, 2)],
-    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
-    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
+    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 1, 3, 2)],
+    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 1, 3, 2)],
 }
 PROFILE = [(64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 2, 4, 1)), (4096, TcConfig(256, 2, 3, 1))]
 
