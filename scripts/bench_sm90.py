@@ -137,6 +137,19 @@ def op_calls(layer: Layer, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> 
     return [lambda t=t: fn(x, **t, n=layer.n, k=layer.k) for t in layer.copies]
 
 
+def checked_time(layer: Layer, x: torch.Tensor, fn: Callable[..., torch.Tensor], ref: torch.Tensor) -> float | str:
+    """Seconds per call of candidate ``fn``, once its output on ``layer.copies[0]`` is within ``REL_TOL`` of
+    ``ref``; otherwise (or if it fails to compile or run) a short reason, so that one bad candidate of a sweep
+    does not hide the others."""
+    try:
+        err = float((fn(x, **layer.copies[0], n=layer.n, k=layer.k).double() - ref).norm() / ref.norm())
+        if not err < REL_TOL:
+            raise AssertionError(f"WRONG: relative error {err:.2e}")
+        return time_calls(op_calls(layer, x, fn))
+    except Exception as exc:  # reported in the sweep's table
+        return f"{type(exc).__name__}: {exc}"[:80]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write all numbers to this file (rewritten after every shape)")
