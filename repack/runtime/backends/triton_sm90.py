@@ -251,9 +251,9 @@ def tc_linear(
     split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The warp-specialised tensor-core kernel (``M > 16``) with an explicit work split (``linear`` picks one with
-    ``tc_config_for``; benchmarks and tests sweep them); ``split_k`` defaults to ``_tc_split``, ``out`` (contiguous
-    bf16 ``[M, N]``) to a new tensor."""
+    """The warp-specialised tensor-core kernel (any M; ``linear`` takes it wherever ``uses_decode_kernel`` is false)
+    with an explicit work split (``linear`` picks one with ``tc_config_for``; benchmarks and tests sweep them);
+    ``split_k`` defaults to ``_tc_split``, ``out`` (contiguous bf16 ``[M, N]``) to a new tensor."""
     _require_triton(x)
     m = x.shape[0]
     if out is None:
