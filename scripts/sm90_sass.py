@@ -4,7 +4,7 @@ Needs Triton 3.6 importable (it carries ptxas and nvdisasm); used to count instr
 pipeline before spending GPU time (docs/benchmarks.md, sm90 rounds 2 and 3).
 
     PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py gemv SPT CHUNKS WARPS NT EVEN MAXNREG
-    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py tc BM WARPGROUPS STAGES PER_SM SK
+    PYTHONPATH=/path/to/triton-site:. python scripts/sm90_sass.py tc BM WARPGROUPS STAGES PER_SM SPLIT
 
 ``gemv 1 4 8 1 1 64`` is the decode kernel's M <= 8 split on a layer whose K is a multiple of the step: the opcode
 mix of its K loop per 32-bit word. ``tc 128 2 4 1 0`` is the tensor-core kernel for M = 65..256: its consumer loop's
@@ -98,7 +98,7 @@ def wgmma_register_hazards(loop: list[tuple[str, str]]) -> list[str]:
 
 
 def tc(args: list[int]) -> None:
-    bm, warpgroups, stages, per_sm, sk = args
+    bm, warpgroups, stages, per_sm, split = args
     config = backend.TcConfig(bm, warpgroups, stages, per_sm)
     n, k = 8192, 8192
     descs = backend.tc_descriptors(
@@ -110,10 +110,10 @@ def tc(args: list[int]) -> None:
     names = ("x_desc", "w_desc", "s_desc")
     signature = {name: native_specialize_impl(BaseBackend, d, False, True, True)[0] for name, d in zip(names, descs)}
     signature |= {"g_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
-                  "N": "i32", "NT": "i32", "T": "i32", "DP": "i32", "UNITS": "i32", "PROGS": "i32"}  # fmt: skip
+                  "N": "i32", "STEPS": "i32", "TOTAL_STEPS": "i32", "SPLIT_K": "i32"}  # fmt: skip
     launch = backend.tc_launch_options(config)
     options = {key: launch.pop(key) for key in ("num_warps", "maxnreg", "launch_pdl")}
-    constants = {**launch, "SK": bool(sk)}
+    constants = {**launch, "SPLIT": bool(split)}
     signature |= {name: "constexpr" for name in constants}
     sass = compile_sass(backend._tc_kernel, signature, constants, (3, 4, 5, 6, 8), options)
     loop = innermost_loop(sass, "HGMMA")

@@ -1,10 +1,10 @@
 """Time the warp-specialised tensor-core kernel's candidate work splits (``triton_sm90.tc_linear``) on the H200.
 
-    PYTHONPATH=.:scripts python3 scripts/sm90_tc_sweep.py [--ms 32,64] [--dp] [--json out.json]
+    PYTHONPATH=.:scripts python3 scripts/sm90_tc_sweep.py [--ms 32,64] [--splits 1,2,3,4] [--json out.json]
     ncu --profile-from-start off ... python3 scripts/sm90_tc_sweep.py --profile   # hardware counters
 
 One line per layer and M: cuBLAS on dequantized bf16 weights, the current dispatch (``linear``) and each candidate
-``TcConfig`` (scheduled by ``tc_schedule``; ``config/dp`` with ``--dp``: whole tiles only, no stream-K), each
+``TcConfig`` (split-K by the default heuristic; ``config/s`` with ``--splits``: forced to ``s`` splits), each
 candidate first compared with cuBLAS on the same inputs (marked WRONG past 1e-2 relative error); how
 ``tc_config_for`` was chosen. Correctness proper is the GPU tests'.
 """
@@ -19,26 +19,21 @@ import torch.nn.functional as F
 from bench_sm90 import SHAPES, checked_time, make_layer, op_calls, time_calls
 
 from repack.runtime.backends import triton_sm90 as backend
-from repack.runtime.backends.triton_sm90 import TcConfig, TcSchedule
+from repack.runtime.backends.triton_sm90 import TcConfig
 
-CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM), tc_config_for's choices first
-    16: [TcConfig(16, 1, 4, 4)],
-    32: [TcConfig(32, 1, 4, 4)],
-    64: [TcConfig(64, 1, 4, 2), TcConfig(32, 1, 4, 4)],
-    128: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2)],
-    256: [TcConfig(128, 1, 3, 2), TcConfig(256, 2, 3, 1)],
-    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
-    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
+CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM); the first is tc_config_for's
+    16: [TcConfig(16, 1, 4, 4), TcConfig(16, 1, 6, 4), TcConfig(16, 1, 4, 5)],
+    32: [TcConfig(32, 1, 4, 4), TcConfig(32, 1, 4, 2), TcConfig(32, 1, 4, 3), TcConfig(32, 1, 3, 4)],
+    64: [TcConfig(64, 1, 4, 2), TcConfig(64, 1, 3, 3), TcConfig(64, 1, 2, 4), TcConfig(32, 1, 4, 4)],
+    128: [TcConfig(128, 2, 4, 1), TcConfig(128, 1, 2, 2), TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2)],
+    256: [TcConfig(128, 2, 4, 1), TcConfig(256, 2, 3, 1), TcConfig(128, 1, 3, 2)],
+    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 1, 3, 2)],
+    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 1, 3, 2)],
 }
 PROFILE = [(64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 2, 4, 1)), (4096, TcConfig(256, 2, 3, 1))]
 
 
-def _whole(config: TcConfig, m: int, weight: torch.Tensor) -> TcSchedule:
-    """Every tile whole, one program each (no stream-K)."""
-    return TcSchedule(dp_tiles=weight.shape[0] // (4 * config.warpgroups) * -(-m // config.bm), sk_programs=0)
-
-
-def timing(json_path: str | None, ms: list[int], dp: bool) -> None:
+def timing(json_path: str | None, ms: list[int], splits: list[int]) -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for n, k in SHAPES:
@@ -51,11 +46,9 @@ def timing(json_path: str | None, ms: list[int], dp: bool) -> None:
             current = time_calls(op_calls(layer, x, backend.linear))
             row = {"n": n, "k": k, "m": m, "cublas_us": cublas * 1e6, "linear_us": current * 1e6, "tc_us": {}}
             ref = F.linear(x, layer.dense[0]).double()  # dense[0] is copies[0] dequantized
-            for config, whole in [(c, w) for c in configs for w in (False, True)[: 1 + dp]]:
-                name = str(tuple(config.__dict__.values())) + ("/dp" if whole else "")
-                fn = lambda x, c=config, w=whole, **kw: backend.tc_linear(
-                    x, **kw, config=c, schedule=_whole(c, x.shape[0], kw["weight"]) if w else None
-                )
+            for config, split in [(c, s) for c in configs for s in [None, *splits]]:
+                name = str(tuple(config.__dict__.values())) + (f"/{split}" if split else "")
+                fn = lambda x, c=config, s=split, **kw: backend.tc_linear(x, **kw, config=c, split_k=s)
                 t = checked_time(layer, x, fn, ref)
                 row["tc_us"][name] = t * 1e6 if isinstance(t, float) else t
             rows.append(row)
@@ -95,12 +88,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--ms", help="comma-separated M values to time (default: all of CANDIDATES)")
-    parser.add_argument("--dp", action="store_true", help="also time each candidate on whole tiles only (config/dp)")
+    parser.add_argument("--splits", default="", help="also time each candidate at these K splits (config/split)")
     args = parser.parse_args()
     if args.profile:
         profile()
     else:
-        timing(args.json, [int(v) for v in (args.ms or "").split(",") if v], args.dp)
+        ms, splits = ([int(v) for v in text.split(",") if v] for text in (args.ms or "", args.splits))
+        timing(args.json, ms, splits)
 
 
 if __name__ == "__main__":

@@ -94,49 +94,21 @@ TC_CONFIGS = [(32, 1, 4, 2), (64, 1, 4, 2), (128, 2, 4, 1), (256, 2, 3, 1), (64,
               (32, 1, 4, 4), (64, 1, 3, 3), (8, 1, 4, 4), (16, 1, 4, 4), (16, 1, 4, 5), (128, 1, 3, 2)]  # fmt: skip
 
 
-def schedules(tiles: int, steps: int) -> list[tuple[int, int]]:
-    """Whole tiles; every tile shared (stream-K) by as many programs as tiles (each runs one whole tile through the
-    partials), by one more (ranges cross tiles), by about three per tile, by one per step; the last tile shared."""
-    shared = [(0, tiles), (0, tiles + 1), (0, 3 * tiles - 1), (0, tiles * steps)]
-    return [(tiles, 0), *[s for s in shared if s[1] <= tiles * steps], *([(tiles - 1, 3)] if tiles > 1 else [])]
-
-
 @pytest.mark.parametrize("m", [1, 5, 17, 64, 100, 300])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 7])
 @pytest.mark.parametrize("config", TC_CONFIGS)
-def test_tensor_core_every_config_and_schedule_writes_all(m: int, config: tuple) -> None:
-    """208 x 1040: N not a multiple of the 64/128-row tile, K of 64 (20 chunks, padded to 1280: 10 steps); M below,
-    at and above the activation tile; every schedule of ``schedules``, each into a NaN-filled output."""
+def test_tensor_core_every_config_and_split_writes_all(m: int, split_k: int, config: tuple) -> None:
+    """208 x 1040: N not a multiple of the 64/128-row tile, K of 64 (20 chunks, padded to 1280); M below, at and
+    above the activation tile; 7 splits of 10 steps run as 5 of 2."""
     n, k = 208, 1040
-    weight = random_weight(n, k, seed=m * 13 + sum(config))
+    weight = random_weight(n, k, seed=m * 13 + split_k + sum(config))
     tensors = runtime_on_gpu(weight)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     b = backend()
-    tc = b.TcConfig(*config)
-    tiles = tensors["weight"].shape[0] // (4 * tc.warpgroups) * -(-m // tc.bm)
-    w64 = dequantize(weight).cuda()
-    for schedule in schedules(tiles, steps=10):
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y = b.tc_linear(x, **tensors, n=n, k=k, config=tc, schedule=b.TcSchedule(*schedule), out=out)
-        assert y.data_ptr() == out.data_ptr()
-        check(y, x, w64)
-
-
-def test_tensor_core_schedules_are_deterministic_and_reject_what_does_not_fit() -> None:
-    """A stream-K fix-up sums partials in program order, whoever arrives last: repeated runs are bitwise equal.
-    Schedules that leave a tile out, or give a program more than one tile's steps or none, are refused."""
-    n, k, m = 1040, 4096, 200
-    tensors = runtime_on_gpu(random_weight(n, k, seed=3))
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    b = backend()
-    tc = b.TcConfig(64, 1, 4, 2)
-    tiles, steps = 1152 // 64 * 4, 4096 // 128  # N pads to 1152
-    schedule = b.TcSchedule(0, 200)
-    first = b.tc_linear(x, **tensors, n=n, k=k, config=tc, schedule=schedule)
-    for _ in range(5):
-        assert torch.equal(b.tc_linear(x, **tensors, n=n, k=k, config=tc, schedule=schedule), first)
-    for bad in [(tiles + 1, 0), (tiles - 1, 0), (0, tiles - 1), (tiles - 8, 7), (0, tiles * steps + 1)]:
-        with pytest.raises(ValueError, match="does not fit"):
-            b.tc_linear(x, **tensors, n=n, k=k, config=tc, schedule=b.TcSchedule(*bad))
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = b.tc_linear(x, **tensors, n=n, k=k, config=b.TcConfig(*config), split_k=split_k, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    check(y, x, dequantize(weight).cuda())
 
 
 def test_tensor_core_rejects_a_single_stage() -> None:

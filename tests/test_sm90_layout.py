@@ -148,47 +148,16 @@ def test_decode_kernel_up_to_eight_rows_and_on_narrow_layers_to_sixteen(m: int, 
 
 
 @pytest.mark.parametrize(
-    "tiles,steps,schedule",
-    [(80, 64, (0, 132)), (132, 64, (132, 0)), (448, 64, (396, 132)), (125, 64, (125, 0)), (118, 64, (0, 132)),
-     (32, 12, (0, 48)), (32, 8, (32, 0)), (1, 64, (0, 8)), (264, 10, (264, 0)), (300, 64, (264, 132))],
+    "tiles,steps,split",
+    [(64, 64, 2), (32, 64, 4), (40, 64, 3), (80, 64, 1), (32, 12, 1), (32, 16, 2), (20, 64, 4), (132, 64, 1),
+     (448, 64, 1)],
 )  # fmt: skip
-def test_tensor_core_schedule_shares_only_a_partial_last_wave(tiles: int, steps: int, schedule: tuple) -> None:
-    """On 132 slots: whole tiles for full waves; a last wave at most 90% full is shared by up to 132 programs of at
-    least 8 steps (125 tiles fill 95%: whole; 32 tiles of 8 steps would give one tile per program: whole)."""
+def test_tensor_core_split_fills_the_first_wave_only(tiles: int, steps: int, split: int) -> None:
+    """K is split only while the tiles leave SMs idle (132 here), into up to 4 parts of >= 8 steps each, and never
+    into a second wave (80 tiles: 160 programs would need two)."""
     from repack.runtime.backends import triton_sm90 as backend
 
-    assert backend.tc_schedule(tiles, steps, 132) == backend.TcSchedule(*schedule)
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_stream_k_ranges_cover_every_step_once_in_at_most_two_segments(seed: int) -> None:
-    """The kernel's stream-K arithmetic, brute-forced: program q runs units [q U // P, (q + 1) U // P); every unit of
-    every tile is run once; a program touches at most two tiles; the programs of a tile are those the kernel's
-    ``_sk_program`` formula gives for its first and last unit, and a program's segment in a tile is its second
-    exactly when it began in an earlier tile (the partial slot the fix-up reads)."""
-    from repack.runtime.backends import triton_sm90 as backend
-
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(200):
-        tiles, steps, slots = (int(v) for v in torch.randint(1, 300, (3,), generator=gen))
-        schedule = backend.tc_schedule(tiles, steps, slots)
-        sk_tiles = tiles - schedule.dp_tiles
-        if not sk_tiles:
-            continue
-        units, progs = sk_tiles * steps, schedule.sk_programs
-        owners: dict[int, list[tuple[int, int]]] = {}
-        for q in range(progs):
-            start, end = q * units // progs, (q + 1) * units // progs
-            assert end > start
-            touched = sorted({u // steps for u in range(start, end)})
-            assert len(touched) <= 2
-            for i, t in enumerate(touched):
-                owners.setdefault(t, []).append((q, 2 * q + i))
-        assert sorted(owners) == list(range(sk_tiles))
-        for t, progs_slots in owners.items():
-            first, last = (((u + 1) * progs - 1) // units for u in (t * steps, (t + 1) * steps - 1))
-            assert [q for q, _ in progs_slots] == list(range(first, last + 1))
-            assert [slot for _, slot in progs_slots] == [2 * q + ((q * units // progs) // steps != t) for q in range(first, last + 1)]
+    assert backend._tc_split(tiles, steps, 132) == split
 
 
 @pytest.mark.parametrize(

@@ -77,15 +77,6 @@ class GemvConfig:
 
 
 @dataclass(frozen=True)
-class TcSchedule:
-    """Which programs of one ``_tc_kernel`` launch run what: the first ``dp_tiles`` tiles one program each, whole;
-    the remaining tiles' steps shared evenly by ``sk_programs`` programs (stream-K; 0 when there are none)."""
-
-    dp_tiles: int
-    sk_programs: int
-
-
-@dataclass(frozen=True)
 class TcConfig:
     """Work split of one ``_tc_kernel`` launch (weights decoded in registers as the wgmma A operand)."""
 
@@ -106,12 +97,6 @@ _REGISTERS_PER_SM = 65536
 # compare both).
 PDL = True
 _MAX_WARPS_PER_SM = 64
-# Stream-K (``tc_schedule``): tiles that would fill a last wave at most this much are shared out by step ranges of
-# at least this many steps.
-SK_MAX_FILL = 0.9
-SK_MIN_STEPS = 8
-# bf16 scratch of ``dense_linear`` (rows of W dequantized per cuBLAS call).
-DENSE_CHUNK_BYTES = 64 << 20
 
 
 def gemv_config_for(m: int, n: int, k: int, sm_count: int) -> GemvConfig:
@@ -166,9 +151,18 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
         return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=4)
     if m <= 64:
         return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
-    if m <= 256 and not (m > 128 and 2 * (layout.padded_shape(n, k)[0] // 128) > sm_count):
-        return TcConfig(bm=128, warpgroups=1, stages=3, per_sm=2)
-    return TcConfig(bm=256, warpgroups=2, stages=3)
+    np_, kp = layout.padded_shape(n, k)
+    wide = TcConfig(bm=256, warpgroups=2, stages=3)
+    if m <= 256:
+        return wide if m > 128 and 2 * (np_ // 128) > sm_count else TcConfig(bm=128, warpgroups=1, stages=3, per_sm=2)
+    tall = TcConfig(bm=128, warpgroups=2, stages=4)
+    steps = kp // 64 // _TC_CHUNKS
+
+    def fill(config: TcConfig) -> float:
+        tiles = np_ // 128 * -(-m // config.bm)
+        return _wave_fill(tiles * _tc_split(tiles, steps, sm_count), sm_count)
+
+    return tall if fill(tall) > 1.1 * fill(wide) else wide
 
 
 def _require_triton(t: torch.Tensor) -> None:
@@ -254,12 +248,12 @@ def tc_linear(
     n: int,
     k: int,
     config: TcConfig,
-    schedule: TcSchedule | None = None,
+    split_k: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The warp-specialised tensor-core kernel (any M; ``linear`` takes it wherever ``uses_decode_kernel`` is false)
     with an explicit work split (``linear`` picks one with ``tc_config_for``; benchmarks and tests sweep them);
-    ``schedule`` defaults to ``tc_schedule``'s, ``out`` (contiguous bf16 ``[M, N]``) to a new tensor."""
+    ``split_k`` defaults to ``_tc_split``, ``out`` (contiguous bf16 ``[M, N]``) to a new tensor."""
     _require_triton(x)
     m = x.shape[0]
     if out is None:
@@ -270,19 +264,20 @@ def tc_linear(
         raise ValueError(f"the tensor-core kernel needs at least 2 pipeline stages: {config}")
     stripes, kp = weight.shape[0], weight.shape[1] // 2
     n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
-    steps = kp // 64 // _TC_CHUNKS
-    if schedule is None:
-        schedule = tc_schedule(n_tiles * m_tiles, steps, config.per_sm * _sm_count(x.device.index or 0))
-    sk_tiles = n_tiles * m_tiles - schedule.dp_tiles
-    if sk_tiles < 0 or (sk_tiles and not sk_tiles <= schedule.sk_programs <= sk_tiles * steps):
-        raise ValueError(f"{schedule} does not fit {n_tiles * m_tiles} tiles of {steps} steps (1 to {steps} per program)")
-    counters = torch.empty((sk_tiles,), dtype=torch.int32, device=x.device)
+    total_steps = kp // 64 // _TC_CHUNKS
+    if split_k is None:
+        split_k = _tc_split(n_tiles * m_tiles, total_steps, config.per_sm * _sm_count(x.device.index or 0))
+    steps = triton.cdiv(total_steps, split_k)
+    split_k = triton.cdiv(total_steps, steps)  # no empty split
+    counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
     x_desc, w_desc, s_desc = tc_descriptors(kslot_activations(x, kp, counters), weight, weight_scale, config)
-    partials = torch.empty((2 * schedule.sk_programs * 64 * config.warpgroups * config.bm,), dtype=torch.float32,
-                           device=x.device) if sk_tiles else counters  # fmt: skip
-    _tc_kernel[(schedule.dp_tiles + (schedule.sk_programs if sk_tiles else 0),)](
-        x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, n_tiles, steps,
-        schedule.dp_tiles, sk_tiles * steps, max(1, schedule.sk_programs), SK=sk_tiles > 0, **tc_launch_options(config),
+    if split_k > 1:
+        partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    else:
+        partials, counters = out, out  # unused by the SPLIT=False specialisation
+    _tc_kernel[(n_tiles, m_tiles, split_k)](
+        x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k,
+        SPLIT=split_k > 1, **tc_launch_options(config),
     )  # fmt: skip
     return out
 
@@ -314,55 +309,18 @@ def tc_launch_options(config: TcConfig) -> dict[str, int]:
             "maxnreg": maxnreg, "launch_pdl": PDL}  # fmt: skip
 
 
-def tc_schedule(tiles: int, steps: int, slots: int) -> TcSchedule:
-    """Whole tiles for every full wave of ``slots`` resident programs; the rest of the tiles, if they would leave a
-    wave less than ``SK_MAX_FILL`` full, shared evenly (stream-K) by as many programs as there are slots, each
-    running at least ``SK_MIN_STEPS`` steps, and at most one tile's.
-
-    (H200, docs/benchmarks.md, round 5) 10240 x 8192 has 160 64-row tiles, a wave and a fraction of two programs
-    per SM on 132 SMs at M = 64: whole tiles took 35.5 us, where 16896 x 8192 (264 tiles) took 38.5.
-    """
-    waves, rest = divmod(tiles, slots)
-    programs = max(rest, min(slots, rest * steps // SK_MIN_STEPS))
-    if rest == 0 or rest > SK_MAX_FILL * slots or programs == rest:  # (one tile per program: whole tiles are cheaper)
-        return TcSchedule(dp_tiles=tiles, sk_programs=0)
-    return TcSchedule(dp_tiles=waves * slots, sk_programs=programs)
+def _tc_split(tiles: int, steps: int, slots: int) -> int:
+    """K splits for ``tiles`` programs on ``slots`` resident ones: the most (up to 4, >= 8 steps each) that keep every
+    program in the first wave, so none once the tiles fill it. A split that adds a wave costs more than the idle
+    SMs it fills: every split writes and reads back a float32 partial tile (H200, 10240 x 8192, 80 tiles on 132
+    SMs: at M = 128 three splits, two waves, took 54.9 us against 49.0 unsplit; at M = 256, 256-row tiles, 96.9
+    against 81.8)."""
+    return max(1, min(4, slots // tiles, steps // 8))
 
 
-def dense_chunk_rows(n: int, k: int, budget_bytes: int = DENSE_CHUNK_BYTES) -> int:
-    """Weight rows ``dense_linear`` dequantizes per cuBLAS call: as many multiples of 256 as fit in
-    ``budget_bytes`` of bf16 (at least 256), all ``n`` if they fit."""
-    rows = max(256, budget_bytes // (2 * k) // 256 * 256)
-    return n if rows >= n else rows
-
-
-def dense_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
-    chunk_rows: int | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dequantize + cuBLAS, for large M: each ``chunk_rows`` rows of W (default ``dense_chunk_rows``) are dequantized
-    into one reused bf16 scratch and multiplied by cuBLAS straight into their columns of ``out`` (a strided view
-    cuBLAS writes with its leading dimension: no copy), so peak memory grows by the scratch, not by a bf16 W."""
-    _require_triton(x)
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
-    rows = chunk_rows or dense_chunk_rows(n, k)
-    if rows % (4 * layout.STRIPE) and rows < n:
-        raise ValueError(f"chunk_rows must be a multiple of {4 * layout.STRIPE} (the dequantize tile), got {rows}")
-    scratch = torch.empty((min(rows, n), k), dtype=torch.bfloat16, device=x.device)
-    for start in range(0, n, rows):
-        size = min(rows, n - start)
-        stripe = start // layout.STRIPE
-        w = dequantize(weight[stripe:], weight_scale[stripe:], weight_global_scale, size, k, out=scratch[:size])
-        torch.mm(x, w.t(), out=out[:, start : start + size])
-    return out
+def _wave_fill(programs: int, slots: int) -> float:
+    """Busy fraction of the program slots over all waves (1.0 when the last wave is full)."""
+    return programs / (-(-programs // slots) * slots)
 
 
 def kslot_activations(x: torch.Tensor, kp: int, counters: torch.Tensor) -> torch.Tensor:
@@ -390,18 +348,11 @@ def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
 
 
 def dequantize(
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
-    out: torch.Tensor | None = None,
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors, or from
-    a stripe range of them (``weight[s:]``, ``weight_scale[s:]``: rows ``16 s`` on); ``out`` contiguous ``[n, k]``."""
+    """bf16 ``[n, k]`` weights (``e2m1 * scale * multiplier`` rounded once to bf16) from the sm90 tensors."""
     _require_triton(weight)
-    if out is None:
-        out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=weight.device)
     bn, bk = 64, 128  # 81-87% of copy bandwidth on the H200; 0-5% ahead of 64 x 256 on 6 of 7 layers (docs/benchmarks.md)
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
     _dequant_kernel[grid](
@@ -790,15 +741,13 @@ if triton is not None:
 
 
     @gluon.jit
-    def _tc_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, s0, c0, steps, base,
+    def _tc_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, s0, c0, steps,
                    CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Fill ring slot ``g % STAGES`` with step ``g = base + i``'s ``CPS`` chunks once the consumers released it
-        (``base``: the steps this program's earlier segment ran through the ring)."""
+        """Fill ring slot ``i % STAGES`` with step ``i``'s ``CPS`` chunks once the consumers released it."""
         nbytes: gl.constexpr = CPS * (x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
         for i in range(steps):
-            g = base + i
-            slot = g % STAGES
-            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             fence_async_shared()
             bar = ready.index(slot)
             mbarrier.expect(bar, nbytes)
@@ -829,7 +778,7 @@ if triton is not None:
         return gl.convert_layout(gl.reshape(w, [16 * S, 64]), a_layout, assert_trivial=True)
 
     @gluon.jit
-    def _tc_consumer(x_smem, w_smem, s_smem, ready, empty, steps, base, BM: gl.constexpr, NW: gl.constexpr,
+    def _tc_consumer(x_smem, w_smem, s_smem, ready, empty, steps, BM: gl.constexpr, NW: gl.constexpr,
                      CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         """Per chunk: decode the words into A registers and issue an async wgmma on the activation tile; the wait
         after it retires the previous chunk's wgmma, whose ring slot is then free.
@@ -843,9 +792,8 @@ if triton is not None:
         acc = gl.zeros([16 * NW, BM], gl.float32, acc_layout)
         a_prev = gl.zeros([16 * NW, 64], gl.bfloat16, a_layout)
         for i in range(steps):
-            g = base + i
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             for cc in gl.static_range(CPS):
                 buf = slot * CPS + cc
                 words = w_smem.index(buf).reshape([NW, 32, 4]).load(LW)
@@ -855,90 +803,22 @@ if triton is not None:
                 acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
                 a_prev = a
                 if cc == 0:
-                    if g > 0:  # release the previous step's slot (in a second segment: the first's last)
-                        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), count=1)
+                    if i > 0:
+                        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
         acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
         return (acc,)  # the default partition returns a tuple
 
     @gluon.jit
-    def _tc_segment(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, tile, k0, steps, base, NT,
-                    BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Steps ``k0 .. k0 + steps`` of tile ``tile`` (n-tile ``tile % NT``, m-tile ``tile // NT``): the float32
-        accumulator ``[16 NW, BM]`` of ``y^T`` over them."""
-        (acc,) = gl.warp_specialize(
-            [
-                (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, base, BM, NW, CPS, STAGES)),
-                (_tc_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, (tile // NT) * BM,
-                              (tile % NT) * NW, k0 * CPS, steps, base, CPS, STAGES)),
-            ],
-            [1],
-            [24],
-        )  # fmt: skip
-        return acc
-
-    @gluon.jit
-    def _tc_tile_offsets(tile, NT, M, N, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr):
-        """Offsets into ``y [M, N]`` of tile ``tile``'s ``[BN, BM]`` block of ``y^T`` in layout ``L``, and its mask."""
-        offs_n = (tile % NT) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L))[:, None]
-        offs_m = (tile // NT) * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, L))[None, :]
-        return offs_m.to(gl.int64) * N + offs_n, (offs_m < M) & (offs_n < N)
-
-    @gluon.jit
-    def _tc_store(y_ptr, acc, ring, tile, NT, M, N, scale, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
-        """bf16 ``acc * scale`` into ``y``, 8 consecutive outputs per thread, transposed through the ring's shared
-        memory (``ring``: its activation slots, free once this program's last segment ran; at least the tile's size
-        for every config): a layout conversion's own scratch could not share the ring's memory in a kernel that runs
-        the ring again after a store."""
-        LO: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, NW], [0, 1])
-        stage = ring._reinterpret(gl.bfloat16, [BN, BM], gl.SwizzledSharedLayout(8, 1, 8, order=[0, 1]))
-        gl.thread_barrier()  # the whole group is past the ring (or a previous store's reads)
-        stage.store((acc * scale).to(gl.bfloat16))
-        gl.thread_barrier()
-        y_off, mask = _tc_tile_offsets(tile, NT, M, N, BM, BN, LO)
-        gl.store(y_ptr + y_off, stage.load(LO), mask=mask)
-
-    @gluon.jit
-    def _tc_partial(part_ptr, count_ptr, acc, slot, sk_tile, UNITS, PROGS, T, BM: gl.constexpr, BN: gl.constexpr):
-        """Write a stream-K segment's float32 partial into ``slot`` (in the accumulator's own layout) and count it
-        on its tile; True for the tile's segment that arrives last, which then sums them all (``_tc_fixup``)."""
-        segments = _sk_program(sk_tile * T + T - 1, UNITS, PROGS) - _sk_program(sk_tile * T, UNITS, PROGS) + 1
-        L: gl.constexpr = acc.type.layout
-        offs = gl.arange(0, BN, layout=gl.SliceLayout(1, L))[:, None] * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, L))[None, :]
-        gl.store(part_ptr + slot * (BN * BM) + offs, acc)
-        gl.thread_barrier()  # every thread's partial is written before the release below
-        arrived = gl.atomic_add(count_ptr + sk_tile, 1, sem="acq_rel", scope="gpu")
-        return arrived == segments - 1
-
-    @gluon.jit
-    def _tc_fixup(part_ptr, y_ptr, ring, sk_tile, tile, NT, T, UNITS, PROGS, M, N, scale,
-                  BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr, acc_layout: gl.constexpr):  # fmt: skip
-        """Sum tile ``sk_tile``'s partials in program order (deterministic whoever arrives last) and store it."""
-        offs = (gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))[:, None] * BM
-                + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))[None, :])  # fmt: skip
-        first, last = _sk_program(sk_tile * T, UNITS, PROGS), _sk_program((sk_tile + 1) * T - 1, UNITS, PROGS)
-        total = gl.zeros([BN, BM], gl.float32, acc_layout)
-        for q in range(first, last + 1):
-            slot = 2 * q + ((q * UNITS // PROGS) // T != sk_tile).to(gl.int32)  # q's second segment if q began earlier
-            total += gl.load(part_ptr + slot * (BN * BM) + offs, cache_modifier=".cg")
-        _tc_store(y_ptr, total, ring, tile, NT, M, N, scale, BM, BN, NW)
-
-    @gluon.jit
-    def _sk_program(unit, UNITS, PROGS):
-        """The stream-K program whose range ``[q UNITS // PROGS, (q + 1) UNITS // PROGS)`` holds ``unit``."""
-        return ((unit + 1) * PROGS - 1) // UNITS
-
-    @gluon.jit
     def _tc_kernel(
-        x_desc, w_desc, s_desc, g_ptr, y_ptr, part_ptr, count_ptr, M, N, NT, T, DP, UNITS, PROGS,
-        BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, SK: gl.constexpr,
+        x_desc, w_desc, s_desc, g_ptr, y_ptr, part_ptr, count_ptr, M, N, STEPS, TOTAL_STEPS, SPLIT_K,
+        BM: gl.constexpr, NW: gl.constexpr, CPS: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
     ):  # fmt: skip
-        """``tc_linear``: programs ``p < DP`` compute tile ``p`` whole (``T`` steps of ``CPS`` chunks) and store it;
-        with ``SK`` the other ``PROGS`` programs share the ``UNITS`` steps of the remaining tiles evenly (stream-K):
-        program ``q`` runs units ``[q UNITS // PROGS, (q + 1) UNITS // PROGS)``, at most two tiles' segments. A
-        segment writes a float32 partial (one that is a whole tile too: rare), and its tile's last segment to arrive
-        sums them."""
+        """``tc_linear``: program (n, m, k) computes ``y[m-tile, n-tile]^T`` over steps ``k STEPS ..`` of
+        ``CPS`` chunks; with ``SPLIT`` the last program of a tile to arrive sums the partials in split order."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
         BN: gl.constexpr = 16 * NW  # one 16-row stripe per consumer warp
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BM, 16])
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES * CPS, BM, 64], x_desc.layout)
         w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES * CPS, NW, 128], w_desc.layout)
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES * CPS, NW, 32], s_desc.layout)
@@ -947,26 +827,33 @@ if triton is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        pid = gl.program_id(0)
+        steps = gl.minimum(STEPS, TOTAL_STEPS - pid_k * STEPS)
         _grid_dependency_wait()  # launched with PDL: the k-slot pass may still be writing x_desc's tensor
+        (acc,) = gl.warp_specialize(
+            [
+                (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, CPS, STAGES)),
+                (_tc_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid_m * BM, pid_n * NW,
+                              pid_k * STEPS * CPS, steps, CPS, STAGES)),
+            ],
+            [1],
+            [24],
+        )  # fmt: skip
+        LO: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, NW], [0, 1])  # 8 consecutive outputs per thread
+        acc = gl.convert_layout(acc, LO)
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LO))[:, None]
+        offs_m = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, LO))[None, :]
+        mask = (offs_m < M) & (offs_n < N)
+        y_off = offs_m.to(gl.int64) * N + offs_n
         scale = gl.load(g_ptr) * 128.0
-        if not SK or pid < DP:
-            acc = _tc_segment(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, pid, 0, T, 0, NT,
-                              BM, NW, CPS, STAGES)  # fmt: skip
-            _tc_store(y_ptr, acc, x_smem, pid, NT, M, N, scale, BM, BN, NW)
+        if not SPLIT:
+            gl.store(y_ptr + y_off, (acc * scale).to(gl.bfloat16), mask=mask)
         else:
-            q = pid - DP
-            start, end = q * UNITS // PROGS, (q + 1) * UNITS // PROGS
-            t0 = start // T
-            split = gl.minimum(end, (t0 + 1) * T)  # where the first segment ends (its tile's end, or the range's)
-            acc = _tc_segment(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, DP + t0, start - t0 * T,
-                              split - start, 0, NT, BM, NW, CPS, STAGES)  # fmt: skip
-            last0 = _tc_partial(part_ptr, count_ptr, acc, 2 * q, t0, UNITS, PROGS, T, BM, BN)
-            if end > split:  # the next tile's first steps
-                acc = _tc_segment(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, DP + t0 + 1, 0,
-                                  end - split, split - start, NT, BM, NW, CPS, STAGES)  # fmt: skip
-                if _tc_partial(part_ptr, count_ptr, acc, 2 * q + 1, t0 + 1, UNITS, PROGS, T, BM, BN):
-                    _tc_fixup(part_ptr, y_ptr, x_smem, t0 + 1, DP + t0 + 1, NT, T, UNITS, PROGS, M, N, scale, BM, BN, NW,
-                              acc_layout)  # fmt: skip
-            if last0:
-                _tc_fixup(part_ptr, y_ptr, x_smem, t0, DP + t0, NT, T, UNITS, PROGS, M, N, scale, BM, BN, NW, acc_layout)
+            tile_elems = N.to(gl.int64) * M  # M may be the constant 1 (Triton specialises it), N never is
+            gl.store(part_ptr + pid_k * tile_elems + y_off, acc, mask=mask)
+            gl.thread_barrier()  # every thread's partial is written before the release below
+            arrived = gl.atomic_add(count_ptr + pid_m * gl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([BN, BM], gl.float32, LO)
+                for split in range(SPLIT_K):
+                    total += gl.load(part_ptr + split * tile_elems + y_off, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(y_ptr + y_off, (total * scale).to(gl.bfloat16), mask=mask)
