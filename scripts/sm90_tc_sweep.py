@@ -21,14 +21,14 @@ from bench_sm90 import SHAPES, checked_time, make_layer, op_calls, time_calls
 from repack.runtime.backends import triton_sm90 as backend
 from repack.runtime.backends.triton_sm90 import TcConfig
 
-CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM); the first is tc_config_for's
-    16: [TcConfig(16, 1, 4, 4), TcConfig(16, 1, 6, 4), TcConfig(16, 1, 4, 5)],
-    32: [TcConfig(32, 1, 4, 4), TcConfig(32, 1, 4, 2), TcConfig(32, 1, 4, 3), TcConfig(32, 1, 3, 4)],
-    64: [TcConfig(64, 1, 4, 2), TcConfig(64, 1, 3, 3), TcConfig(64, 1, 2, 4), TcConfig(32, 1, 4, 4)],
-    128: [TcConfig(128, 2, 4, 1), TcConfig(128, 1, 2, 2), TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2)],
-    256: [TcConfig(128, 2, 4, 1), TcConfig(256, 2, 3, 1), TcConfig(128, 1, 3, 2)],
-    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 1, 3, 2)],
-    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 1, 3, 2)],
+CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM)
+    16: [TcConfig(16, 1, 4, 4)],
+    32: [TcConfig(32, 1, 4, 4)],
+    64: [TcConfig(64, 1, 4, 2)],
+    128: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2)],
+    256: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2), TcConfig(256, 2, 3, 1)],
+    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
+    4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
 }
 PROFILE = [(64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 2, 4, 1)), (4096, TcConfig(256, 2, 3, 1))]
 

@@ -148,27 +148,35 @@ def test_decode_kernel_up_to_eight_rows_and_on_narrow_layers_to_sixteen(m: int, 
 
 
 @pytest.mark.parametrize(
-    "tiles,steps,split",
-    [(64, 64, 2), (32, 64, 4), (40, 64, 3), (80, 64, 1), (32, 12, 1), (32, 16, 2), (20, 64, 4), (132, 64, 1),
-     (448, 64, 1)],
+    "tiles,steps,bm,per_sm,split",
+    [(64, 64, 64, 2, 2), (32, 64, 64, 2, 4), (40, 64, 64, 2, 3), (80, 64, 256, 1, 1), (32, 12, 64, 2, 1),
+     (32, 16, 64, 2, 2), (20, 64, 256, 1, 4), (132, 64, 64, 2, 2), (448, 64, 64, 2, 1), (128, 32, 64, 2, 1),
+     (128, 32, 128, 2, 1), (64, 112, 64, 2, 4), (128, 112, 128, 2, 2), (128, 64, 32, 4, 4), (128, 48, 64, 2, 2),
+     (224, 32, 32, 4, 2)],
 )  # fmt: skip
-def test_tensor_core_split_fills_the_first_wave_only(tiles: int, steps: int, split: int) -> None:
-    """K is split only while the tiles leave SMs idle (132 here), into up to 4 parts of >= 8 steps each, and never
-    into a second wave (80 tiles: 160 programs would need two)."""
+def test_tensor_core_split_fills_idle_sms_and_stacks_only_on_long_k(
+    tiles: int, steps: int, bm: int, per_sm: int, split: int
+) -> None:
+    """On 132 SMs: K is split into up to 4 parts of >= 8 steps while that fills idle SMs (64 tiles: 2); beyond one
+    program per SM only where each part keeps >= 24 steps (16 for <= 32-row tiles): 128 tiles of 32 steps stay
+    whole, of 112 split in 2, of 64 with 32-row tiles in 4; never into a second wave (80 tiles of 256 rows)."""
     from repack.runtime.backends import triton_sm90 as backend
 
-    assert backend._tc_split(tiles, steps, 132) == split
+    config = backend.TcConfig(bm=bm, warpgroups=1 if bm < 256 else 2, stages=3, per_sm=per_sm)
+    assert backend._tc_split(tiles, steps, config, 132) == split
 
 
 @pytest.mark.parametrize(
     "m,n,k,bm",
     [(17, 4096, 4096, 32), (64, 8192, 8192, 64), (65, 8192, 8192, 128), (200, 8192, 8192, 128),
+     (128, 4096, 4096, 64), (128, 4160, 8192, 128),
      (256, 14336, 4096, 256), (256, 10240, 8192, 256), (256, 8192, 28672, 128), (257, 8192, 8192, 256),
      (1024, 8192, 8192, 256),
      (1024, 10240, 8192, 128), (1024, 14336, 4096, 128), (4096, 10240, 8192, 256)],
 )  # fmt: skip
 def test_tensor_core_tile_by_m_and_wave_fill(m: int, n: int, k: int, bm: int) -> None:
-    """On 132 SMs, up to M = 256: 256-row tiles where more than 66 (N > 8448), else 128-row; beyond, 256-row tiles
+    """On 132 SMs, up to M = 128: 64-row tiles on layers of fewer than 66 (N = 4096), else 128-row; up to M = 256:
+    256-row tiles where more than 66 (N > 8448), else 128-row; beyond, 256-row tiles
     unless 128-row ones fill the waves >= 10% better: 10240 x 8192 at M = 1024, 320 tiles of 256 rows (2.4 waves)
     against 640 of 128 (4.8)."""
     from repack.runtime.backends import triton_sm90 as backend

@@ -129,16 +129,22 @@ def uses_decode_kernel(m: int, n: int, sm_count: int) -> bool:
     4096 x 4096 8 against 10)."""
     if m <= 8:
         return True
-    return m <= GEMV_MAX_M and 2 * (layout.padded_shape(n, 64)[0] // 64) < sm_count
+    return m <= GEMV_MAX_M and _narrow(n, sm_count)
+
+
+def _narrow(n: int, sm_count: int) -> bool:
+    """Fewer 64-row tiles than half the SMs (N <= 4224 on 132): too few programs unless they split K or M finely."""
+    return 2 * (layout.padded_shape(n, 64)[0] // 64) < sm_count
 
 
 def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
-    """Work split for ``_tc_kernel``, from the H200 sweeps (docs/benchmarks.md, rounds 3 and 4).
+    """Work split for ``_tc_kernel``, from the H200 sweeps (docs/benchmarks.md, rounds 3 to 5).
 
     Up to 16 rows (where the decode kernel is not used): 16-row tiles, four programs per SM. Up to 64 rows: one
     consumer warpgroup, several programs per SM hiding each other's step latency (four up to 32 rows: 57344 x 8192
-    at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers). Up to 128: 128-row
-    tiles, again one warpgroup and two programs per SM (0-7% faster than one program of two warpgroups on all 7
+    at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers); on layers of fewer
+    64-row tiles than half the SMs to M = 128 (4096 x 4096 at M = 128: 14.8 against 17.3 us with 128-row tiles in
+    two splits, round 5). Up to 128: 128-row tiles, again one warpgroup and two programs per SM (0-7% faster than one program of two warpgroups on all 7
     layers: 57344 x 8192 at M = 128 203 against 212 us). Up to 256: 256-row tiles (each weight decoded once) where
     they are more than half as many as the SMs, else the same 128-row tiles, whose programs fill more SMs (M = 256,
     us: 14336 x 4096 45 against 52, 10240 x 8192 82 against 99; 8192 x 8192, 64 tiles, 63 against 53). Beyond,
@@ -149,7 +155,7 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
         return TcConfig(bm=16, warpgroups=1, stages=4, per_sm=4)
     if m <= 32:
         return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=4)
-    if m <= 64:
+    if m <= 64 or (m <= 128 and _narrow(n, sm_count)):
         return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
     np_, kp = layout.padded_shape(n, k)
     wide = TcConfig(bm=256, warpgroups=2, stages=3)
@@ -160,7 +166,7 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
 
     def fill(config: TcConfig) -> float:
         tiles = np_ // 128 * -(-m // config.bm)
-        return _wave_fill(tiles * _tc_split(tiles, steps, sm_count), sm_count)
+        return _wave_fill(tiles * _tc_split(tiles, steps, config, sm_count), sm_count)
 
     return tall if fill(tall) > 1.1 * fill(wide) else wide
 
@@ -266,7 +272,7 @@ def tc_linear(
     n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
     total_steps = kp // 64 // _TC_CHUNKS
     if split_k is None:
-        split_k = _tc_split(n_tiles * m_tiles, total_steps, config.per_sm * _sm_count(x.device.index or 0))
+        split_k = _tc_split(n_tiles * m_tiles, total_steps, config, _sm_count(x.device.index or 0))
     steps = triton.cdiv(total_steps, split_k)
     split_k = triton.cdiv(total_steps, steps)  # no empty split
     counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
@@ -309,13 +315,16 @@ def tc_launch_options(config: TcConfig) -> dict[str, int]:
             "maxnreg": maxnreg, "launch_pdl": PDL}  # fmt: skip
 
 
-def _tc_split(tiles: int, steps: int, slots: int) -> int:
-    """K splits for ``tiles`` programs on ``slots`` resident ones: the most (up to 4, >= 8 steps each) that keep every
-    program in the first wave, so none once the tiles fill it. A split that adds a wave costs more than the idle
-    SMs it fills: every split writes and reads back a float32 partial tile (H200, 10240 x 8192, 80 tiles on 132
-    SMs: at M = 128 three splits, two waves, took 54.9 us against 49.0 unsplit; at M = 256, 256-row tiles, 96.9
-    against 81.8)."""
-    return max(1, min(4, slots // tiles, steps // 8))
+def _tc_split(tiles: int, steps: int, config: TcConfig, sm_count: int) -> int:
+    """K splits for ``tiles`` programs: up to 4, of >= 8 steps each, never into a second wave of programs. Splits
+    that fill idle SMs (up to one program per SM) pay; splits that stack more programs on an SM pay only where each
+    keeps at least 24 steps (16 with activation tiles of <= 32 rows), since every split writes and reads back a
+    float32 partial tile of 64 x ``bm`` (H200 split sweep, docs/benchmarks.md round 5, us for 1 / 2 / 4 splits:
+    4096 x 14336 at M = 64, 112 steps, 40.2 / 27.5 / 24.2; 4096 x 4096 at M = 256, 128 tiles of 32 steps, 20.4 /
+    23.7 / 32.8; 8192 x 8192 at M = 32, 64 steps, 24.8 / 21.3 / 20.0). A second wave costs more than the idle SMs
+    it fills (10240 x 8192, 80 tiles on 132 SMs: at M = 128 three splits took 54.9 us against 49.0 unsplit)."""
+    stacked = min(config.per_sm * sm_count // tiles, steps // (16 if config.bm <= 32 else 24))
+    return max(1, min(4, steps // 8, max(sm_count // tiles, stacked)))
 
 
 def _wave_fill(programs: int, slots: int) -> float:
