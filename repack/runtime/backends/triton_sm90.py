@@ -145,10 +145,11 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     at M = 32 in 93 against 120 us with two; at 64 rows three were slower on 5 of 7 layers); on layers of fewer
     64-row tiles than half the SMs to M = 128 (4096 x 4096 at M = 128: 14.8 against 17.3 us with 128-row tiles in
     two splits, round 5). Up to 128: 128-row tiles, again one warpgroup and two programs per SM (0-7% faster than
-    one program of two warpgroups on all 7 layers: 57344 x 8192 at M = 128 203 against 212 us). Up to 256: 256-row tiles (each weight decoded once) where
-    they are more than half as many as the SMs, or where their K splits keep >= 64 steps each (8192 x 28672 at
-    M = 256: 169-172 against 178-179 us, round 5), else the same 128-row tiles, whose programs fill more SMs (M = 256,
-    us: 14336 x 4096 45 against 52, 10240 x 8192 82 against 99; 8192 x 8192, 64 tiles, 63 against 53). Beyond,
+    one program of two warpgroups on all 7 layers: 57344 x 8192 at M = 128 203 against 212 us). Up to 256: 256-row
+    tiles (each weight decoded once) where they are more than half as many as the SMs, or where their K splits keep
+    >= 64 steps each (8192 x 28672 at M = 256: 169-172 against 178-179 us, round 5), else the same 128-row tiles,
+    whose programs fill more SMs (M = 256, us: 14336 x 4096 45 against 52, 10240 x 8192 82 against 99;
+    8192 x 8192, 64 tiles, 63 against 53). Beyond,
     256-row tiles unless 128-row ones (two warpgroups) fill the waves of programs at least 10% better (10240 x 8192
     at M = 1024: 640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
     """
@@ -158,17 +159,20 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
         return TcConfig(bm=32, warpgroups=1, stages=4, per_sm=4)
     if m <= 64 or (m <= 128 and _narrow(n, sm_count)):
         return TcConfig(bm=64, warpgroups=1, stages=4, per_sm=2)
+    one_warpgroup = TcConfig(bm=128, warpgroups=1, stages=3, per_sm=2)
+    if m <= 128:
+        return one_warpgroup
     np_, kp = layout.padded_shape(n, k)
+    n_tiles = np_ // 128  # along N, for the two-warpgroup configs below
     wide = TcConfig(bm=256, warpgroups=2, stages=3)
     steps = kp // 64 // _TC_CHUNKS
     if m <= 256:
-        long_k = steps // _tc_split(np_ // 128, steps, wide, sm_count) >= 64
-        wide_fits = m > 128 and (2 * (np_ // 128) > sm_count or long_k)
-        return wide if wide_fits else TcConfig(bm=128, warpgroups=1, stages=3, per_sm=2)
+        long_k = steps // _tc_split(n_tiles, steps, wide, sm_count) >= 64
+        return wide if 2 * n_tiles > sm_count or long_k else one_warpgroup
     tall = TcConfig(bm=128, warpgroups=2, stages=4)
 
     def fill(config: TcConfig) -> float:
-        tiles = np_ // 128 * -(-m // config.bm)
+        tiles = n_tiles * -(-m // config.bm)
         return _wave_fill(tiles * _tc_split(tiles, steps, config, sm_count), sm_count)
 
     return tall if fill(tall) > 1.1 * fill(wide) else wide
