@@ -30,7 +30,8 @@ CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM)
     1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
     4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
 }
-PROFILE = [(64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 2, 4, 1)), (4096, TcConfig(256, 2, 3, 1))]
+PROFILE = [(16, TcConfig(16, 1, 4, 4)), (64, TcConfig(64, 1, 4, 2)), (128, TcConfig(128, 1, 3, 2)),
+           (4096, TcConfig(256, 2, 3, 1))]
 
 
 def timing(json_path: str | None, ms: list[int], splits: list[int]) -> None:
@@ -69,8 +70,8 @@ def timing(json_path: str | None, ms: list[int], splits: list[int]) -> None:
 
 
 def profile() -> None:
-    """One launch per ``PROFILE`` entry on 8192 x 8192 between cudaProfilerStart/Stop (for ``ncu
-    --profile-from-start off``)."""
+    """One launch per ``PROFILE`` entry on 8192 x 8192, each followed by cuBLAS on the same activations, between
+    cudaProfilerStart/Stop (for ``ncu --profile-from-start off``)."""
     layer = make_layer(8192, 8192, 0, seed=1)
     xs = [torch.randn(m, 8192, dtype=torch.bfloat16, device="cuda") for m, _ in PROFILE]
     for x, (_, config) in zip(xs, PROFILE):  # compile outside the profiled range
@@ -79,6 +80,7 @@ def profile() -> None:
     torch.cuda.cudart().cudaProfilerStart()
     for x, (_, config) in zip(xs, PROFILE):
         backend.tc_linear(x, **layer.copies[0], n=8192, k=8192, config=config)
+        F.linear(x, layer.dense[0])
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
