@@ -113,6 +113,13 @@ def best_of_interleaved(candidates: list[list[Callable[[], object]]], repeats: i
     return [min(samples) for samples in times]
 
 
+def write_json(path: str | None, data: object) -> None:
+    """Write ``data`` to ``path`` as indented JSON, if a path was given (the scripts' ``--json``)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
 def make_layer(n: int, k: int, l2_bytes: int, seed: int) -> Layer:
     """Random weights (random words are a valid layout: every bit pattern is a code) in enough copies to defeat L2."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -188,9 +195,7 @@ def main() -> None:
             moved = layer.quant_bytes + 2 * m * (k + n)
             report["rows"].append({"n": n, "k": k, "m": m, "cublas_us": t_dense * 1e6, "op_us": t_op * 1e6,
                                    "speedup": t_dense / t_op, "pct_copy_bw": 100 * moved / t_op / bandwidth})  # fmt: skip
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        write_json(args.json, report)
         del layer
         torch.cuda.empty_cache()
     if report["rows"]:  # the table for docs/benchmarks.md

@@ -11,12 +11,11 @@ Prints one table per part. ``--best-config-file`` receives, for M = 1 and M = 16
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
 import torch.nn.functional as F
-from bench_sm90 import REL_TOL, SHAPES, copy_bandwidth, make_layer, time_calls
+from bench_sm90 import REL_TOL, SHAPES, copy_bandwidth, make_layer, time_calls, write_json
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -114,9 +113,7 @@ def main() -> None:
             print(f"{n}x{k} M={m}: cuBLAS {t_dense * 1e6:.1f} us | " + " | ".join(row)
                   + f" || best {best[1]} {best[0]:.1f} us = {t_dense * 1e6 / best[0]:.2f}x, "
                   f"{100 * (quant + 2 * m * (n + k)) / (best[0] * 1e-6) / bandwidth:.0f}% BW", flush=True)  # fmt: skip
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+        write_json(args.json, report)
         del layer
         torch.cuda.empty_cache()
     best = []

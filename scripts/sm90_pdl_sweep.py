@@ -13,12 +13,11 @@ compared with cuBLAS on the same inputs (WRONG past 1e-2); correctness proper is
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from bench_sm90 import SHAPES, checked_time, make_layer, op_calls, time_calls
+from bench_sm90 import SHAPES, checked_time, make_layer, op_calls, time_calls, write_json
 
 from repack.runtime.backends import triton_sm90 as backend
 
@@ -74,9 +73,7 @@ def timing(json_path: str | None, ms: list[int]) -> None:
             print(f"{n}x{k} M={m}: {cells}", flush=True)
         del layer
         torch.cuda.empty_cache()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(json_path, rows)
 
 
 def main() -> None:

@@ -13,13 +13,12 @@ M = 1 and cuBLAS, and what they imply for the goals (speedup over cuBLAS, share 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from bench_sm90 import SHAPES, copy_bandwidth, make_layer, op_calls, time_calls
+from bench_sm90 import SHAPES, copy_bandwidth, make_layer, op_calls, time_calls, write_json
 
 from repack.runtime.backends import triton_sm90 as backend
 
@@ -84,9 +83,7 @@ def main() -> None:
               f"| {cublas / op:.2f}x |", flush=True)  # fmt: skip
         del layer
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": props.name, "copy_bw": bandwidth, "rows": rows}, f, indent=1)
+    write_json(args.json, {"device": props.name, "copy_bw": bandwidth, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -12,11 +12,10 @@ candidate first compared with cuBLAS on the same inputs (marked WRONG past 1e-2 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
-from bench_sm90 import SHAPES, checked_time, make_layer, op_calls, time_calls
+from bench_sm90 import SHAPES, checked_time, make_layer, op_calls, time_calls, write_json
 
 from repack.runtime.backends import triton_sm90 as backend
 from repack.runtime.backends.triton_sm90 import TcConfig
@@ -64,9 +63,7 @@ def timing(json_path: str | None, ms: list[int], splits: list[int]) -> None:
             )
         del layer
         torch.cuda.empty_cache()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(json_path, rows)
 
 
 def profile() -> None:
