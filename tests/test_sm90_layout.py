@@ -177,9 +177,8 @@ def test_tensor_core_split_fills_idle_sms_and_stacks_only_on_long_k(
 def test_tensor_core_tile_by_m_and_wave_fill(m: int, n: int, k: int, bm: int) -> None:
     """On 132 SMs, up to M = 128: 64-row tiles on layers of fewer than 66 (N = 4096), else 128-row; up to M = 256:
     256-row tiles where more than 66 (N > 8448) or where their K splits keep >= 64 steps (8192 x 28672: 2 splits of
-    112), else 128-row; beyond, 256-row tiles
-    unless 128-row ones fill the waves >= 10% better: 10240 x 8192 at M = 1024, 320 tiles of 256 rows (2.4 waves)
-    against 640 of 128 (4.8)."""
+    112), else 128-row; beyond, 256-row tiles unless 128-row ones fill the waves >= 10% better: 10240 x 8192 at
+    M = 1024, 320 tiles of 256 rows (2.4 waves) against 640 of 128 (4.8)."""
     from repack.runtime.backends import triton_sm90 as backend
 
     config = backend.tc_config_for(m, n, k, sm_count=132)

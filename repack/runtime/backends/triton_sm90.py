@@ -151,9 +151,9 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     tiles (each weight decoded once) where they are more than half as many as the SMs, or where their K splits keep
     >= 64 steps each (8192 x 28672 at M = 256: 169-172 against 178-179 us, round 5), else the same 128-row tiles,
     whose programs fill more SMs (M = 256, us: 14336 x 4096 45 against 52, 10240 x 8192 82 against 99;
-    8192 x 8192, 64 tiles, 63 against 53). Beyond,
-    256-row tiles unless 128-row ones (two warpgroups) fill the waves of programs at least 10% better (10240 x 8192
-    at M = 1024: 640 tiles of 128 rows, 4.8 waves, against 320 of 256, 2.4).
+    8192 x 8192, 64 tiles, 63 against 53). Beyond, 256-row tiles unless 128-row ones (two warpgroups) fill the
+    waves of programs at least 10% better (10240 x 8192 at M = 1024: 640 tiles of 128 rows, 4.8 waves, against
+    320 of 256, 2.4).
     """
     if m <= 16:
         return TcConfig(bm=16, warpgroups=1, stages=4, per_sm=4)
