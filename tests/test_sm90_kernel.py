@@ -194,19 +194,15 @@ def test_pdl_chain_reads_each_previous_kernels_output(m: int) -> None:
     layers = [runtime_on_gpu(w) for w in weights]
     config = b.tc_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
 
-    def chain(x: torch.Tensor) -> torch.Tensor:
+    def chain(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
         for i, tensors in enumerate(layers):
-            x = b.tc_linear(x, **tensors, n=n, k=k, config=config)
+            x = b.tc_linear(x, **tensors, n=n, k=k, config=config, pdl=pdl)
             if i == 0:
                 x = x.mul_(0.5)
         return x
 
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-    b.PDL = False
-    try:
-        expected = chain(x)
-    finally:
-        b.PDL = True
+    expected = chain(x, pdl=False)
     chain(x)  # compile the PDL launch outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

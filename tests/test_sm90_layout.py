@@ -105,13 +105,13 @@ def test_activations_in_kslot_order() -> None:
 
 def test_decode_shifts_deliver_the_rotated_bits() -> None:
     """Where the decode PTX uses a plain left shift instead of a rotate, every bit it keeps is the same."""
-    from repack.runtime.backends import triton_sm90 as backend
+    from repack.runtime.backends.triton_sm90 import ptx
 
     words = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
     words[:2] = torch.tensor([0xFFFFFFFF, 0x80000001])
     plain = 0
-    for r, mask in backend._rotation_masks().items():
-        line = backend._rotate_line("w", r, mask)
+    for r, mask in ptx._rotation_masks().items():
+        line = ptx._rotate_line("w", r, mask)
         shifted = (words << r) & 0xFFFFFFFF if line.startswith("shl") else sm90._rotl(words, r)
         assert torch.equal(shifted & mask, sm90._rotl(words, r) & mask), line
         plain += line.startswith("shl")
@@ -160,10 +160,10 @@ def test_tensor_core_split_fills_idle_sms_and_stacks_only_on_long_k(
     """On 132 SMs: K is split into up to 4 parts of >= 8 steps while that fills idle SMs (64 tiles: 2); beyond one
     program per SM only where each part keeps >= 24 steps (16 for <= 32-row tiles): 128 tiles of 32 steps stay
     whole, of 112 split in 2, of 64 with 32-row tiles in 4; never into a second wave (80 tiles of 256 rows)."""
-    from repack.runtime.backends import triton_sm90 as backend
+    from repack.runtime.backends.triton_sm90 import tensor_core
 
-    config = backend.TcConfig(bm=bm, warpgroups=1 if bm < 256 else 2, stages=3, per_sm=per_sm)
-    assert backend._tc_split(tiles, steps, config, 132) == split
+    config = tensor_core.TcConfig(bm=bm, warpgroups=1 if bm < 256 else 2, stages=3, per_sm=per_sm)
+    assert tensor_core._tc_split(tiles, steps, config, 132) == split
 
 
 @pytest.mark.parametrize(

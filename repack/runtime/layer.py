@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
-from .backends import choose_backend
+from .backends import choose_backend, prepare_backend
 from .op import nvfp4_linear
 
 
@@ -27,6 +28,18 @@ class PackedLinear(nn.Module):
         for name, tensor in runtime.tensors().items():
             self.register_buffer(name, tensor.to(device))
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
+        self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def prepared(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The backend bound to this layer's tensors (checked once), for eager calls; rebuilt after ``.to()``."""
+        if self._prepared is None:
+            self._prepared = prepare_backend(self.backend, self.weight, self.weight_scale, self.weight_global_scale,
+                                             self.n, self.k, self.target)  # fmt: skip
+        return self._prepared
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors
+        self._prepared = None
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nvfp4_linear(x, self, self.bias)

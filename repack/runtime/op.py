@@ -2,7 +2,9 @@
 
 A ``torch.library.custom_op`` with a fake implementation, so models using it trace under
 ``torch.compile(fullgraph=True)`` and capture into CUDA graphs; the backend is chosen when the layer is
-built (from the target's capability table), never inside the traced region.
+built (from the target's capability table), never inside the traced region. Eager calls skip the op's Python
+dispatch and call the layer's prepared backend directly (``PackedLinear.prepared``): at M = 1 the wrapper alone
+cost more CPU time than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
 """
 
 from __future__ import annotations
@@ -33,11 +35,19 @@ def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend):
 
 def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | None = None) -> torch.Tensor:  # noqa: F821
     """``F.linear(x, dequant(W), bias)`` for bf16 ``x`` of any leading shape ``[..., K]``."""
-    if x.shape[-1] != layer.k:
-        raise ValueError(f"nvfp4_linear: x has K={x.shape[-1]}, layer expects K={layer.k}")
-    x2d = x.reshape(-1, layer.k).to(torch.bfloat16).contiguous()
-    y = _linear(
-        x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, layer.k, layer.target, layer.backend
-    )
-    y = y.reshape(*x.shape[:-1], layer.n)
+    k = layer.k
+    if x.shape[-1] != k:
+        raise ValueError(f"nvfp4_linear: x has K={x.shape[-1]}, layer expects K={k}")
+    x2d = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2d.dtype != torch.bfloat16:
+        x2d = x2d.to(torch.bfloat16)
+    x2d = x2d.contiguous()
+    if type(x2d) is torch.Tensor and not torch.compiler.is_compiling():  # eager, no tensor subclass or fake tensor
+        y = layer.prepared()(x2d)
+    else:
+        y = _linear(
+            x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, k, layer.target, layer.backend
+        )
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], layer.n)
     return y + bias if bias is not None else y

@@ -2,11 +2,13 @@
 x bf16 ``[M, K]`` (logical K), the target's runtime tensors, output bf16 ``[M, N]`` (logical N).
 
 Which backend runs where is read from the target registry's capability table
-(``Target.backend`` on the target's own GPUs; ``reference`` on CPU).
+(``Target.backend`` on the target's own GPUs; ``reference`` on CPU). ``prepare_backend`` binds one layer's tensors
+to its backend once, for the eager op's per-call path.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -31,6 +33,21 @@ def get_backend(name: str) -> Linear:
     else:
         raise RepackError(f"unknown backend {name!r}; known: reference, flashinfer, triton")
     return linear
+
+
+def prepare_backend(
+    name: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
+    target: str,
+) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
+    """``x -> linear(x, <the layer's tensors>)`` for a contiguous bf16 ``x [M, K]``: triton checks the layer once
+    here and nothing per call (its per-call CPU time at M = 1 exceeds the kernel's GPU time otherwise); the other
+    backends keep their per-call path."""
+    if name == "triton":
+        from .triton_sm90 import prepare
+
+        return prepare(weight, weight_scale, weight_global_scale, n, k)
+    return partial(get_backend(name), weight=weight, weight_scale=weight_scale,
+                   weight_global_scale=weight_global_scale, n=n, k=k, target=target)  # fmt: skip
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -1,0 +1,127 @@
+"""Which kernel and work split runs a call: ``linear`` (checked per call) and ``prepare`` (checked once, per layer).
+
+Measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
+
+* ``M <= 8``, and ``M <= 16`` on layers of fewer than half as many 64-row tiles as SMs (``uses_decode_kernel``):
+  the decode kernel with ``gemv_config_for`` (8 warps per program unless that needs more waves of programs than 4).
+* Otherwise the tensor-core kernel with ``tc_config_for`` (activation tile 16 / 32 / 64 / 128 / 256 rows by M), at
+  every large M too: dequantize + cuBLAS was slower than it on 38 of 42 layer and M points up to M = 8192, never
+  faster by more than 3%, and needs a bf16 copy of W (round 7; rounds 3 and 5 alike), so there is no crossover.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from ....targets import sm90 as layout
+from .common import narrow, require_triton, sm_count
+from .decode import GEMV_MAX_M, GemvConfig, GemvLaunch, gemv_config_for, gemv_linear
+from .tensor_core import TcConfig, tc_config_for, tc_linear
+
+
+def uses_decode_kernel(m: int, n: int, sm_count: int) -> bool:
+    """``M <= 8``, and ``M <= 16`` on layers with fewer 64-row tiles than half the SMs: the decode kernel, else the
+    tensor-core kernel. At M = 9 .. 16 the decode kernel runs two n-tiles of mma.sync and reads the activations
+    from L2 in every warp, where 16-row wgmma tiles read them once per program from shared memory (H200, M = 16,
+    us: 57344 x 8192 99 against 84, 8192 x 28672 57 against 47, 14336 x 4096 20 against 18, 8192 x 8192 and
+    10240 x 8192 even); with 64 tiles (N = 4096) too few programs share out K (4096 x 14336 18 against 19,
+    4096 x 4096 8 against 10)."""
+    if m <= 8:
+        return True
+    return m <= GEMV_MAX_M and narrow(n, sm_count)
+
+
+@lru_cache(maxsize=4096)
+def plan(m: int, n: int, k: int, sm_count: int) -> GemvConfig | TcConfig:
+    """The kernel (by its config's type) and work split for one call shape; cached, as it runs on every call."""
+    if uses_decode_kernel(m, n, sm_count):
+        return gemv_config_for(m, n, k, sm_count)
+    return tc_config_for(m, n, k, sm_count)
+
+
+def check_layer(weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int) -> None:
+    """The layer's tensors against the sm90 layout's specs: metadata only, no device synchronisation."""
+    require_triton(weight)
+    specs = layout.runtime_specs(n, k)
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("weight_global_scale", weight_global_scale)):
+        spec = specs[name]
+        if t.dtype != spec.dtype or tuple(t.shape) != spec.shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {spec.dtype} {list(spec.shape)}, got {t.dtype} {list(t.shape)}")
+        if t.device != weight.device:
+            raise ValueError(f"{name} is on {t.device}, weight on {weight.device}")
+
+
+def check_input(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous bf16 [M, {k}], got {x.dtype} {list(x.shape)}")
+    if x.device != weight.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+
+
+def run(x, weight, weight_scale, weight_global_scale, n: int, k: int) -> torch.Tensor:
+    """``linear`` without its checks: the dispatch alone."""
+    config = plan(x.shape[0], n, k, sm_count(x.device.index or 0))
+    kernel = gemv_linear if isinstance(config, GemvConfig) else tc_linear
+    return kernel(x, weight, weight_scale, weight_global_scale, n, k, config)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    n: int,
+    k: int,
+) -> torch.Tensor:
+    """``x @ W^T`` for bf16 ``x [M, K]`` and the sm90 runtime tensors of ``W [N, K]``; returns bf16 ``[M, N]``."""
+    check_layer(weight, weight_scale, weight_global_scale, n, k)
+    check_input(x, weight, k)
+    return run(x, weight, weight_scale, weight_global_scale, n, k)
+
+
+class Prepared:
+    """``x -> linear(x, ...)`` for one layer, its tensors checked once at construction: the eager op's per-call path.
+
+    It trusts its caller (``nvfp4_linear``) for a contiguous bf16 ``x [M, K]`` and checks only its device (a kernel
+    handed a pointer of another device faults). At the decode kernel's sizes it keeps, per M, the compiled kernel
+    and its launch arguments (``decode.gemv_launch``), so that a call is an allocation and a launch: Triton's
+    generic launch and this module's dispatch cost about 60 us of CPU time per call at M = 1 on the H200's host,
+    more than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
+    ) -> None:
+        check_layer(weight, weight_scale, weight_global_scale, n, k)
+        self.tensors = (weight, weight_scale, weight_global_scale)
+        self.n, self.k = n, k
+        self.device, self.index = weight.device, weight.get_device()
+        self.launches: dict[int, GemvLaunch | None] = {}  # M -> the decode kernel's launch, None: the generic path
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        launch = self.launches.get(m, False)
+        if launch is False:
+            launch = self.launches[m] = self._launch_for(m)
+        if x.get_device() != self.index:
+            raise ValueError(f"weight is on {self.device}, x on {x.device}")
+        if launch is not None and x.data_ptr() % 16 == 0 and torch.cuda.current_device() == self.index:
+            return launch(x)
+        return run(x, *self.tensors, self.n, self.k)
+
+    def _launch_for(self, m: int) -> GemvLaunch | None:
+        config = plan(m, self.n, self.k, sm_count(self.index))
+        if not isinstance(config, GemvConfig) or m == 0:
+            return None
+        with torch.cuda.device(self.index):
+            return GemvLaunch(*self.tensors, self.n, self.k, config, m)
+
+
+def prepare(
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``Prepared`` for one layer (the backend registry's entry point)."""
+    return Prepared(weight, weight_scale, weight_global_scale, n, k)

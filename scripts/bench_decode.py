@@ -1,0 +1,216 @@
+"""End-to-end decode and prefill speed of a Llama-3-8B-shaped model: NVFP4 (an sm90 bundle through ``patch_model``)
+against the same weights dequantized to bf16, on a Hopper GPU, with transformers.
+
+Random NVFP4 weights (e2m1 codes, block scales near 1 and a multiplier that gives the weights a standard deviation
+of about 0.01, so that activations stay finite through the layers) are written as a compressed-tensors
+checkpoint of the quantized linears only, converted with ``repack.convert.convert`` to an sm90 bundle and patched
+into one copy of the model; the other copy holds the same weights dequantized to bf16 (embeddings, norms and
+lm_head are shared bf16 in both). Each mode then runs both models in turn:
+
+* ``eager``: one token per step through ``model(...)`` with a static KV cache (no CUDA graphs): what Python and
+  launch overhead cost, where the op's per-call CPU time shows.
+* ``graph``: the same step captured once into a CUDA graph (static cache, static input buffers) and replayed.
+* ``compiled``: ``torch.compile(model, mode="reduce-overhead")`` (inductor with CUDA graphs) on the decode step.
+* prefill: one eager forward of ``--prefill`` tokens at batch 1, no cache.
+
+Decode tokens/s = batch x steps / time after warm-up steps, the prompt (``--prompt`` tokens) prefilled eagerly
+first. ``--layers`` keeps the run short (a real Llama-3-8B has 32; the dense embeddings and lm_head weigh more in
+fewer layers, which pulls every ratio towards 1).
+
+    PYTHONPATH=.:scripts python3 scripts/bench_decode.py [--layers 8] [--batches 1,8,32] [--modes eager,graph,compiled]
+                                                         [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from bench_sm90 import write_json
+
+from repack.convert import convert
+from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.runtime import patch_model
+from repack.sample.synthetic import write_checkpoint
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
+PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def random_weight(n: int, k: int, gen: torch.Generator) -> NVFP4Weight:
+    """Random codes; e4m3 block scales 0.5 .. 1.9 (bits 0x30 .. 0x3F); multiplier 0.005: weight std about 0.01."""
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0x30, 0x40, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    return NVFP4Weight(codes, scales, torch.tensor([0.005], dtype=torch.float32))
+
+
+def build_models(layers: int, work: Path) -> tuple[torch.nn.Module, torch.nn.Module, float]:
+    """(bf16 model, NVFP4-patched model, seconds the sm90 conversion took), both on the GPU, same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, torch_dtype="bfloat16", **LLAMA3_8B)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):  # random init on the GPU: seconds, not minutes
+            dense = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    quantized = {}
+    for i in range(layers):
+        for block, names in PROJECTIONS.items():
+            for name in names:
+                prefix = f"model.layers.{i}.{block}.{name}"
+                module = dense.get_submodule(prefix)
+                weight = random_weight(module.out_features, module.in_features, gen)
+                quantized[prefix] = weight
+                on_gpu = NVFP4Weight(weight.codes.cuda(), weight.block_scales.cuda(), weight.multiplier.cuda())
+                with torch.no_grad():
+                    module.weight.copy_(dequantize(on_gpu, torch.float32).to(torch.bfloat16))
+    source = write_checkpoint(work / "source", quantized, {}, fmt="compressed-tensors",
+                              config=config.to_dict() | {"architectures": ["LlamaForCausalLM"]})  # fmt: skip
+    del quantized
+    started = time.perf_counter()
+    convert(source, "sm90", work / "bundle")
+    seconds = time.perf_counter() - started
+    patched = copy.deepcopy(dense)
+    patch_model(patched, work / "bundle", device="cuda")
+    return dense, patched, seconds
+
+
+def synced_seconds(fn: Callable[[], object], runs: int) -> float:
+    """Seconds for ``runs`` calls of ``fn`` (which queues GPU work), the queue drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(runs):
+        fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def decode_step(model: torch.nn.Module, batch: int, mode: str, prompt: int, total: int) -> Callable[[], object]:
+    """A zero-argument decode step (the next token of every sequence, greedy) after an eager prefill of ``prompt``
+    random tokens into a fresh static cache of ``total`` positions; each call advances one position."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    positions = torch.arange(total, device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device="cuda")
+    with torch.no_grad():
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=positions[:prompt]).logits
+    state = {"pos": prompt, "tok": logits[:, -1:].argmax(-1)}
+    forward = torch.compile(model, mode="reduce-overhead") if mode == "compiled" else model
+
+    def run(tok: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = forward(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=position,
+                          position_ids=position.expand(tok.shape[0], 1))  # fmt: skip
+        return out.logits[:, -1:].argmax(-1)
+
+    if mode == "graph":  # static buffers; one capture after a warm-up on a side stream
+        static_tok, static_pos = state["tok"].clone(), positions[prompt : prompt + 1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(static_tok, static_pos)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_next = run(static_tok, static_pos)
+
+        def step() -> None:
+            static_pos.add_(1)  # the cache position advances on the GPU; the token feeds back in place
+            graph.replay()
+            static_tok.copy_(static_next)
+
+        return step
+
+    def step() -> None:
+        if mode == "compiled":
+            torch.compiler.cudagraph_mark_step_begin()
+        pos = state["pos"]
+        state["tok"] = run(state["tok"], positions[pos : pos + 1])
+        state["pos"] = pos + 1
+
+    return step
+
+
+def decode_tokens_per_s(model, batch: int, mode: str, prompt: int, steps: int, warmup: int) -> float:
+    step = decode_step(model, batch, mode, prompt, prompt + warmup + 2 * steps + 1)
+    for _ in range(warmup):
+        step()
+    return batch * steps / synced_seconds(step, steps)
+
+
+def prefill_tokens_per_s(model, tokens: int, runs: int = 5) -> float:
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    forward()
+    return tokens * runs / synced_seconds(forward, runs)
+
+
+def check_models(dense, patched) -> float:
+    """Relative error of the patched model's logits against the bf16 model's on random tokens (same weights)."""
+    ids = torch.randint(0, dense.config.vocab_size, (2, 16), device="cuda")
+    with torch.no_grad():
+        ref, got = dense(ids).logits.double(), patched(ids).logits.double()
+    if not torch.isfinite(got).all():
+        raise AssertionError("patched model produced non-finite logits")
+    return float((got - ref).norm() / ref.norm())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--modes", default="eager,graph,compiled")
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        dense, patched, convert_s = build_models(args.layers, Path(tmp))
+    err = check_models(dense, patched)
+    print(f"{args.layers} Llama-3-8B layers; sm90 conversion {convert_s:.1f} s; patched vs bf16 logits rel. error {err:.2e}")
+    models = {"bf16": dense, "nvfp4": patched}
+    report: dict = {"layers": args.layers, "convert_s": convert_s, "logits_rel_err": err, "decode": [], "prefill": {}}
+    for name, model in models.items():  # first: GPU-bound, and a run cut short still has it
+        report["prefill"][name] = prefill_tokens_per_s(model, args.prefill)
+    print(f"prefill {args.prefill} tokens, tok/s: {report['prefill']}", flush=True)
+    for mode in args.modes.split(","):
+        for batch in map(int, args.batches.split(",")):
+            row = {"mode": mode, "batch": batch}
+            for name, model in models.items():
+                try:
+                    row[name] = decode_tokens_per_s(model, batch, mode, args.prompt, args.steps, args.warmup)
+                except Exception as exc:  # reported in the table, the other points still run
+                    row[name] = f"{type(exc).__name__}: {exc}"[:160]
+            report["decode"].append(row)
+            print(row, flush=True)
+            write_json(args.json, report)
+    print(f"\n| mode | batch | bf16 tok/s | NVFP4 tok/s | NVFP4 / bf16 |\n| --- | --- | --- | --- | --- |")
+    for r in report["decode"]:
+        ok = all(isinstance(r[m], float) for m in models)
+        ratio = f"{r['nvfp4'] / r['bf16']:.2f}x" if ok else "-"
+        cells = [f"{r[m]:.0f}" if isinstance(r[m], float) else r[m] for m in models]
+        print(f"| {r['mode']} | {r['batch']} | {cells[0]} | {cells[1]} | {ratio} |")
+    p = report["prefill"]
+    print(f"| prefill {args.prefill} (eager) | 1 | {p['bf16']:.0f} | {p['nvfp4']:.0f} | {p['nvfp4'] / p['bf16']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
