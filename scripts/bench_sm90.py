@@ -13,7 +13,7 @@ best (the same code moved by up to 9% between runs at large M, docs/benchmarks.m
 against a float64 reference, the op and Humming alike.
 
     PYTHONPATH=.:scripts python3 scripts/bench_sm90.py [--json out.json] [--shapes 4096x4096,...] [--ms 1,16]
-                                                       [--overhead-only]
+                                                       [--overhead-only] [--profile]
 
 ``scripts/sm90_sweep.py`` times candidate work splits of either kernel (how ``gemv_config_for`` and
 ``tc_config_for`` were chosen).
@@ -224,7 +224,7 @@ def host_us_per_call(call: Callable[[], object], calls: int = 200, repeats: int 
     return statistics.median(samples) * 1e6
 
 
-def overhead_rows(with_humming: bool) -> list[dict]:
+def overhead_rows(with_humming: bool, profile: bool = False) -> list[dict]:
     """Per-call CPU cost at M = 1 of each way to call one layer, measured in turn on the same weights."""
     rows = []
     for n, k in OVERHEAD_SHAPES:
@@ -258,8 +258,25 @@ def overhead_rows(with_humming: bool) -> list[dict]:
             for name, call in calls.items():
                 times[name].append(host_us_per_call(call))
         rows += [{"n": n, "k": k, "call": name, "host_us": min(t)} for name, t in times.items()]
+        if profile:
+            profile_calls(calls["PackedLinear(x)"], f"PackedLinear(x), {n}x{k}, M = 1")
         del layer
     return rows
+
+
+def profile_calls(call: Callable[[], object], title: str, calls: int = 2000) -> None:
+    """Where one call's CPU time goes: cProfile of a burst of calls, the top functions by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {calls} calls of {title} (own time; profiling inflates every entry):")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
 def op_calls(layer: Layer, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> list[Callable[[], object]]:
@@ -285,13 +302,14 @@ def main() -> None:
     parser.add_argument("--shapes", help="layers NxK[,NxK...] (default: the seven Llama-3 shapes)")
     parser.add_argument("--ms", help="batch sizes M[,M...] (default: %s)" % ",".join(map(str, MS)))
     parser.add_argument("--overhead-only", action="store_true", help="only the per-call CPU cost table")
+    parser.add_argument("--profile", action="store_true", help="also a cProfile of PackedLinear(x) at M = 1")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     ms = [int(m) for m in args.ms.split(",")] if args.ms else MS
     props = torch.cuda.get_device_properties(0)
     with_humming = humming_available()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB, torch {torch.__version__}")
-    report: dict = {"device": props.name, "overhead": overhead_rows(with_humming), "rows": []}
+    report: dict = {"device": props.name, "overhead": overhead_rows(with_humming, args.profile), "rows": []}
     print("\n| N x K | call at M = 1 | CPU us per call |\n| --- | --- | --- |")
     for r in report["overhead"]:
         print(f"| {r['n']}x{r['k']} | {r['call']} | {r['host_us']:.1f} |")
