@@ -46,6 +46,20 @@ def test_reference_backend_matches_float64(bundle_and_source, leading):
         assert rel_error(y, ref) < BF16_REL_TOL, (prefix, leading)
 
 
+def test_eager_calls_follow_buffers_replaced_after_the_first_call(bundle_and_source):
+    """Eager calls bind the layer's tensors to its backend once; a device or dtype move (``Module._apply``, which
+    ``.to()`` and ``.cuda()`` run) replaces the buffers, and the next call must read the new ones: doubling the
+    replaced multiplier (exact in every format) doubles the output exactly."""
+    out, model = bundle_and_source
+    prefix, weight = next(iter(model.layers.items()))
+    layer = load_bundle(out, "cpu").layer(prefix)
+    x = torch.randn(3, weight.k, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    before = layer(x)
+    layer._apply(torch.clone)
+    layer.weight_global_scale.mul_(2.0)
+    assert torch.equal(layer(x), before * 2)
+
+
 def test_fake_implementation_and_opcheck(bundle_and_source):
     out, model = bundle_and_source
     loaded = load_bundle(out, "cpu")
