@@ -1,7 +1,7 @@
 """sm90 (Hopper: H100, H200): the layout read by this project's Triton/Gluon W4A16 kernels.
 
-No serving library ships an NVFP4 weight-only kernel for Hopper, so the layout is our own, made for
-``repack/runtime/backends/triton_sm90.py``. Its kernels feed the weights to the tensor cores as the
+The layout is this project's own (vLLM 0.33's Hopper kernel, Humming, repacks into its layout at every load),
+made for ``repack/runtime/backends/triton_sm90/``. Its kernels feed the weights to the tensor cores as the
 A operand of ``mma.m16n8k16`` / ``wgmma`` straight from registers, so the layout puts, for every
 thread, the 8 values it feeds to one 16x16 A tile into one 32-bit word, and the 4 words of 4
 consecutive tiles next to each other: one 16-byte load per thread per 64 K-elements, 512 contiguous

@@ -19,7 +19,15 @@ between calls that depends on the data), and neither kernel materialises bf16 we
 from .decode import GEMV_MAX_M, GemvConfig, gemv_config_for, gemv_linear
 from .dequant import dequantize
 from .dispatch import check_layer, linear, plan, prepare, uses_decode_kernel
-from .tensor_core import TcConfig, kslot_activations, kslot_order, tc_config_for, tc_descriptors, tc_launch_options, tc_linear
+from .tensor_core import (
+    TcConfig,
+    kslot_activations,
+    kslot_order,
+    tc_config_for,
+    tc_descriptors,
+    tc_launch_options,
+    tc_linear,
+)
 
 __all__ = [
     "GEMV_MAX_M",

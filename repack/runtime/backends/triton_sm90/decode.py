@@ -64,13 +64,9 @@ def _gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, c
     return (stripes // config.spt,), args, kwargs
 
 
-def gemv_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
+def gemv_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names them
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
+    n: int, k: int,
     config: GemvConfig,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

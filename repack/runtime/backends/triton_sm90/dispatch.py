@@ -1,6 +1,6 @@
 """Which kernel and work split runs a call: ``linear`` (checked per call) and ``prepare`` (checked once, per layer).
 
-Measured on an H200 (docs/benchmarks.md, "sm90 Triton W4A16 (H200)"):
+Measured on an H200 (docs/benchmarks.md, "sm90 kernels against cuBLAS and Humming" and its history):
 
 * ``M <= 8``, and ``M <= 16`` on layers of fewer than half as many 64-row tiles as SMs (``uses_decode_kernel``):
   the decode kernel with ``gemv_config_for`` (8 warps per program unless that needs more waves of programs than 4).
@@ -68,13 +68,9 @@ def run(x, weight, weight_scale, weight_global_scale, n: int, k: int) -> torch.T
     return kernel(x, weight, weight_scale, weight_global_scale, n, k, config)
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
+def linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names them
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
+    n: int, k: int,
 ) -> torch.Tensor:
     """``x @ W^T`` for bf16 ``x [M, K]`` and the sm90 runtime tensors of ``W [N, K]``; returns bf16 ``[M, N]``."""
     check_layer(weight, weight_scale, weight_global_scale, n, k)
@@ -88,7 +84,7 @@ class Prepared:
     It trusts its caller (``nvfp4_linear``) for a contiguous bf16 ``x [M, K]`` and checks only its device (a kernel
     handed a pointer of another device faults). At the decode kernel's sizes it keeps, per M, the compiled kernel
     and its launch arguments (``decode.gemv_launch``), so that a call is an allocation and a launch: Triton's
-    generic launch and this module's dispatch cost about 60 us of CPU time per call at M = 1 on the H200's host,
+    generic launch and this module's dispatch cost 50-70 us of CPU time per call at M = 1 on the H200's host,
     more than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
     """
 

@@ -97,13 +97,9 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
 
 
 
-def tc_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_global_scale: torch.Tensor,
-    n: int,
-    k: int,
+def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names them
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
+    n: int, k: int,
     config: TcConfig,
     split_k: int | None = None,
     out: torch.Tensor | None = None,
