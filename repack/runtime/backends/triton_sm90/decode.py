@@ -31,7 +31,6 @@ class GemvConfig:
     maxnreg: int = 0  # register cap for ptxas (0: its default, which interleaves loads with use to save registers)
 
 
-
 def gemv_config_for(m: int, n: int, k: int, sm_count: int) -> GemvConfig:
     """Work split for ``_gemv_kernel``: 8 warps per program hide more latency, 4 fit more programs per SM.
 
@@ -104,6 +103,7 @@ class GemvLaunch:
         c.run(self.grid, 1, 1, self.stream(self.device.index), c.function, c.packed_metadata, None, None, None,
               x, *self.before_out, out, *self.after_out)  # fmt: skip
         return out
+
 
 if triton is not None:
     _GEMV_ASM_1 = gl.constexpr(gemv_asm(1))

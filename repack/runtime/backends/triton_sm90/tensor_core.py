@@ -96,7 +96,6 @@ def tc_config_for(m: int, n: int, k: int, sm_count: int) -> TcConfig:
     return tall if fill(tall) > 1.1 * fill(wide) else wide
 
 
-
 def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names them
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
     n: int, k: int,
