@@ -48,6 +48,30 @@ def test_layers_match_float64(gpu_bundle):
             assert rel_error(y, x.double() @ dequantize(weight).t()) < BF16_REL_TOL, (prefix, m)
 
 
+def test_eager_layer_reuses_its_launch_and_takes_any_input(gpu_bundle):
+    """The eager path keeps one direct launch per layer and M for 16-byte aligned activations: a second input at the
+    same M reuses it, a view starting 2 bytes into its storage takes the generic path, and leading dimensions fold
+    into M; every result against float64."""
+    loaded, model = gpu_bundle
+    prefix, weight = list(model.layers.items())[-1]
+    layer = loaded.layer(prefix)
+    gen = torch.Generator().manual_seed(23)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    storage = rand(3 * weight.k + 1)
+    unaligned = storage.cuda()[1:].view(3, weight.k)
+    assert unaligned.data_ptr() % 16 != 0
+    cases = [(x, x.cuda()) for x in (rand(1, weight.k), rand(1, weight.k), rand(2, 3, weight.k))]
+    cases.append((storage[1:].view(3, weight.k), unaligned))
+    w64 = dequantize(weight)
+    for x, on_gpu in cases:
+        y = layer(on_gpu).cpu()
+        assert y.shape == (*x.shape[:-1], weight.n)
+        assert rel_error(y, x.double() @ w64.t()) < BF16_REL_TOL, list(x.shape)
+
+
 def test_compile_and_cuda_graph(gpu_bundle):
     loaded, model = gpu_bundle
     prefix, weight = list(model.layers.items())[-1]

@@ -62,7 +62,11 @@ def check_input(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
 
 
 def run(x, weight, weight_scale, weight_global_scale, n: int, k: int) -> torch.Tensor:
-    """``linear`` without its checks: the dispatch alone."""
+    """``linear`` without its checks: the dispatch alone. Activations that are not 16-byte aligned (a view into
+    another tensor) are copied first: both kernels read them as 16-byte vectors, the decode kernel through an int32
+    view, which a 2-byte offset cannot have."""
+    if x.data_ptr() % 16:
+        x = x.clone()
     config = plan(x.shape[0], n, k, sm_count(x.device.index or 0))
     kernel = gemv_linear if isinstance(config, GemvConfig) else tc_linear
     return kernel(x, weight, weight_scale, weight_global_scale, n, k, config)
