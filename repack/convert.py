@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import BUNDLE_FORMAT_VERSION, __version__
-from .bundle.manifest import MANIFEST_NAME, LayerRecord, Manifest, SourceRecord, TensorRecord
+from .bundle.manifest import (
+    MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, SourceRecord, TensorRecord, TransformRecord,
+)
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.writer import check_destination, recover_interrupted, staged_folder, write_json, write_shard
 from .formats import QuantizedLayer, SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY, contained_file
-from .formats.safetensors_io import DTYPE_NAMES, file_sha256, iter_raw_chunks, tensor_bytes
+from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, iter_raw_chunks, tensor_bytes
+from .formats.transforms import runtime_matrix
 from .targets import RuntimeLayer, Target, resolve_target
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
@@ -52,6 +55,10 @@ class _LayerCache:
 
 def _chunk_source(source: SourceModel, cache: _LayerCache, progress: Progress) -> Callable[[PlannedTensor], Iterable]:
     def chunks(tensor: PlannedTensor) -> Iterable:
+        if tensor.matrix is not None:
+            progress(tensor.nbytes, tensor.name)
+            yield tensor_bytes(runtime_matrix(source.checkpoint, tensor.matrix, DTYPES[tensor.dtype_name]))
+            return
         if tensor.layer is None:
             for chunk in iter_raw_chunks(source.checkpoint.entry(tensor.source_name)):
                 progress(len(chunk), tensor.name)
@@ -96,7 +103,14 @@ def _manifest(
             weights_padding_cols=geometry.weights_padding_cols,
             global_scale=cache.global_scales[prefix],
             tensors={part: records.pop(f"{prefix}.{part}") for part in parts},
+            transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
+                        for t in source.transforms.layers.get(prefix, ())],
         )
+    transforms = {
+        name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
+                              source_tensors=[t for t in (m.weight, m.perm) if t], tensor=records.pop(name))
+        for name, m in source.transforms.matrices.items()
+    }
     return Manifest(
         bundle_format_version=BUNDLE_FORMAT_VERSION,
         tool_version=__version__,
@@ -112,6 +126,7 @@ def _manifest(
         layers=layers,
         passthrough=records,
         files=files,
+        transforms=transforms,
     )
 
 

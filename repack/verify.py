@@ -7,6 +7,10 @@
 3. Numerics: the runtime GEMM on the chosen device, on fresh random bf16 activations, against a float64
    GEMM with weights dequantized from the source (from the bundle's own decode when no source exists).
 
+Online transforms: each stored matrix is checked for integrity and, with a source, for being bit for bit the
+source's matrix normalized and cast as convert makes it; each layer must carry exactly the source's transforms;
+numerics apply the source's own unfused float64 matrices (``x @ blockdiag(T) / sqrt(b)``) around the float64 GEMM.
+
 Tolerance: relative L2 error ``||y - ref|| / ||ref||`` <= ``NUMERIC_TOLERANCE`` (1e-2). The output is
 rounded to bf16 (8 significant bits, relative rounding error <= 2^-9 per element), plus float32
 accumulation over K; 1e-2 leaves headroom for K in the tens of thousands while any wrong byte of
@@ -26,7 +30,8 @@ from .bundle.reader import Bundle, open_bundle
 from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
-from .formats.safetensors_io import DTYPE_NAMES, file_sha256, read_tensor, tensor_bytes
+from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, read_tensor, tensor_bytes
+from .formats.transforms import load_matrix, runtime_matrix
 from .nvfp4 import NVFP4Weight, dequantize
 from .runtime import load_bundle
 from .targets import RuntimeLayer
@@ -59,14 +64,15 @@ class VerifyReport:
     files: list[TensorCheck]
     layers: list[TensorCheck]
     passthrough: list[TensorCheck]
+    transforms: list[TensorCheck] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return all(c.status != "fail" for c in self.files + self.layers + self.passthrough)
+        return not self.failures
 
     @property
     def failures(self) -> list[TensorCheck]:
-        return [c for c in self.files + self.layers + self.passthrough if c.status == "fail"]
+        return [c for c in self.files + self.layers + self.passthrough + self.transforms if c.status == "fail"]
 
     def to_dict(self) -> dict:
         return {**asdict(self), "passed": self.passed}
@@ -134,19 +140,56 @@ def _check_exact(decoded: NVFP4Weight, original: NVFP4Weight, prefix: str, check
             check.fail(f"{prefix}: {what} differ from the source")
 
 
+def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
+    return value if matrix is None else (value.unflatten(-1, (-1, matrix.shape[0])) @ matrix).flatten(-2)
+
+
 def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight,
-                    check: TensorCheck, gen: torch.Generator) -> None:
+                    check: TensorCheck, gen: torch.Generator, transforms: dict[str, torch.Tensor]) -> None:
+    """``transforms``: location -> float64 normalized matrix, applied around the float64 GEMM."""
     weight = dequantize(reference, torch.float64)
     worst = 0.0
     for m in BATCH_SIZES:
         x = torch.randn(m, layer.k, generator=gen).to(torch.bfloat16)
         y = layer(x.to(device)).to("cpu", torch.float64)
-        ref = x.to(torch.float64) @ weight.t()
+        ref = _block64(_block64(x.to(torch.float64), transforms.get("input")) @ weight.t(), transforms.get("output"))
         error = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
         worst = max(worst, error if error == error else float("inf"))
     check.max_rel_error = worst
     if not worst <= NUMERIC_TOLERANCE:
         check.fail(f"{prefix}: relative error {worst:.3g} exceeds {NUMERIC_TOLERANCE:g}")
+
+
+def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[TensorCheck], dict[str, torch.Tensor]]:
+    """Each stored matrix: integrity, then bit-exact against the source's, normalized and cast as convert does.
+    Returns the checks and the float64 matrices numerics apply: the source's own, else the bundle's."""
+    checks, reference = [], {}
+    source_matrices = src.transforms.matrices if src is not None else {}
+    for name, record in bundle.manifest.transforms.items():
+        check = TensorCheck(name)
+        checks.append(check)
+        stored = _checked_tensor(bundle, name, check)
+        if src is None:
+            reference[name] = stored.to(torch.float64) if stored is not None else None
+            continue
+        matrix = source_matrices.get(name)
+        if matrix is None:
+            check.fail(f"{name}: not an online-transform matrix of the source")
+            continue
+        reference[name] = load_matrix(src.checkpoint, matrix) / matrix.scale
+        expected = runtime_matrix(src.checkpoint, matrix, DTYPES[record.tensor.dtype])
+        if stored is not None and not _same_bits(stored, expected):
+            check.fail(f"{name}: differs from the source's matrix normalized by {matrix.scale:g}")
+    for name in sorted(set(source_matrices) - set(bundle.manifest.transforms)):
+        checks.append(TensorCheck(name, "fail", [f"{name}: source transform matrix missing from the bundle"]))
+    return checks, reference
+
+
+def _check_layer_transforms(bundle: Bundle, src: SourceModel, prefix: str, check: TensorCheck) -> None:
+    have = [(t.location, t.matrix, t.block_size) for t in bundle.manifest.layers[prefix].transforms]
+    want = [(t.location, t.matrix.name, t.matrix.size) for t in src.transforms.layers.get(prefix, ())]
+    if have != want:
+        check.fail(f"{prefix}: online transforms {have} are not the source's {want}")
 
 
 def _source_for(bundle: Bundle, source: str | Path | None) -> SourceModel | None:
@@ -175,6 +218,7 @@ def verify_bundle(
         source=str(src.checkpoint.root) if src else None, seed=seed, tolerance=NUMERIC_TOLERANCE,
         files=_check_files(bundle), layers=[], passthrough=[],
     )
+    report.transforms, matrices = _check_transforms(bundle, src)
     tick = progress or (lambda name: None)
     for prefix, record in bundle.manifest.layers.items():
         check = TensorCheck(prefix)
@@ -191,7 +235,13 @@ def verify_bundle(
             else:
                 reference = src.load_layer(src.layers[prefix])
                 _check_exact(decoded, reference, prefix, check)
-        _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen)
+                _check_layer_transforms(bundle, src, prefix, check)
+        transforms = {t.location: matrices[t.matrix] for t in record.transforms}
+        if any(m is None for m in transforms.values()):
+            check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run")
+        else:
+            _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
+                            transforms)
         tick(prefix)
     for name in bundle.manifest.passthrough:
         check = TensorCheck(name)

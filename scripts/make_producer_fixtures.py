@@ -59,6 +59,21 @@ MODEL_CFG = dict(
 )
 SHARD_SIZE = "40KB"
 
+# Online-transform checkpoints (llm-compressor's QuIPModifier / SpinQuantModifier before NVFP4). Block sizes must
+# divide every targeted K (input side) or N (output side): K is 64 or 176 and N 32, 64 or 176 here, so blocks 32 and
+# 64 leave out the layers they do not divide (down_proj for K; gate/up, and k/v for 64, for N).
+TRANSFORM_FIXTURES = [
+    "ct_quip_v_had16_nvfp4a16",
+    "ct_quip_vu_rhad16_nvfp4",
+    "ct_quip_v_rhad32_nvfp4a16",
+    "ct_quip_vu_had32_nvfp4",
+    "ct_quip_v_had64_nvfp4a16",
+    "ct_quip_vu_rmat16_nvfp4a16",
+    "ct_spinquant_r1r2r4_had16_nvfp4",
+    "ct_spinquant_r1r2r4_rhad_nvfp4a16",
+    "ct_spinquant_r3_had16_nvfp4a16",  # refused by convert: q_attn / k_cache (attention-side, online)
+]
+
 FIXTURES = [
     "base_bf16",
     "ct_nvfp4a16",
@@ -67,6 +82,7 @@ FIXTURES = [
     "modelopt_nvfp4",
     "modelopt_w4a16_nvfp4",
     "modelopt_nvfp4_sharded",
+    *TRANSFORM_FIXTURES,
 ]
 
 
@@ -130,13 +146,13 @@ def make_base_bf16(name):
 
 
 # --------------------------------------------------------------------------- llm-compressor
-def _llmc(name, scheme, calibrate, shard):
+def _llmc(name, scheme, calibrate, shard, transforms=()):
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     model = build_model()
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    recipe = [*transforms, QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
     kwargs = {}
     if calibrate:
         ids = [b[0].tolist() for b in calib_batches()]
@@ -162,6 +178,70 @@ def make_ct_nvfp4(name):
 
 def make_ct_nvfp4a16_sharded(name):
     _llmc(name, "NVFP4A16", calibrate=False, shard=True)
+
+
+def _quip(rotations, kind, block, ignore_v=(), ignore_u=()):
+    """QuIPModifier; with per-rotation ignores its transform_config is given explicitly (same schemes otherwise)."""
+    from compressed_tensors.transform import TransformConfig
+    from llmcompressor.modifiers.transform import QuIPModifier
+
+    modifier = QuIPModifier(rotations=rotations, transform_type=kind, transform_block_size=block)
+    if not (ignore_v or ignore_u):
+        return modifier
+    groups = {"v": modifier._create_v_scheme(), "u": modifier._create_u_scheme()}
+    for rotation, extra in (("v", ignore_v), ("u", ignore_u)):
+        for args in groups[rotation].apply:
+            args.ignore = [*args.ignore, *extra]
+    config = TransformConfig(config_groups={r: groups[r] for r in rotations})
+    return QuIPModifier(rotations=rotations, transform_type=kind, transform_block_size=block, transform_config=config)
+
+
+def _spinquant(kind, block, rotations=("R1", "R2", "R4")):
+    from llmcompressor.modifiers.transform import SpinQuantModifier
+
+    return SpinQuantModifier(rotations=list(rotations), transform_type=kind, transform_block_size=block)
+
+
+DOWN, GATE_UP, KV = ["re:.*down_proj$"], ["re:.*gate_proj$", "re:.*up_proj$"], ["re:.*k_proj$", "re:.*v_proj$"]
+
+
+def make_ct_quip_v_had16_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False, transforms=[_quip(["v"], "hadamard", 16)])
+
+
+def make_ct_quip_vu_rhad16_nvfp4(name):
+    _llmc(name, "NVFP4", calibrate=True, shard=False, transforms=[_quip(["v", "u"], "random-hadamard", 16)])
+
+
+def make_ct_quip_v_rhad32_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False,
+          transforms=[_quip(["v"], "random-hadamard", 32, ignore_v=DOWN)])
+
+
+def make_ct_quip_vu_had32_nvfp4(name):
+    _llmc(name, "NVFP4", calibrate=True, shard=False,
+          transforms=[_quip(["v", "u"], "hadamard", 32, ignore_v=DOWN, ignore_u=GATE_UP)])
+
+
+def make_ct_quip_v_had64_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False, transforms=[_quip(["v"], "hadamard", 64, ignore_v=DOWN)])
+
+
+def make_ct_quip_vu_rmat16_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False, transforms=[_quip(["v", "u"], "random-matrix", 16)])
+
+
+def make_ct_spinquant_r1r2r4_had16_nvfp4(name):
+    _llmc(name, "NVFP4", calibrate=True, shard=False, transforms=[_spinquant("hadamard", 16)])
+
+
+def make_ct_spinquant_r1r2r4_rhad_nvfp4a16(name):
+    """No block size: R1 spans the hidden size (64), R4 the whole K of down_proj (176 = 11 * 16)."""
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False, transforms=[_spinquant("random-hadamard", None)])
+
+
+def make_ct_spinquant_r3_had16_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False, transforms=[_spinquant("hadamard", 16, ["R3"])])
 
 
 # --------------------------------------------------------------------------- modelopt

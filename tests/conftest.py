@@ -15,6 +15,16 @@ from repack.sample.synthetic import random_nvfp4, write_checkpoint
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PRODUCERS = Path(__file__).parent / "data" / "producers"
 
+# Producer fixtures with online transforms (llm-compressor QuIP / SpinQuant): these convert, run and verify...
+TRANSFORM_FIXTURES = sorted(p.name for p in PRODUCERS.glob("ct_quip_*")) + sorted(
+    p.name for p in PRODUCERS.glob("ct_spinquant_*"))
+# ...except these, which convert refuses, with (part of) the reason it gives.
+REFUSED_FIXTURES = {
+    "ct_quip_vu_rmat16_nvfp4a16": "condition number",  # torch.rand matrices: bf16 cannot compute the function
+    "ct_spinquant_r3_had16_nvfp4a16": "transform scheme 'R3': location 'q_attn' is not supported",
+}
+TRANSFORM_FIXTURES = [f for f in TRANSFORM_FIXTURES if f not in REFUSED_FIXTURES]
+
 # Curated layer shapes (N, K): multiples of 16 but not of 64, N = 16, and a large layer.
 ODD_SHAPES = [(16, 16), (48, 80), (16, 1008), (200, 336), (176, 64)]
 LAYER_SHAPES = ODD_SHAPES + [(128, 128), (1024, 4096)]

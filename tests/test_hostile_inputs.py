@@ -529,7 +529,7 @@ def shard_is_a_folder(make_model, tmp_path):
     return root
 
 
-@case("online transforms")
+@case("transform_config must be an object with only 'config_groups'")
 def transform_config(make_model, tmp_path):
     root = small(make_model)
     edit_json(root / "config.json", lambda c: c["quantization_config"].update(transform_config={"u": {}}))

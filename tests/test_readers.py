@@ -42,15 +42,6 @@ def test_reader_yields_the_written_layers(make_model, fmt, w4a4, shards):
     assert any(name.endswith(activation) for name in source.passthrough) == w4a4
 
 
-def test_transform_config_is_refused(make_model):
-    model = make_model("compressed-tensors")
-    config = json.loads((model.path / "config.json").read_text())
-    config["quantization_config"]["transform_config"] = {"config_groups": {"u": {"type": "hadamard"}}}
-    (model.path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(RepackError, match="online transforms"):
-        read_source(model.path)
-
-
 def test_unquantized_checkpoint_is_refused(make_model):
     model = make_model("compressed-tensors")
     config = json.loads((model.path / "config.json").read_text())

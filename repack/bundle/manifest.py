@@ -33,6 +33,28 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
+class LayerTransformRecord:
+    """An online transform of one layer: ``location`` input (before the GEMM) or output (after), which matrix."""
+
+    location: str
+    matrix: str
+    block_size: int
+
+
+@dataclass(frozen=True)
+class TransformRecord:
+    """One stored online-transform matrix ``T`` (normalization fused in) and what it was made from."""
+
+    scheme: str
+    type: str
+    block_size: int
+    source_tensors: list[str]  # the source's matrix (and permutation) tensors
+    inverse: bool  # applied transposed
+    scale: float  # the source matrix was divided by this
+    tensor: TensorRecord
+
+
+@dataclass(frozen=True)
 class LayerRecord:
     n: int
     k: int
@@ -40,6 +62,7 @@ class LayerRecord:
     weights_padding_cols: int
     global_scale: float
     tensors: dict[str, TensorRecord]
+    transforms: list[LayerTransformRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,7 @@ class Manifest:
     layers: dict[str, LayerRecord]
     passthrough: dict[str, TensorRecord]
     files: dict[str, str] = field(default_factory=dict)
+    transforms: dict[str, TransformRecord] = field(default_factory=dict)
     kind: str = BUNDLE_KIND
 
     @cached_property
@@ -68,6 +92,7 @@ class Manifest:
         """Every tensor of the bundle by its name in the safetensors files (built once: looked up per tensor)."""
         out = {f"{prefix}.{part}": rec for prefix, layer in self.layers.items() for part, rec in layer.tensors.items()}
         out.update(self.passthrough)
+        out.update({name: rec.tensor for name, rec in self.transforms.items()})
         return out
 
     def to_json(self) -> str:
@@ -139,17 +164,22 @@ def _tensor(obj: Any, where: str) -> TensorRecord:
     )
 
 
+def _finite(obj: Any, key: str, where: str) -> float:
+    value = _get(obj, key, (int, float), where)
+    try:
+        value = float(value)  # a huge JSON integer overflows here rather than in math.isfinite
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise _fail(f"{key} of {where} must be a finite number")
+    return value
+
+
 def _layer(obj: Any, where: str) -> LayerRecord:
     padded = _get(obj, "padded_shape", list, where)
     if len(padded) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in padded):
         raise _fail(f"padded_shape of {where} must be two non-negative integers")
-    scale = _get(obj, "global_scale", (int, float), where)
-    try:
-        scale = float(scale)  # a huge JSON integer overflows here rather than in math.isfinite
-    except OverflowError:
-        scale = math.inf
-    if not math.isfinite(scale):
-        raise _fail(f"global_scale of {where} must be a finite number")
+    scale = _finite(obj, "global_scale", where)
     tensors = _get(obj, "tensors", dict, where)
     return LayerRecord(
         n=_int(obj, "n", where),
@@ -158,6 +188,30 @@ def _layer(obj: Any, where: str) -> LayerRecord:
         weights_padding_cols=_int(obj, "weights_padding_cols", where),
         global_scale=scale,
         tensors={part: _tensor(rec, f"{where}.{part}") for part, rec in tensors.items()},
+        transforms=[_layer_transform(t, f"{where}.transforms") for t in _get(obj, "transforms", list, where)],
+    )
+
+
+def _layer_transform(obj: Any, where: str) -> LayerTransformRecord:
+    location = _get(obj, "location", str, where)
+    if location not in ("input", "output"):
+        raise _fail(f"location of {where} must be input or output, got {short_repr(location)}")
+    return LayerTransformRecord(location=location, matrix=_get(obj, "matrix", str, where),
+                                block_size=_int(obj, "block_size", where))
+
+
+def _transform(obj: Any, where: str) -> TransformRecord:
+    sources = _get(obj, "source_tensors", list, where)
+    if not all(isinstance(s, str) for s in sources):
+        raise _fail(f"source_tensors of {where} must be strings")
+    scale = _finite(obj, "scale", where)
+    if not scale > 0:
+        raise _fail(f"scale of {where} must be positive")
+    return TransformRecord(
+        scheme=_get(obj, "scheme", str, where), type=_get(obj, "type", str, where),
+        block_size=_int(obj, "block_size", where), source_tensors=list(sources),
+        inverse=_get(obj, "inverse", bool, where), scale=float(scale),
+        tensor=_tensor(_get(obj, "tensor", dict, where), f"{where}.tensor"),
     )
 
 
@@ -189,6 +243,7 @@ def parse_manifest(data: Any) -> Manifest:
         layers={p: _layer(rec, p) for p, rec in _get(data, "layers", dict, "manifest").items()},
         passthrough={n: _tensor(rec, n) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
         files=_file_hashes(_get(data, "files", dict, "manifest"), "files"),
+        transforms={n: _transform(rec, n) for n, rec in _get(data, "transforms", dict, "manifest").items()},
     )
     seen: set[str] = set()
     for prefix, layer in manifest.layers.items():
@@ -196,9 +251,16 @@ def parse_manifest(data: Any) -> Manifest:
             if name in seen:
                 raise _fail(f"tensor {short_repr(name)} is listed twice")
             seen.add(name)
-    for name in manifest.passthrough:
+    for name in [*manifest.passthrough, *manifest.transforms]:
         if name in seen:
             raise _fail(f"tensor {short_repr(name)} is listed twice")
+        seen.add(name)
+    for prefix, layer in manifest.layers.items():
+        for t in layer.transforms:
+            record = manifest.transforms.get(t.matrix)
+            if record is None or record.block_size != t.block_size:
+                raise _fail(f"{short_repr(prefix)}: {t.location} transform names no matrix {short_repr(t.matrix)} "
+                            f"of block size {t.block_size}")
     return manifest
 
 

@@ -14,6 +14,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
 from ..formats.safetensors_io import DTYPE_NAMES
+from ..formats.transforms import SourceMatrix, model_dtype
 from ..targets import Target
 
 SHARD_PATTERN = "model{suffix}.safetensors"
@@ -22,7 +23,8 @@ INDEX_NAME = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One output tensor. ``layer`` and ``part`` for converted tensors; ``source_name`` for passthrough."""
+    """One output tensor. ``layer`` and ``part`` for converted tensors; ``source_name`` for passthrough;
+    ``matrix`` for an online-transform matrix."""
 
     name: str
     dtype_name: str
@@ -31,6 +33,7 @@ class PlannedTensor:
     layer: QuantizedLayer | None = None
     part: str = ""
     source_name: str = ""
+    matrix: SourceMatrix | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,12 @@ def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str =
         if name in names:
             raise RepackError(f"tensor {name!r} would collide with the converted layer {names[name]!r}")
         units[name] = [PlannedTensor(name, entry.dtype_name, entry.shape, entry.nbytes, source_name=name)]
+    dtype = model_dtype(source.checkpoint.config)
+    for name, matrix in source.transforms.matrices.items():
+        if name in names or name in units:
+            raise RepackError(f"transform matrix {name!r} would collide with a tensor of the same name")
+        nbytes = matrix.size * matrix.size * dtype.itemsize
+        units[name] = [PlannedTensor(name, DTYPE_NAMES[dtype], (matrix.size, matrix.size), nbytes, matrix=matrix)]
     max_bytes = parse_size(max_shard_size)
     ordered = dict(sorted(units.items()))
     split = split_state_dict_into_shards_factory(

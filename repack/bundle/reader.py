@@ -9,7 +9,7 @@ import torch
 
 from ..errors import RepackError
 from ..formats.checkpoint import contained_file, load_json, resolve_model_dir
-from ..formats.safetensors_io import TensorEntry, read_header, read_tensor
+from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_header, read_tensor
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
@@ -52,6 +52,15 @@ class Bundle:
                 )
         return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
 
+    def transform_matrix(self, name: str) -> torch.Tensor:
+        """An online-transform matrix ``T`` (normalization fused in), as the runtime multiplies by it."""
+        tensor = self.read(name)
+        record = self.manifest.transforms[name].tensor
+        if (DTYPE_NAMES[tensor.dtype], list(tensor.shape)) != (record.dtype, record.shape):
+            raise RepackError(f"{name}: {tensor.dtype} {list(tensor.shape)} is not the manifest's {record.dtype} "
+                              f"{record.shape}; run verify")
+        return tensor
+
     def layer(self, prefix: str) -> LayerRecord:
         try:
             return self.manifest.layers[prefix]
@@ -75,6 +84,7 @@ def open_bundle(path: str | Path) -> Bundle:
         )
     for prefix, record in manifest.layers.items():
         _check_layer_record(prefix, record, target)
+        _check_layer_transforms(prefix, record, manifest)
     config = load_json(contained_file(root, "config.json"))
     return Bundle(root=root, manifest=manifest, target=target, config=config)
 
@@ -95,3 +105,18 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
         raise RepackError(
             f"{MANIFEST_NAME}: {prefix}: tensors {sorted(record.tensors)} are not the {target.name} layout's {parts}"
         )
+
+
+def _check_layer_transforms(prefix: str, record: LayerRecord, manifest: Manifest) -> None:
+    """At most one input and one output transform, each a square float matrix whose block divides K or N: the
+    runtime reshapes activations by it."""
+    locations = [t.location for t in record.transforms]
+    if len(set(locations)) != len(locations):
+        raise RepackError(f"{MANIFEST_NAME}: {prefix}: more than one {locations[0]} transform")
+    for t in record.transforms:
+        dim = record.k if t.location == "input" else record.n
+        tensor = manifest.transforms[t.matrix].tensor
+        if t.block_size == 0 or dim % t.block_size or tensor.shape != [t.block_size, t.block_size] or not (
+                DTYPES[tensor.dtype].is_floating_point):
+            raise RepackError(f"{MANIFEST_NAME}: {prefix}: {t.location} transform {t.matrix!r} is not a float "
+                              f"[{t.block_size}, {t.block_size}] matrix whose block divides {dim}")

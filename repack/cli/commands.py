@@ -116,12 +116,30 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
     table = Table(title=f"{len(manifest.layers)} quantized layers, {len(manifest.passthrough)} passthrough tensors")
-    for column in ("layer", "N x K", "padded", "K pad (bytes)", "global scale"):
+    columns = ("layer", "N x K", "padded", "K pad (bytes)", "global scale")
+    for column in columns + (("online transforms",) if manifest.transforms else ()):
         table.add_column(column)
     for prefix, layer in manifest.layers.items():
+        transforms = ", ".join(f"{t.location}: {manifest.transforms[t.matrix].scheme} "
+                               f"{manifest.transforms[t.matrix].type} b={t.block_size}" for t in layer.transforms)
         table.add_row(show(prefix), f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
-                      str(layer.weights_padding_cols), f"{layer.global_scale:.6g}")
+                      str(layer.weights_padding_cols), f"{layer.global_scale:.6g}",
+                      *([show(transforms or "-")] if manifest.transforms else []))
     stdout.print(table)
+    if manifest.transforms:
+        stdout.print(f"{len(manifest.transforms)} online-transform matrices, each stored once: "
+                     + ", ".join(f"{show(name)} ({rec.tensor.dtype} [{rec.block_size}]^2, /{rec.scale:g})"
+                                 for name, rec in manifest.transforms.items()), soft_wrap=True)
+
+
+def _transform_summary(source) -> list[dict]:
+    """Online transforms grouped by scheme, type, location and block size, with the layers each covers."""
+    groups: dict[tuple[str, str, str, int], list[str]] = {}
+    for prefix, transforms in source.transforms.layers.items():
+        for t in transforms:
+            groups.setdefault((t.matrix.scheme, t.matrix.type, t.location, t.matrix.size), []).append(prefix)
+    return [{"scheme": s, "type": kind, "location": loc, "block_size": b, "layers": layers}
+            for (s, kind, loc, b), layers in sorted(groups.items())]
 
 
 def _inspect_source(path: Path, as_json: bool) -> None:
@@ -138,6 +156,7 @@ def _inspect_source(path: Path, as_json: bool) -> None:
         "quantized_layers": len(source.layers),
         "passthrough_tensors": len(source.passthrough),
         "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
+        "transforms": _transform_summary(source),
         "targets": [t.name for t in TARGETS],
     }
     if as_json:
@@ -150,6 +169,14 @@ def _inspect_source(path: Path, as_json: bool) -> None:
     for (n, k), count in sorted(shapes.items()):
         table.add_row(str(n), str(k), str(count))
     stdout.print(table)
+    if info["transforms"]:
+        table = Table(title="online transforms (weight_input / weight_output ones are already in the weights)")
+        for column in ("scheme", "type", "location", "block size", "layers"):
+            table.add_column(column)
+        for row in info["transforms"]:
+            table.add_row(show(row["scheme"]), row["type"], row["location"], str(row["block_size"]),
+                          str(len(row["layers"])))
+        stdout.print(table)
     stdout.print(f"possible targets: {', '.join(info['targets'])}")
 
 

@@ -3,7 +3,8 @@
 Per layer: ``P.weight_packed`` U8 [N, K/2], ``P.weight_scale`` F8_E4M3 [N, K/16],
 ``P.weight_global_scale`` F32 [1], the RECIPROCAL of the dequant multiplier (vLLM computes
 ``1 / weight_global_scale`` in float32; so do we). NVFP4 (W4A4) adds ``P.input_global_scale``, passed through.
-Online transforms (``transform_config``) are refused: dropping a rotation would compute a different function.
+Online transforms (``transform_config``) are resolved per layer by :mod:`.transforms`; their matrices leave the
+passthrough list (the bundle stores them normalized, once each).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ..errors import RepackError
 from .checkpoint import Checkpoint
+from .transforms import read_transforms
 from .source import NamingScheme, SourceModel, collect_layers
 
 FORMAT = "compressed-tensors"
@@ -59,11 +61,8 @@ def preset(qc: dict) -> str:
 
 
 def read(checkpoint: Checkpoint, qc: dict) -> SourceModel:
-    if qc.get("transform_config") or checkpoint.config.get("transform_config"):
-        raise RepackError(
-            "config.json: this checkpoint has online transforms (transform_config); they are not supported yet, "
-            "and a bundle without them would compute a different function"
-        )
     algo = preset(qc)
     layers, passthrough = collect_layers(checkpoint, SCHEME, lambda name: True)
-    return SourceModel(checkpoint, FORMAT, algo, SCHEME, layers, passthrough)
+    transforms = read_transforms(checkpoint, qc, layers)
+    passthrough = [name for name in passthrough if name not in transforms.tensors]
+    return SourceModel(checkpoint, FORMAT, algo, SCHEME, layers, passthrough, transforms)

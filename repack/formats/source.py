@@ -7,7 +7,7 @@ that difference; layer discovery, header checks and loading are shared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .checkpoint import Checkpoint
+from .transforms import SourceTransforms
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class SourceModel:
     scheme: NamingScheme
     layers: dict[str, QuantizedLayer]
     passthrough: list[str]
+    transforms: SourceTransforms = field(default_factory=SourceTransforms)
 
     def load_layer(self, layer: QuantizedLayer) -> NVFP4Weight:
         """Read one layer's tensors and return its validated canonical form."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -20,13 +20,17 @@ class PackedLinear(nn.Module):
     """A linear layer whose weight is held in a target's runtime layout; forward runs ``nvfp4_linear``."""
 
     def __init__(self, runtime: RuntimeLayer, n: int, k: int, target: str, backend: str,
-                 device: torch.device, bias: torch.Tensor | None = None) -> None:
+                 device: torch.device, bias: torch.Tensor | None = None,
+                 transforms: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.n, self.k = n, k
         self.in_features, self.out_features = k, n
         self.target, self.backend = target, backend
         for name, tensor in runtime.tensors().items():
             self.register_buffer(name, tensor.to(device))
+        for location in ("input", "output"):  # online transforms: x @ T_in before the GEMM, y @ T_out after
+            matrix = (transforms or {}).get(location)
+            self.register_buffer(f"{location}_transform", matrix.to(device) if matrix is not None else None)
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
         self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -45,7 +49,10 @@ class PackedLinear(nn.Module):
         return nvfp4_linear(x, self, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.k}, out_features={self.n}, target={self.target}, backend={self.backend}"
+        shown = [f"{loc}_transform=[{m.shape[0]}]" for loc, m in
+                 (("input", self.input_transform), ("output", self.output_transform)) if m is not None]
+        return ", ".join([f"in_features={self.k}, out_features={self.n}, target={self.target}, "
+                          f"backend={self.backend}", *shown])
 
 
 @dataclass
@@ -55,12 +62,23 @@ class LoadedBundle:
     bundle: Bundle
     device: torch.device
     backend: str
+    _matrices: dict[tuple[str, torch.dtype | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def layer(self, prefix: str, bias: torch.Tensor | None = None, runtime: RuntimeLayer | None = None) -> PackedLinear:
-        """``prefix`` as a module on this device (``runtime``: its tensors, if already read)."""
+    def layer(self, prefix: str, bias: torch.Tensor | None = None, runtime: RuntimeLayer | None = None,
+              dtype: torch.dtype | None = None) -> PackedLinear:
+        """``prefix`` as a module on this device (``runtime``: its tensors, if already read). Its online-transform
+        matrices are shared between layers and held in ``dtype`` (default: as stored, the source model's dtype)."""
         record = self.bundle.layer(prefix)
         runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
-        return PackedLinear(runtime, record.n, record.k, self.bundle.target.name, self.backend, self.device, bias)
+        transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms}
+        return PackedLinear(runtime, record.n, record.k, self.bundle.target.name, self.backend, self.device, bias,
+                            transforms)
+
+    def matrix(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One online-transform matrix on this device, read once per dtype."""
+        if (name, dtype) not in self._matrices:
+            self._matrices[(name, dtype)] = self.bundle.transform_matrix(name).to(self.device, dtype)
+        return self._matrices[(name, dtype)]
 
 
 def load_bundle(path: str | Path | Bundle, device: str | torch.device = "cpu", backend: str | None = None) -> LoadedBundle:
@@ -89,7 +107,8 @@ def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, de
             raise RepackError(f"model has no module {prefix!r} for the bundle's layer") from None
         if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (record.n, record.k):
             raise RepackError(f"{prefix}: model module {old} does not match bundle layer [N={record.n}, K={record.k}]")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, loaded.layer(prefix, old.bias))
+        packed = loaded.layer(prefix, old.bias, dtype=old.weight.dtype)  # transforms in the model's dtype, as vLLM
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, packed)
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     unused = []
     with torch.no_grad():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .backends import get_backend
+from .transforms import block_transform
 
 
 @torch.library.custom_op("nvfp4_repack::linear", mutates_args=())
@@ -34,11 +35,17 @@ def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend):
 
 
 def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | None = None) -> torch.Tensor:  # noqa: F821
-    """``F.linear(x, dequant(W), bias)`` for bf16 ``x`` of any leading shape ``[..., K]``."""
+    """``F.linear(x @ T_in, dequant(W), bias) @ T_out`` for ``x`` of any leading shape ``[..., K]`` and dtype.
+
+    The GEMM runs in bf16 (every backend's kernel dtype); the result comes back in ``x``'s dtype. ``T_in`` /
+    ``T_out`` are the layer's online transforms (``block_transform``), when it has them.
+    """
     k = layer.k
     if x.shape[-1] != k:
         raise ValueError(f"nvfp4_linear: x has K={x.shape[-1]}, layer expects K={k}")
     x2d = x if x.dim() == 2 else x.reshape(-1, k)
+    if layer.input_transform is not None:
+        x2d = block_transform(x2d, layer.input_transform)
     if x2d.dtype != torch.bfloat16:
         x2d = x2d.to(torch.bfloat16)
     x2d = x2d.contiguous()
@@ -50,4 +57,7 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
         )
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.n)
-    return y + bias if bias is not None else y
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    y = y + bias if bias is not None else y
+    return block_transform(y, layer.output_transform) if layer.output_transform is not None else y

@@ -1,0 +1,347 @@
+"""Online transforms (QuIP / SpinQuant): read, convert, run and verify the checkpoints llm-compressor writes.
+
+References, independent of the code under test where it matters:
+(a) the dequantized weights with the source's float64 matrices applied around each layer (float32 model);
+(b) the checkpoint as compressed-tensors' own code runs it: transformers decompresses the weights,
+    ``apply_transform_config`` attaches compressed-tensors' transform modules (online entries only: the
+    weight-side ones are already in the weights) and the checkpoint's stored matrices are loaded into them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from repack.bundle.reader import open_bundle
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.formats import read_source
+from repack.formats.safetensors_io import file_sha256, tensor_bytes
+from repack.formats.transforms import load_matrix
+from repack.nvfp4 import dequantize
+from repack.runtime import load_bundle, nvfp4_linear, patch_model
+from repack.runtime.transforms import block_transform
+from repack.targets import TARGETS
+from repack.verify import verify_bundle
+
+from .conftest import PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES, require
+from .test_runtime import BF16_REL_TOL, dequantized_llama, rel_error
+
+MODEL_REL_TOL = 3e-2  # bf16 activations through a whole model (as test_runtime's whole-model test)
+TOKENS = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def sylvester(size: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
+def blockdiag64(value: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``value @ blockdiag(matrix, ...)`` in float64, written out with torch.block_diag (not the runtime's reshape)."""
+    blocks = value.shape[-1] // matrix.shape[0]
+    return value.to(torch.float64) @ torch.block_diag(*[matrix] * blocks)
+
+
+# --------------------------------------------------------------------------- the producers' checkpoints
+def test_fixtures_cover_every_dimension():
+    """QuIP v and v+u, hadamard and random-hadamard, blocks 16/32/64, SpinQuant R4 (block 16 and whole K),
+    NVFP4A16 and NVFP4: each dimension the issue names is covered by at least one fixture."""
+    algos, seen = set(), set()
+    for fixture in TRANSFORM_FIXTURES:
+        source = read_source(PRODUCERS / fixture)
+        algos.add(source.quant_algo)
+        seen |= {(t.matrix.scheme, t.matrix.type, t.location, t.matrix.size)
+                 for transforms in source.transforms.layers.values() for t in transforms}
+    assert algos == {"NVFP4", "NVFP4A16"}
+    for kind in ("hadamard", "random-hadamard"):
+        assert {size for (s, k, loc, size) in seen if (s, k, loc) == ("v", kind, "input")} >= {16, 32}
+        assert any((s, k, loc) == ("u", kind, "output") for (s, k, loc, _) in seen)
+        assert any((s, k) == ("R4", kind) for (s, k, _, _) in seen)
+    assert {("v", "hadamard", "input", 64), ("R4", "random-hadamard", "input", 176)} <= seen
+
+
+@functools.cache
+def compressed_tensors_model(fixture: str):
+    """The checkpoint run by compressed-tensors itself (weights decompressed, activations not quantized)."""
+    require("compressed_tensors")
+    import transformers
+    from compressed_tensors.quantization import disable_quantization
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from compressed_tensors.transform.factory.base import TransformBase
+
+    path = PRODUCERS / fixture
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    model.apply(disable_quantization)  # weight-only serving: the bundle does not quantize activations
+    model = model.float().eval()
+    config = json.loads((path / "config.json").read_text())["quantization_config"]["transform_config"]
+    for scheme in config["config_groups"].values():
+        scheme["apply"] = [a for a in scheme["apply"] if a["location"] in ("input", "output")]
+    apply_transform_config(model, TransformConfig.model_validate(config))
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    stored = {k: v for k, v in load_file(path / "model.safetensors").items() if k in params and (
+        any(isinstance(m, TransformBase) for m in [model.get_submodule(k.rsplit(".", 1)[0])]))}
+    with torch.no_grad():
+        for name, value in stored.items():  # a shared matrix is one Parameter: loading it once serves all
+            params[name].copy_(value)
+    online = {name: m.weight.shape[0] for name, m in model.named_modules() if isinstance(m, TransformBase)}
+    return model, online, set(stored)
+
+
+def transformed_reference(fixture: str) -> nn.Module:
+    """(a): float32 dequantized weights, the source's float64 matrices applied around each layer by hooks."""
+    model = dequantized_llama(fixture).float()
+    source = read_source(PRODUCERS / fixture)
+    for prefix, transforms in source.transforms.layers.items():
+        module = model.get_submodule(prefix)
+        for t in transforms:
+            matrix = load_matrix(source.checkpoint, t.matrix) / t.matrix.scale
+            apply = functools.partial(lambda m, v: blockdiag64(v, m).to(v.dtype), matrix)
+            if t.location == "input":
+                module.register_forward_pre_hook(lambda mod, args, f=apply: (f(args[0]),))
+            else:
+                module.register_forward_hook(lambda mod, args, out, f=apply: f(out))
+    return model
+
+
+@functools.cache
+def reference_logits(fixture: str, which: str) -> torch.Tensor:
+    model = compressed_tensors_model(fixture)[0] if which == "compressed-tensors" else transformed_reference(fixture)
+    with torch.no_grad():
+        return model(TOKENS).logits.double()
+
+
+@pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)
+def test_sharing_is_resolved_as_compressed_tensors_does(fixture):
+    """Per layer, the same online transforms (scheme, location, block) as compressed-tensors attaches; the one
+    stored copy of each matrix is the one its tied modules load."""
+    _, online, stored = compressed_tensors_model(fixture)
+    source = read_source(PRODUCERS / fixture)
+    ours = {f"{prefix}.{t.matrix.scheme}_{t.location}": t.matrix.size
+            for prefix, ts in source.transforms.layers.items() for t in ts}
+    assert ours == online
+    assert {m.weight for m in source.transforms.matrices.values()} == stored
+    assert not set(source.passthrough) & stored, "matrices move out of passthrough into the bundle's transforms"
+
+
+@pytest.mark.parametrize("target", [t.name for t in TARGETS])
+@pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)
+def test_patched_model_matches_both_references(tmp_path, fixture, target):
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / fixture, target, out)
+    manifest = open_bundle(out).manifest
+    source = read_source(PRODUCERS / fixture)
+    assert set(manifest.transforms) == set(source.transforms.matrices), "each distinct matrix stored once"
+    assert {rec.tensor.dtype for rec in manifest.transforms.values()} == {"BF16"}, "the model's dtype"
+    report = verify_bundle(out, seed=0)
+    assert report.passed, [e for c in report.failures for e in c.errors]
+    assert len(report.transforms) == len(manifest.transforms)
+    patched = dequantized_llama(fixture).to(torch.bfloat16)
+    patch_model(patched, out)
+    with torch.no_grad():
+        got = patched(TOKENS).logits.double()
+    for which in ("float reference", "compressed-tensors"):
+        ref = reference_logits(fixture, which)
+        assert rel_error(got, ref) < MODEL_REL_TOL, (which, rel_error(got, ref))
+    untransformed = dequantized_llama(fixture).float()
+    with torch.no_grad():
+        wrong = untransformed(TOKENS).logits.double()
+    assert rel_error(wrong, reference_logits(fixture, "float reference")) > 0.2, "the transforms matter"
+
+
+def test_stored_matrix_is_the_normalized_source_matrix(tmp_path):
+    """Hadamard scale fusion: the bundle holds bf16(H / sqrt(b)), H read back with the real safetensors library."""
+    fixture = "ct_quip_vu_had32_nvfp4"
+    convert(PRODUCERS / fixture, "sm100", tmp_path / "b")
+    bundle = load_file(tmp_path / "b" / "model.safetensors")
+    source = load_file(PRODUCERS / fixture / "model.safetensors")
+    v = "model.layers.0.self_attn.q_proj.v_input.weight"
+    assert torch.equal(bundle[v], (source[v] / math.sqrt(32)).to(torch.bfloat16))
+    u = "model.layers.0.self_attn.q_proj.u_output.weight"  # QuIP's u is applied inverted: the transpose
+    assert torch.equal(bundle[u + ".T"], (source[u].t() / math.sqrt(32)).to(torch.bfloat16))
+    assert torch.equal(source[v], sylvester(32)), "llm-compressor's deterministic hadamard is Sylvester's"
+
+
+@pytest.mark.parametrize("fixture", sorted(REFUSED_FIXTURES))
+def test_refused_producer_checkpoints(tmp_path, fixture):
+    with pytest.raises(RepackError, match=REFUSED_FIXTURES[fixture]):
+        convert(PRODUCERS / fixture, "sm100", tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+# --------------------------------------------------------------------------- dtypes (issue item 6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fixture", ["ct_nvfp4a16", "ct_quip_vu_rhad16_nvfp4"])
+def test_models_of_every_dtype_run_and_match(tmp_path, fixture, dtype):
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / fixture, "sm120", out)
+    patched = dequantized_llama(fixture).to(dtype)
+    patch_model(patched, out)
+    with torch.no_grad():
+        logits = patched(TOKENS).logits
+    assert logits.dtype == dtype
+    ref = transformed_reference(fixture)
+    with torch.no_grad():
+        expected = ref(TOKENS).logits.double()
+    assert rel_error(logits, expected) < MODEL_REL_TOL
+
+
+def test_op_returns_the_input_dtype(tmp_path):
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / "ct_quip_vu_had32_nvfp4", "sm90", out)
+    loaded = load_bundle(out)
+    prefix = "model.layers.1.self_attn.q_proj"
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        layer = loaded.layer(prefix, dtype=dtype)
+        assert layer.input_transform.dtype == dtype
+        x = torch.randn(3, 5, layer.k).to(dtype)
+        y = nvfp4_linear(x, layer)
+        assert y.dtype == dtype and y.shape == (3, 5, layer.n)
+
+
+# --------------------------------------------------------------------------- synthetic checkpoints
+def add_transforms(model, groups: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Give a synthetic compressed-tensors checkpoint a transform_config and transform tensors."""
+    config = json.loads((model.path / "config.json").read_text())
+    config["quantization_config"]["transform_config"] = {"config_groups": groups}
+    (model.path / "config.json").write_text(json.dumps(config))
+    path = model.path / "model.safetensors"
+    save_file(load_file(path) | tensors, path, metadata={"format": "pt"})
+
+
+def scheme(location="input", kind="hadamard", head_dim=16, targets=("Linear",), ignore=("lm_head",), **extra
+           ) -> dict:
+    return {"type": kind, "head_dim": head_dim, "apply": [
+        {"targets": list(targets), "location": location, "inverse": extra.pop("inverse", False),
+         "ignore": list(ignore)}], **extra}
+
+
+FIRST = "model.layers.0.mlp.proj"
+
+
+def test_randomized_hadamard_with_permutation_and_inverse(make_model, tmp_path):
+    """compressed-tensors' randomize: T = H[perm][:, perm], transposed for an inverse entry, / sqrt(b)."""
+    gen = torch.Generator().manual_seed(7)
+    model = make_model(shapes=[(48, 80), (32, 64)], seed=7)
+    signs = torch.diag(torch.randint(0, 2, (16,), generator=gen).double() * 2 - 1)
+    h, perm = sylvester(16) @ signs, torch.randperm(16, generator=gen)
+    add_transforms(model, {"v": scheme(randomize=True), "u": scheme("output", inverse=True, randomize=True)}, {
+        f"{FIRST}.v_input.weight": h, f"{FIRST}.v_input.perm": perm,
+        f"{FIRST}.u_output.weight": h.t().contiguous(), f"{FIRST}.u_output.perm": perm.flip(0)})
+    out = tmp_path / "bundle"
+    convert(model.path, "sm100", out)
+    assert verify_bundle(out, seed=1).passed
+    loaded = load_bundle(out)
+    t_in = h[perm][:, perm] / 4
+    t_out = h.t()[perm.flip(0)][:, perm.flip(0)].t() / 4
+    for prefix, weight in model.layers.items():
+        x = torch.randn(5, weight.k, generator=gen).to(torch.bfloat16)
+        ref = blockdiag64(blockdiag64(x, t_in) @ dequantize(weight).t(), t_out)
+        assert rel_error(loaded.layer(prefix)(x), ref) < BF16_REL_TOL, prefix
+
+
+@pytest.mark.parametrize("groups, tensors, message", [
+    ({"R3": scheme("q_attn")}, {}, "transform scheme 'R3': location 'q_attn' is not supported"),
+    ({"R3": scheme("k_cache")}, {}, "transform scheme 'R3': location 'k_cache' is not supported"),
+    ({"v": scheme(kind="fourier")}, {}, "type 'fourier' is not supported"),
+    ({"v": scheme(requires_grad=True)}, {}, "learnable transforms"),
+    ({"v": scheme(precision="torch.float64", extra_key=1)}, {}, "unknown key 'extra_key'"),
+    ({"v": scheme()}, {}, f"matrix {FIRST}.v_input.weight of transform scheme 'v' is missing"),
+    ({"v": scheme()}, {f"{FIRST}.v_input.weight": sylvester(16).index_put((torch.tensor([2]), torch.tensor([5])),
+                                                                          torch.zeros(1, dtype=torch.float64))},
+     "not orthogonal"),
+    ({"v": scheme()}, {f"{FIRST}.v_input.weight": sylvester(16).index_fill(0, torch.tensor([3]), float("nan"))},
+     "non-finite"),
+    ({"v": scheme()}, {f"{FIRST}.v_input.weight": sylvester(32)}, r"must be a float \[16, 16\]"),
+    ({"v": scheme(head_dim=32)}, {f"{FIRST}.v_input.weight": sylvester(32)}, "block size 32 does not divide K=80"),
+    ({"v": scheme(targets=["lm_head"], ignore=())}, {}, "'lm_head', which is not an NVFP4-quantized layer"),
+    ({"v": scheme(targets=["LlamaMLP"])}, {}, "target 'LlamaMLP' names no module"),
+    ({"v": scheme(kind="random-matrix")}, {f"{FIRST}.v_input.weight": torch.rand(16, 16, dtype=torch.float64)},
+     "condition number"),
+])
+def test_unsupported_or_broken_transforms_are_refused(make_model, tmp_path, groups, tensors, message):
+    model = make_model(shapes=[(48, 80), (32, 64)])
+    add_transforms(model, groups, tensors)
+    with pytest.raises(RepackError, match=message):
+        convert(model.path, "sm90", tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_weight_side_transforms_need_nothing_at_run_time(make_model, tmp_path):
+    model = make_model(shapes=[(48, 80)])
+    add_transforms(model, {"R1": scheme("weight_output"), "R2": scheme("weight_input", inverse=True)}, {})
+    convert(model.path, "sm100", tmp_path / "b")
+    assert open_bundle(tmp_path / "b").manifest.transforms == {}
+
+
+# --------------------------------------------------------------------------- verify and compile
+@pytest.fixture
+def transformed_bundle(tmp_path):
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / "ct_quip_vu_had32_nvfp4", "sm100", out)
+    return out
+
+
+def test_altered_matrix_fails_verify(transformed_bundle, capsys):
+    from .test_verify import flip_tensor_byte, run_verify
+
+    name = "model.layers.0.self_attn.q_proj.v_input.weight"
+    flip_tensor_byte(transformed_bundle, name, offset=1, xor=0x80)  # flip one entry's sign
+    code, text = run_verify(transformed_bundle, capsys)
+    assert code == 1 and "sha256" in text and name in text
+
+
+def test_altered_matrix_fails_verify_with_a_consistent_manifest(transformed_bundle):
+    """A tamperer who rehashes: exactness against the source and the float64 numerics still catch it."""
+    name = "model.layers.0.self_attn.q_proj.v_input.weight"
+    path = transformed_bundle / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = -tensors[name][0, 0]
+    save_file(tensors, path, metadata={"format": "pt"})
+    manifest = json.loads((transformed_bundle / "manifest.json").read_text())
+    manifest["transforms"][name]["tensor"]["sha256"] = hashlib.sha256(tensor_bytes(tensors[name])).hexdigest()
+    manifest["files"]["model.safetensors"] = file_sha256(path)
+    (transformed_bundle / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_bundle(transformed_bundle, seed=0)
+    assert [c.name for c in report.transforms if c.status == "fail"] == [name]
+    users = {p for p, layer in manifest["layers"].items() if any(t["matrix"] == name for t in layer["transforms"])}
+    failed = {c.name for c in report.layers if c.status == "fail"}
+    assert failed == users and len(users) == 12
+    assert all(any("relative error" in e for e in c.errors) for c in report.layers if c.name in users)
+
+
+def test_dropped_layer_transform_fails_verify(transformed_bundle):
+    prefix = "model.layers.1.mlp.down_proj"
+    manifest = json.loads((transformed_bundle / "manifest.json").read_text())
+    manifest["layers"][prefix]["transforms"] = []
+    (transformed_bundle / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_bundle(transformed_bundle, seed=0)
+    assert [c.name for c in report.failures] == [prefix]
+    assert any("online transforms" in e for e in report.failures[0].errors)
+
+
+def test_compiled_layer_with_transforms(transformed_bundle):
+    loaded = load_bundle(transformed_bundle)
+    layer = loaded.layer("model.layers.1.self_attn.o_proj")
+    assert layer.input_transform is not None and layer.output_transform is not None
+    compiled = torch.compile(lambda x: torch.relu(layer(x)) * 2, fullgraph=True)
+    for m in (1, 9):
+        x = torch.randn(m, layer.k).to(torch.bfloat16)
+        assert torch.equal(compiled(x), torch.relu(layer(x)) * 2)
+
+
+def test_block_transform_is_blockdiag():
+    gen = torch.Generator().manual_seed(3)
+    matrix = torch.randn(8, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(2, 3, 40, generator=gen, dtype=torch.float64)
+    assert torch.allclose(block_transform(x, matrix), blockdiag64(x, matrix))
