@@ -1,0 +1,86 @@
+"""Online transforms on this machine's GPU (sm90 Triton on an H200, FlashInfer on Blackwell): layers against
+float64, a whole transformed model against its float reference, torch.compile and CUDA graph capture.
+
+Skips cleanly without CUDA, or on a GPU no target runs on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from repack.convert import convert
+from repack.formats import read_source
+from repack.formats.transforms import load_matrix
+from repack.nvfp4 import dequantize
+from repack.runtime import load_bundle, patch_model
+
+from .conftest import PRODUCERS
+from .test_gpu_runtime import gpu_target
+from .test_runtime import BF16_REL_TOL, dequantized_llama, rel_error
+from .test_transforms import MODEL_REL_TOL, TOKENS, blockdiag64, transformed_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_target() is None, reason="needs a GPU that a target runs on")]
+
+FIXTURE = "ct_quip_vu_had32_nvfp4"  # input and output transforms, blocks of 32, layers without u
+
+
+@pytest.fixture(scope="module")
+def gpu_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("transforms") / "bundle"
+    convert(PRODUCERS / FIXTURE, gpu_target().name, out)
+    return load_bundle(out, "cuda"), read_source(PRODUCERS / FIXTURE)
+
+
+def test_transformed_layers_match_float64(gpu_bundle):
+    loaded, source = gpu_bundle
+    assert loaded.backend == gpu_target().backend
+    for prefix, layer in source.layers.items():
+        weight = dequantize(source.load_layer(layer))
+        matrices = {t.location: load_matrix(source.checkpoint, t.matrix) / t.matrix.scale
+                    for t in source.transforms.layers[prefix]}
+        for m in (1, 5, 33):
+            x = torch.randn(m, layer.k).to(torch.bfloat16)
+            ref = x.double()
+            ref = blockdiag64(ref, matrices["input"]) if "input" in matrices else ref
+            ref = ref @ weight.t()
+            ref = blockdiag64(ref, matrices["output"]) if "output" in matrices else ref
+            y = loaded.layer(prefix)(x.cuda()).cpu()
+            assert rel_error(y, ref) < BF16_REL_TOL, (prefix, m)
+
+
+def test_transformed_layer_compiles_and_captures(gpu_bundle):
+    loaded, _ = gpu_bundle
+    layer = loaded.layer("model.layers.1.self_attn.o_proj")
+    assert layer.input_transform is not None and layer.output_transform is not None
+    block = nn.Sequential(layer, nn.ReLU()).cuda()
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(16, layer.k, dtype=torch.bfloat16, device="cuda")
+    eager = block(x)
+    assert torch.equal(compiled(x), eager)
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on a side stream before capture, as CUDA graphs require
+        for _ in range(2):
+            compiled(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = compiled(static_x)
+    fresh = torch.randn_like(x)
+    static_x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, block(fresh))
+
+
+def test_transformed_model_on_gpu(gpu_bundle):
+    loaded, _ = gpu_bundle
+    patched = dequantized_llama(FIXTURE).to(torch.bfloat16).cuda()
+    patch_model(patched, loaded, device="cuda")
+    with torch.no_grad():
+        got = patched(TOKENS.cuda()).logits.double().cpu()
+        ref = transformed_reference(FIXTURE)(TOKENS).logits.double()
+    assert rel_error(got, ref) < MODEL_REL_TOL
