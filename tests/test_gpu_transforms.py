@@ -17,7 +17,7 @@ from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, patch_model
 
 from .conftest import PRODUCERS
-from .test_gpu_runtime import gpu_target
+from .test_gpu_runtime import assert_graph_replays, gpu_target
 from .test_runtime import BF16_REL_TOL, dequantized_llama, rel_error
 from .test_transforms import MODEL_REL_TOL, TOKENS, blockdiag64, transformed_reference
 
@@ -57,23 +57,8 @@ def test_transformed_layer_compiles_and_captures(gpu_bundle):
     block = nn.Sequential(layer, nn.ReLU()).cuda()
     compiled = torch.compile(block, fullgraph=True)
     x = torch.randn(16, layer.k, dtype=torch.bfloat16, device="cuda")
-    eager = block(x)
-    assert torch.equal(compiled(x), eager)
-    static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up on a side stream before capture, as CUDA graphs require
-        for _ in range(2):
-            compiled(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = compiled(static_x)
-    fresh = torch.randn_like(x)
-    static_x.copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_y, block(fresh))
+    assert torch.equal(compiled(x), block(x))
+    assert_graph_replays(compiled, x)
 
 
 def test_transformed_model_on_gpu(gpu_bundle):

@@ -345,3 +345,25 @@ def test_block_transform_is_blockdiag():
     matrix = torch.randn(8, 8, generator=gen, dtype=torch.float64)
     x = torch.randn(2, 3, 40, generator=gen, dtype=torch.float64)
     assert torch.allclose(block_transform(x, matrix), blockdiag64(x, matrix))
+
+
+# --------------------------------------------------------------------------- inspect and the manifest
+def test_inspect_shows_transforms(transformed_bundle, capsys):
+    from repack.cli import main
+
+    assert main(["inspect", str(PRODUCERS / "ct_quip_vu_had32_nvfp4"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {(t["scheme"], t["type"], t["location"], t["block_size"], len(t["layers"])) for t in info["transforms"]} == {
+        ("u", "hadamard", "output", 32, 10), ("v", "hadamard", "input", 32, 12)}
+    assert main(["inspect", str(transformed_bundle)]) == 0
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps table cells at the test's terminal width
+    assert "2 online-transform matrices, each stored once" in text
+    assert "model.layers.0.self_attn.q_proj.u_output.weight.T (BF16 [32]^2, /5.65685)" in text
+
+
+def test_manifest_refuses_a_layer_transform_without_its_matrix(transformed_bundle):
+    manifest = json.loads((transformed_bundle / "manifest.json").read_text())
+    del manifest["transforms"]["model.layers.0.self_attn.q_proj.v_input.weight"]
+    (transformed_bundle / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RepackError, match="input transform names no matrix"):
+        open_bundle(transformed_bundle)

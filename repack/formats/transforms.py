@@ -141,7 +141,7 @@ def _check_scheme(name: str, scheme: dict) -> list[dict]:
     return apply
 
 
-def _matches(name: str, patterns: list[str], linear: set[str], scheme: str) -> bool:
+def _matches(name: str, patterns: list[str], linear: set[str], where: str) -> bool:
     """compressed-tensors' ``is_match``: exact name, ``re:`` regex (``re.match``), or the class ``Linear``."""
     for pattern in patterns:
         if pattern.startswith("re:"):
@@ -149,15 +149,16 @@ def _matches(name: str, patterns: list[str], linear: set[str], scheme: str) -> b
                 if re.match(pattern[3:], name):
                     return True
             except re.error as exc:
-                raise _fail(scheme, f"bad regex {short_repr(pattern)} ({exc})") from None
+                raise RepackError(f"config.json: {where}: bad regex {short_repr(pattern)} ({exc})") from None
         elif pattern == name or (pattern in LINEAR_CLASSES and name in linear):
             return True
     return False
 
 
-def _modules(checkpoint: Checkpoint) -> set[str]:
-    """Every module that holds a weight (quantized or not), by name."""
-    return {n.rsplit(".", 1)[0] for n in checkpoint.tensors if n.endswith((".weight", ".weight_packed"))}
+def _modules(checkpoint: Checkpoint, transform_tensors: set[str]) -> set[str]:
+    """Every module that holds a weight (quantized or not), by name; transform modules are not targets."""
+    return {n.rsplit(".", 1)[0] for n in checkpoint.tensors
+            if n.endswith((".weight", ".weight_packed")) and n not in transform_tensors}
 
 
 def _online_targets(name: str, args: dict, modules: set[str], linear: set[str], layers: dict) -> list[str]:
@@ -168,7 +169,8 @@ def _online_targets(name: str, args: dict, modules: set[str], linear: set[str], 
         if not target.startswith("re:") and target not in LINEAR_CLASSES and target not in modules:
             raise _fail(name, f"{args['location']} target {short_repr(target)} names no module of the checkpoint "
                               "(class targets other than Linear cannot be resolved from the files)")
-    hits = sorted(m for m in modules if _matches(m, targets, linear, name) and not _matches(m, ignore, linear, name))
+    where = f"transform scheme {short_repr(name)}"
+    hits = sorted(m for m in modules if _matches(m, targets, linear, where) and not _matches(m, ignore, linear, where))
     for module in hits:
         if module not in layers:
             raise _fail(name, f"online {args['location']} transform on {short_repr(module)}, which is not an "
@@ -187,10 +189,16 @@ def _block_size(scheme: dict, name: str, location: str, layer) -> int:
 
 def read_transforms(checkpoint: Checkpoint, qc: dict, layers: dict) -> SourceTransforms:
     """Resolve every online transform of every quantized layer; each distinct matrix is loaded and validated."""
-    modules = _modules(checkpoint)
-    quant_ignore = _string_list(qc.get("ignore") or [], "-", "quantization ignore")
-    linear = set(layers) | {m for m in modules if _matches(m, quant_ignore, set(), "-")}  # Linear, left unquantized
     groups = transform_config(checkpoint, qc)
+    if not groups:
+        return SourceTransforms()
+    stored = _stored_transform_tensors(checkpoint, groups)
+    modules = _modules(checkpoint, stored)
+    ignored = qc.get("ignore") or []
+    if not isinstance(ignored, list) or not all(isinstance(i, str) for i in ignored):
+        raise RepackError("config.json: quantization_config.ignore must be a list of strings")
+    # the Linear modules: quantized ones, and those the quantization scheme (which targets Linear) left out
+    linear = set(layers) | {m for m in modules if _matches(m, ignored, set(), "quantization_config.ignore")}
     found: dict[str, list[LayerTransform]] = {}
     for name, scheme in groups.items():
         uses = [
@@ -204,13 +212,13 @@ def read_transforms(checkpoint: Checkpoint, qc: dict, layers: dict) -> SourceTra
     result = SourceTransforms()
     for prefix, transforms in sorted(found.items()):
         locations = [t.location for t in transforms]
-        if len(set(locations)) != len(locations):
-            raise RepackError(f"{prefix}: more than one online {locations[0]} transform; composing them is not "
-                              "supported")
+        twice = [loc for loc in ONLINE if locations.count(loc) > 1]
+        if twice:
+            raise RepackError(f"{prefix}: more than one online {twice[0]} transform; composing them is not supported")
         result.layers[prefix] = tuple(sorted(transforms, key=lambda t: ONLINE.index(t.location)))
     for matrix in result.matrices.values():
         check_matrix(matrix, load_matrix(checkpoint, matrix))
-    result.tensors = _stored_transform_tensors(checkpoint, groups)
+    result.tensors = stored
     return result
 
 
