@@ -175,7 +175,12 @@ def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[Ten
         matrix = source_matrices.get(name)
         if matrix is None:
             check.fail(f"{name}: not an online-transform matrix of the source")
+            reference[name] = None
             continue
+        recorded = (record.scheme, record.type, record.block_size, record.inverse, record.scale)
+        if recorded != (matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale):
+            check.fail(f"{name}: manifest says {recorded}, the source's transform is "
+                       f"{(matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale)}")
         reference[name] = load_matrix(src.checkpoint, matrix) / matrix.scale
         expected = runtime_matrix(src.checkpoint, matrix, DTYPES[record.tensor.dtype])
         if stored is not None and not _same_bits(stored, expected):

@@ -367,3 +367,11 @@ def test_manifest_refuses_a_layer_transform_without_its_matrix(transformed_bundl
     (transformed_bundle / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(RepackError, match="input transform names no matrix"):
         open_bundle(transformed_bundle)
+
+
+def test_verify_against_a_source_without_those_transforms(transformed_bundle):
+    """The wrong --source: every matrix is unknown to it, and every transformed layer fails (never a crash)."""
+    report = verify_bundle(transformed_bundle, source=PRODUCERS / "ct_nvfp4", seed=0)
+    assert [c.status for c in report.transforms] == ["fail", "fail"]
+    assert all("not an online-transform matrix of the source" in c.errors[0] for c in report.transforms)
+    assert all(c.status == "fail" for c in report.layers)

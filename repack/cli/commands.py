@@ -276,8 +276,9 @@ def verify(
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; no source found, so exactness was NOT "
                  "checked (pass --source)")
-        stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors, "
-                     f"{len(report.files)} files; relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
+        matrices = f", {len(report.transforms)} transform matrices" if report.transforms else ""
+        stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors"
+                     f"{matrices}, {len(report.files)} files; relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
         return 0
     stdout.print(f"[red]FAIL[/]: {len(report.failures)} check(s) failed (activation seed {report.seed})", soft_wrap=True)
     return 1
