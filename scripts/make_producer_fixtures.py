@@ -3,7 +3,8 @@
 
 Builds a tiny randomly initialised Llama (fixed seed) and quantizes it to NVFP4 on CPU with
 
-* llm-compressor (compressed-tensors, ``nvfp4-pack-quantized``): presets NVFP4A16 and NVFP4;
+* llm-compressor (compressed-tensors, ``nvfp4-pack-quantized``): presets NVFP4A16 and NVFP4, and the same after
+  ``QuIPModifier`` / ``SpinQuantModifier`` rotations (online-transform checkpoints, ``TRANSFORM_FIXTURES``);
 * nvidia-modelopt (``quant_method: modelopt``): NVFP4_DEFAULT_CFG (W4A4) and W4A16_NVFP4_CFG;
 
 plus sharded variants written by the producers' own ``max_shard_size``, and the unquantized
