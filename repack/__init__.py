@@ -1,4 +1,4 @@
 """nvfp4-repack: pre-bake NVFP4 checkpoints into serving kernels' runtime layouts, offline, on CPU."""
 
 __version__ = "0.1.0"
-BUNDLE_FORMAT_VERSION = 1
+BUNDLE_FORMAT_VERSION = 2

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import RepackError
-from ..formats import QuantizedLayer, SourceModel
+from ..formats import SourceModel
 from ..formats.safetensors_io import DTYPE_NAMES
 from ..targets import Target
+from .layers import LayerPlan, OutputLayer
 
 SHARD_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -28,7 +29,7 @@ class PlannedTensor:
     dtype_name: str
     shape: tuple[int, ...]
     nbytes: int
-    layer: QuantizedLayer | None = None
+    layer: OutputLayer | None = None
     part: str = ""
     source_name: str = ""
 
@@ -36,6 +37,7 @@ class PlannedTensor:
 @dataclass(frozen=True)
 class BundlePlan:
     target: Target
+    layers: LayerPlan
     shards: dict[str, list[PlannedTensor]]
 
     @property
@@ -47,7 +49,7 @@ class BundlePlan:
         return len(self.shards) > 1
 
 
-def _layer_outputs(layer: QuantizedLayer, target: Target) -> list[PlannedTensor]:
+def _layer_outputs(layer: OutputLayer, target: Target) -> list[PlannedTensor]:
     return [
         PlannedTensor(
             name=f"{layer.prefix}.{part}",
@@ -81,13 +83,13 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str = "5GB") -> BundlePlan:
+def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shard_size: int | str = "5GB") -> BundlePlan:
     """Assign every output tensor to a shard, in name order.
 
     A layer's parts are one unit for the splitter, so they always share a shard and are written one after
     another: the layer is converted once and only one converted layer is ever held in memory.
     """
-    units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in source.layers.values()}
+    units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in layers.layers.values()}
     names = {t.name: prefix for prefix, parts in units.items() for t in parts}
     for name in source.passthrough:
         entry = source.checkpoint.tensors[name]
@@ -103,4 +105,4 @@ def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str =
         max_shard_size=max_bytes,
     )
     shards = {file: [t for key in keys for t in ordered[key]] for file, keys in split.filename_to_tensors.items()}
-    return BundlePlan(target=target, shards=shards)
+    return BundlePlan(target=target, layers=layers, shards=shards)
