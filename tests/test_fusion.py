@@ -113,3 +113,25 @@ def test_unequal_partition_scales_are_refused_or_rescaled(tmp_path, ratio, exact
     assert (error == 0.0) if exact else (0 < error < 0.05), error
     report = verify_output(tmp_path / "out")  # numerics against the unfused source
     assert report.passed, [c.errors for c in report.failures]
+
+
+def test_cli_tp_convert_inspect_verify_and_refusals(tmp_path, capsys):
+    from repack.cli import main
+
+    def cli(*argv):
+        code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    root = _llama(tmp_path / "m", "modelopt")
+    out = tmp_path / "out"
+    assert cli("convert", root, "-t", "sm120", "--tp", "2", "-o", out)[0] == 0
+    code, text, _ = cli("inspect", out)
+    assert code == 0 and "rank 0 of 2" in text and "rank 1 of 2" in text and "qkv_proj" in text
+    manifests = json.loads(cli("inspect", out, "--json")[1])
+    assert [m["tp_rank"] for m in manifests] == [0, 1]
+    code, text, _ = cli("verify", out)
+    assert code == 0 and "PASS" in text and "reassembled/" in text
+    assert cli("convert", root, "-t", "sm120", "--tp", "2", "-o", out, "--overwrite")[0] == 0  # replaces rank folders
+    code, _, err = cli("convert", _llama(tmp_path / "h5", heads=5, hidden=80), "-t", "sm100", "--tp", "2", "-o", tmp_path / "x")
+    assert code == 1 and err.startswith("Error: --tp 2: num_attention_heads (5)") and err.count("\n") == 1

@@ -10,6 +10,7 @@ loading every checkpoint in turn. In CI a missing vLLM env fails these tests ins
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -65,7 +66,7 @@ def _jobs(names: list[str]) -> list[tuple[str, str]]:
     return [(name, arch) for name in names for arch in ARCHS]
 
 
-TP1 = _jobs(PRODUCER_FIXTURES + [f"{s}-{f}" for s in SYNTHETIC for f in SYNTHETIC_FORMATS])
+TP1 = _jobs(PRODUCER_FIXTURES + [f"odd-{f}" for f in SYNTHETIC_FORMATS])
 TP2 = _jobs([f"tp-{f}" for f in SYNTHETIC_FORMATS]) + [
     (name, "sm100") for name in PRODUCER_FIXTURES[::2] + [f"odd-{f}" for f in SYNTHETIC_FORMATS]]
 
@@ -99,11 +100,13 @@ def _assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
             assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)), (prefix, part)
         scale = bundle.read(f"{prefix}.weight_scale")
         assert str(scale.dtype).replace("torch.", "") == info["weight_scale_dtype"], prefix
-        assert list(scale.shape) == info["weight_scale_shape"], prefix
-        assert torch.equal(scale.reshape(-1).view(torch.uint8), theirs[f"{prefix}.weight_scale"]), prefix
         shape, stride, offset = info["weight_scale_view"]
-        view = scale.as_strided(shape, stride, offset)  # vLLM's (6-D for sm100) view, rebuilt on our buffer
-        assert view.is_contiguous() == (shape == list(scale.shape)) or len(shape) > 2
+        if len(shape) == 2:  # sm120: vLLM's tensor is a plain contiguous one
+            assert list(scale.shape) == shape == info["weight_scale_shape"], prefix
+        else:  # sm100: vLLM keeps a 6-D view over the 2-D swizzled buffer; compare the buffers, rebuild the view
+            assert scale.numel() == math.prod(info["weight_scale_shape"]), prefix
+            scale.as_strided(shape, stride, offset)  # fits our buffer exactly as it fits vLLM's
+        assert torch.equal(scale.reshape(-1).view(torch.uint8), theirs[f"{prefix}.weight_scale"].reshape(-1)), prefix
     return len(meta)
 
 
