@@ -121,7 +121,7 @@ def _unit_rows(units: int, size: int, tp: int, rank: int, what: str, replicate: 
 
 def _column_pieces(fused: str, layers: list[QuantizedLayer], config: dict, tp: int, rank: int) -> list[Piece]:
     if not fused.endswith("qkv_proj"):
-        return [Piece(l.prefix, _unit_rows(l.n, 1, tp, rank, f"{l.prefix} N", False), (0, l.k)) for l in layers]
+        return [Piece(p.prefix, _unit_rows(p.n, 1, tp, rank, f"{p.prefix} N", False), (0, p.k)) for p in layers]
     q, k, v = layers
     heads = int(config.get("num_attention_heads", 0))
     kv_heads = int(config.get("num_key_value_heads", heads))
@@ -159,8 +159,8 @@ def _rank_layers(source: SourceModel, tp: int, rank: int) -> dict[str, OutputLay
 
 
 def _multipliers(source: SourceModel) -> dict[str, torch.Tensor]:
-    return {p: source.scheme.to_multiplier(source.checkpoint.read(l.tensor_names[2]).reshape(1))
-            for p, l in source.layers.items()}
+    return {p: source.scheme.to_multiplier(source.checkpoint.read(layer.tensor_names[2]).reshape(1))
+            for p, layer in source.layers.items()}
 
 
 def _equalise(layer: OutputLayer, multipliers: dict[str, torch.Tensor], rescale: bool) -> OutputLayer:
@@ -186,13 +186,13 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     if not (fuse or tp > 1):
-        return [LayerPlan({p: OutputLayer(p, (_whole(l),)) for p, l in source.layers.items()}, {})]
+        return [LayerPlan({p: OutputLayer(p, (_whole(layer),)) for p, layer in source.layers.items()}, {})]
     _check_architecture(source.checkpoint.config)
     multipliers = _multipliers(source)
     fusion = {fused: list(parts) for fused, parts in VLLM_FUSION.items()}
     plans = []
     for rank in range(tp):
-        layers = {p: _equalise(l, multipliers, rescale) for p, l in _rank_layers(source, tp, rank).items()}
+        layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
         plans.append(LayerPlan(layers, fusion, tp, rank))
     return plans
 
