@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from . import BUNDLE_FORMAT_VERSION, __version__
+from .bundle.layers import LayerPlan, OutputLayer, assemble, plan_layers, rescale_error
 from .bundle.manifest import (
-    MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, SourceRecord, TensorRecord, TransformRecord,
+    MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
+    TransformRecord,
 )
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.writer import check_destination, recover_interrupted, staged_folder, write_json, write_shard
-from .formats import QuantizedLayer, SourceModel, read_source
+from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY, contained_file
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, iter_raw_chunks, tensor_bytes
 from .formats.transforms import runtime_matrix
@@ -32,6 +34,8 @@ class ConvertSummary:
     bytes_in: int
     bytes_out: int
     seconds: float
+    bundles: list[str]
+    rescaled: dict[str, float]  # layer -> relative L2 error --rescale added (worst over ranks)
 
 
 class _LayerCache:
@@ -43,10 +47,10 @@ class _LayerCache:
         self.runtime: RuntimeLayer | None = None
         self.global_scales: dict[str, float] = {}
 
-    def get(self, layer: QuantizedLayer) -> RuntimeLayer:
+    def get(self, layer: OutputLayer) -> RuntimeLayer:
         if self.prefix != layer.prefix:
             self.runtime = None  # free the previous layer before building the next
-            self.runtime = self.target.to_runtime(self.source.load_layer(layer))
+            self.runtime = self.target.to_runtime(assemble(self.source, layer))
             self.prefix = layer.prefix
             self.global_scales[layer.prefix] = float(self.runtime.weight_global_scale)
         assert self.runtime is not None
@@ -73,16 +77,29 @@ def _chunk_source(source: SourceModel, cache: _LayerCache, progress: Progress) -
     return chunks
 
 
-def bundle_config(config: dict, target: Target) -> dict:
-    """The source config.json, quantization_config kept, plus a marker naming the target layout."""
+def bundle_config(config: dict, target: Target, layers: LayerPlan) -> dict:
+    """The source config.json, quantization_config kept, plus a marker naming the target layout and rank."""
     marked = dict(config)
     marked[BUNDLE_CONFIG_KEY] = {
         "bundle_format_version": BUNDLE_FORMAT_VERSION,
         "target": target.name,
         "layout_id": target.layout_id,
         "tool_version": __version__,
+        "tp_size": layers.tp_size,
+        "tp_rank": layers.tp_rank,
+        "fused": bool(layers.fusion),
     }
     return marked
+
+
+def _partitions(layer: OutputLayer) -> list[PartitionRecord]:
+    records, edge = [], 0
+    for piece in layer.pieces:
+        height = piece.rows[1] - piece.rows[0]
+        records.append(PartitionRecord(piece.source, [edge, edge + height], list(piece.rows), list(piece.cols),
+                                       piece.scale_ratio))
+        edge += height
+    return records
 
 
 def _manifest(
@@ -93,7 +110,7 @@ def _manifest(
         for t in tensors:
             records[t.name] = TensorRecord(file=file, dtype=t.dtype_name, shape=list(t.shape), sha256=digests[t.name])
     layers = {}
-    for prefix, layer in source.layers.items():
+    for prefix, layer in plan.layers.layers.items():
         parts = plan.target.runtime_specs(layer.n, layer.k)
         geometry = plan.target.geometry(layer.n, layer.k)
         layers[prefix] = LayerRecord(
@@ -105,6 +122,7 @@ def _manifest(
             tensors={part: records.pop(f"{prefix}.{part}") for part in parts},
             transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
                         for t in source.transforms.layers.get(prefix, ())],
+            partitions=_partitions(layer),
         )
     transforms = {
         name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
@@ -127,7 +145,38 @@ def _manifest(
         passthrough=records,
         files=files,
         transforms=transforms,
+        tp_size=plan.layers.tp_size,
+        tp_rank=plan.layers.tp_rank,
+        fusion=plan.layers.fusion,
     )
+
+
+def _write_bundle(folder: Path, source: SourceModel, plan: BundlePlan, progress: Progress) -> None:
+    """Write one bundle (shards, index, side files, config, manifest) into the empty ``folder``."""
+    cache = _LayerCache(source, plan.target)
+    chunks = _chunk_source(source, cache, progress)
+    digests: dict[str, str] = {}
+    files: dict[str, str] = {}
+    for file, tensors in plan.shards.items():
+        tensor_digests, files[file] = write_shard(folder / file, tensors, chunks)
+        digests.update(tensor_digests)
+    if plan.is_sharded:
+        weight_map = {t.name: file for file, tensors in plan.shards.items() for t in tensors}
+        files[INDEX_NAME] = write_json(
+            folder / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
+        )
+    for name in source.checkpoint.side_files():
+        shutil.copyfile(contained_file(source.checkpoint.root, name), folder / name)
+        files[name] = file_sha256(folder / name)
+    config = bundle_config(source.checkpoint.config, plan.target, plan.layers)
+    files["config.json"] = write_json(folder / "config.json", config)
+    manifest = _manifest(source, plan, cache, digests, files)
+    (folder / MANIFEST_NAME).write_text(manifest.to_json())
+
+
+def rank_folder(rank: int) -> str:
+    """Where rank ``rank`` of a ``--tp`` conversion lives inside OUT."""
+    return f"rank-{rank}"
 
 
 def convert(
@@ -137,10 +186,14 @@ def convert(
     *,
     overwrite: bool = False,
     max_shard_size: int | str = "5GB",
+    fuse: bool = False,
+    tp: int = 1,
+    rescale: bool = False,
     progress: Progress | None = None,
-    on_plan: Callable[[SourceModel, BundlePlan], None] | None = None,
+    on_plan: Callable[[SourceModel, list[BundlePlan]], None] | None = None,
 ) -> ConvertSummary:
-    """Convert ``model`` into a bundle for ``target_name`` at ``out``; all-or-nothing."""
+    """Convert ``model`` into a bundle for ``target_name`` at ``out`` (``tp > 1``: one bundle per rank in
+    ``out/rank-R``); all-or-nothing."""
     started = time.perf_counter()
     target = resolve_target(target_name)
     parse_size(max_shard_size)  # a bad --max-shard-size fails before any work
@@ -148,36 +201,30 @@ def convert(
     source = read_source(model)
     recover_interrupted(out)  # a replace killed between its two renames (non-Linux fallback) left OUT missing
     check_destination(out, overwrite, protected=[source.checkpoint.root])
-    plan = plan_bundle(source, target, max_shard_size)
+    plans = [plan_bundle(source, target, layers, max_shard_size)
+             for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
+    folders = [rank_folder(p.layers.tp_rank) if tp > 1 else "" for p in plans]
     if on_plan is not None:
-        on_plan(source, plan)
+        on_plan(source, plans)
+    rescaled: dict[str, float] = {}
+    for plan in plans:
+        for prefix, layer in plan.layers.layers.items():
+            if any(piece.scale_ratio != 1.0 for piece in layer.pieces):
+                rescaled[prefix] = max(rescaled.get(prefix, 0.0), rescale_error(source, layer))
     report = progress or (lambda nbytes, what: None)
-    cache = _LayerCache(source, target)
-    chunks = _chunk_source(source, cache, report)
     with staged_folder(out, overwrite) as staging:
-        digests: dict[str, str] = {}
-        files: dict[str, str] = {}
-        for file, tensors in plan.shards.items():
-            tensor_digests, files[file] = write_shard(staging / file, tensors, chunks)
-            digests.update(tensor_digests)
-        if plan.is_sharded:
-            weight_map = {t.name: file for file, tensors in plan.shards.items() for t in tensors}
-            files[INDEX_NAME] = write_json(
-                staging / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
-            )
-        for name in source.checkpoint.side_files():
-            shutil.copyfile(contained_file(source.checkpoint.root, name), staging / name)
-            files[name] = file_sha256(staging / name)
-        files["config.json"] = write_json(staging / "config.json", bundle_config(source.checkpoint.config, target))
-        manifest = _manifest(source, plan, cache, digests, files)
-        (staging / MANIFEST_NAME).write_text(manifest.to_json())
+        for plan, folder in zip(plans, folders):
+            (staging / folder).mkdir(exist_ok=True)
+            _write_bundle(staging / folder, source, plan, report)
     bytes_in = sum(e.nbytes for e in source.checkpoint.tensors.values())
     return ConvertSummary(
         out=out,
         target=target.name,
-        layers=len(source.layers),
+        layers=len(plans[0].layers.layers),
         passthrough=len(source.passthrough),
         bytes_in=bytes_in,
-        bytes_out=plan.total_bytes,
+        bytes_out=sum(p.total_bytes for p in plans),
         seconds=time.perf_counter() - started,
+        bundles=[str(out / f) if f else str(out) for f in folders],
+        rescaled=rescaled,
     )

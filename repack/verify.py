@@ -26,13 +26,15 @@ from typing import Callable
 
 import torch
 
+from .bundle.layers import OutputLayer, Piece, assemble, source_function
+from .bundle.manifest import MANIFEST_NAME, LayerRecord, PartitionRecord
 from .bundle.reader import Bundle, open_bundle
 from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, read_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
-from .nvfp4 import NVFP4Weight, dequantize
+from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from .runtime import load_bundle
 from .targets import RuntimeLayer
 
@@ -144,20 +146,45 @@ def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
     return value if matrix is None else (value.unflatten(-1, (-1, matrix.shape[0])) @ matrix).flatten(-2)
 
 
-def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight,
+def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    error = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+    return error if error == error else float("inf")
+
+
+def _judge(check: TensorCheck, worst: float, what: str) -> None:
+    check.max_rel_error = worst
+    if not worst <= NUMERIC_TOLERANCE:
+        check.fail(f"{what}: relative error {worst:.3g} exceeds {NUMERIC_TOLERANCE:g}")
+
+
+def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, weight: torch.Tensor,
                     check: TensorCheck, gen: torch.Generator, transforms: dict[str, torch.Tensor]) -> None:
-    """``transforms``: location -> float64 normalized matrix, applied around the float64 GEMM."""
-    weight = dequantize(reference, torch.float64)
+    """``layer`` on random bf16 activations against a float64 GEMM with ``weight`` (float64 ``[n, k]``), with the
+    layer's online ``transforms`` (location -> float64 normalized matrix) applied around it."""
     worst = 0.0
     for m in BATCH_SIZES:
         x = torch.randn(m, layer.k, generator=gen).to(torch.bfloat16)
         y = layer(x.to(device)).to("cpu", torch.float64)
         ref = _block64(_block64(x.to(torch.float64), transforms.get("input")) @ weight.t(), transforms.get("output"))
-        error = float((y - ref).norm() / ref.norm().clamp(min=1e-30))
-        worst = max(worst, error if error == error else float("inf"))
-    check.max_rel_error = worst
-    if not worst <= NUMERIC_TOLERANCE:
-        check.fail(f"{prefix}: relative error {worst:.3g} exceeds {NUMERIC_TOLERANCE:g}")
+        worst = max(worst, _relative_error(y, ref))
+    _judge(check, worst, prefix)
+
+
+def output_layer(prefix: str, record: LayerRecord) -> OutputLayer:
+    """The manifest's record of which source slices make ``prefix``, as convert planned it."""
+    pieces = tuple(Piece(p.source, tuple(p.source_rows), tuple(p.source_cols), p.scale_ratio)
+                   for p in record.partitions)
+    return OutputLayer(prefix, pieces)  # type: ignore[arg-type]
+
+
+def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
+    for piece in layer.pieces:
+        found = src.layers.get(piece.source)
+        if found is None:
+            return f"{layer.prefix}: partition source {piece.source} is not a quantized layer of the source"
+        if piece.rows[1] > found.n or piece.cols[1] > found.k or piece.cols[0] % BLOCK_SIZE:
+            return f"{layer.prefix}: partition rows {list(piece.rows)} x cols {list(piece.cols)} are outside {piece.source}"
+    return None
 
 
 def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[TensorCheck], dict[str, torch.Tensor]]:
@@ -233,19 +260,21 @@ def verify_bundle(
             tick(prefix)
             continue
         decoded = bundle.target.from_runtime(runtime, record.n, record.k)
-        reference = decoded
+        function = dequantize(decoded, torch.float64)
         if src is not None:
-            if prefix not in src.layers:
-                check.fail(f"{prefix}: not a quantized layer of the source")
+            planned = output_layer(prefix, record)
+            problem = _source_slices_problem(src, planned)
+            if problem is not None:
+                check.fail(problem)
             else:
-                reference = src.load_layer(src.layers[prefix])
-                _check_exact(decoded, reference, prefix, check)
+                _check_exact(decoded, assemble(src, planned), prefix, check)
                 _check_layer_transforms(bundle, src, prefix, check)
+                function = source_function(src, planned)
         transforms = {t.location: matrices[t.matrix] for t in record.transforms}
         if any(m is None for m in transforms.values()):
             check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run")
         else:
-            _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
+            _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, function, check, gen,
                             transforms)
         tick(prefix)
     for name in bundle.manifest.passthrough:
@@ -258,9 +287,101 @@ def verify_bundle(
             elif not _same_bits(tensor, src.checkpoint.read(name)):
                 check.fail(f"{name}: differs from the source")
         tick(name)
-    if src is not None:
-        for prefix in sorted(set(src.layers) - set(bundle.manifest.layers)):
+    if src is not None and bundle.manifest.tp_size == 1:
+        covered = {p.source for record in bundle.manifest.layers.values() for p in record.partitions}
+        for prefix in sorted(set(src.layers) - covered):
             report.layers.append(TensorCheck(prefix, "fail", [f"{prefix}: source layer missing from the bundle"]))
         for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough)):
             report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"]))
     return report
+
+
+def rank_bundles(path: str | Path) -> list[Path]:
+    """The ``rank-R`` bundles of a ``convert --tp`` output, in rank order (empty for anything else)."""
+    root = Path(path)
+    if (root / MANIFEST_NAME).is_file():
+        return []
+    ranks = sorted((p for p in root.glob("rank-*") if (p / MANIFEST_NAME).is_file()),
+                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
+    return ranks
+
+
+def _prefixed(checks: list[TensorCheck], label: str) -> list[TensorCheck]:
+    for check in checks:
+        check.name = f"{label}/{check.name}"
+        check.errors = [f"{label}: {e}" for e in check.errors]
+    return checks
+
+
+def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator) -> list[TensorCheck]:
+    """Every source layer rebuilt from the ranks' outputs: column pieces placed at their rows, row-parallel
+    partial sums added, each source element covered exactly once (replicated kv heads counted once); then
+    compared with the float64 GEMM of the source layer."""
+    loaded = [load_bundle(b, device) for b in ranks]
+    pieces: dict[str, list[tuple[int, str, PartitionRecord]]] = {}
+    for r, bundle in enumerate(ranks):
+        for prefix, record in bundle.manifest.layers.items():
+            for part in record.partitions:
+                pieces.setdefault(part.source, []).append((r, prefix, part))
+    checks = []
+    for name, layer in src.layers.items():
+        check = TensorCheck(f"reassembled/{name}")
+        checks.append(check)
+        regions = {(tuple(p.source_rows), tuple(p.source_cols)): (r, prefix, p) for r, prefix, p in pieces.get(name, [])}
+        cover = torch.zeros(layer.n, layer.k, dtype=torch.int32)
+        for (rows, cols) in regions:
+            cover[rows[0]:rows[1], cols[0]:cols[1]] += 1
+        if not bool((cover == 1).all()):
+            check.fail(f"{name}: the ranks do not cover the source layer exactly once")
+            continue
+        weight = dequantize(src.load_layer(layer), torch.float64)
+        worst = 0.0
+        for m in BATCH_SIZES:
+            x = torch.randn(m, layer.k, generator=gen).to(torch.bfloat16)
+            y = torch.zeros(m, layer.n, dtype=torch.float64)
+            outputs: dict[tuple[int, str], torch.Tensor] = {}
+            for (rows, cols), (r, prefix, part) in regions.items():
+                key = (r, prefix)
+                if key not in outputs:
+                    module = loaded[r].layer(prefix)
+                    outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
+                y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
+            worst = max(worst, _relative_error(y, x.to(torch.float64) @ weight.t()))
+        _judge(check, worst, name)
+    return checks
+
+
+def verify_output(
+    path: str | Path,
+    *,
+    source: str | Path | None = None,
+    device: str = "cpu",
+    seed: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """Verify a bundle, or every rank of a ``--tp`` output and the layers the ranks reassemble into."""
+    ranks = rank_bundles(path)
+    if not ranks:
+        return verify_bundle(path, source=source, device=device, seed=seed, progress=progress)
+    seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
+    bundles = [open_bundle(r) for r in ranks]
+    sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
+    reports = [verify_bundle(b, source=source, device=device, seed=seed + i, progress=progress)
+               for i, b in enumerate(bundles)]
+    first = reports[0]
+    merged = VerifyReport(
+        bundle=str(path), target=first.target, device=device, backend=first.backend, source=first.source,
+        seed=seed, tolerance=NUMERIC_TOLERANCE, files=[], layers=[], passthrough=[],
+    )
+    for rank, report in zip(ranks, reports):
+        merged.files += _prefixed(report.files, rank.name)
+        merged.layers += _prefixed(report.layers, rank.name)
+        merged.passthrough += _prefixed(report.passthrough, rank.name)
+    tp = bundles[0].manifest.tp_size
+    if sizes != {(tp, r) for r in range(tp)}:
+        merged.files.append(TensorCheck(str(path), "fail", [f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"]))
+        return merged
+    src = _source_for(bundles[0], source)
+    if src is not None:
+        merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
+    return merged

@@ -55,6 +55,18 @@ class TransformRecord:
 
 
 @dataclass(frozen=True)
+class PartitionRecord:
+    """Rows ``[rows)`` of the layer came from rows ``[source_rows)`` x columns ``[source_cols)`` of source layer
+    ``source``, block scales multiplied by ``scale_ratio`` (1.0 unless converted with ``--rescale``)."""
+
+    source: str
+    rows: list[int]
+    source_rows: list[int]
+    source_cols: list[int]
+    scale_ratio: float
+
+
+@dataclass(frozen=True)
 class LayerRecord:
     n: int
     k: int
@@ -62,6 +74,7 @@ class LayerRecord:
     weights_padding_cols: int
     global_scale: float
     tensors: dict[str, TensorRecord]
+    partitions: list[PartitionRecord]
     transforms: list[LayerTransformRecord] = field(default_factory=list)
 
 
@@ -85,6 +98,9 @@ class Manifest:
     passthrough: dict[str, TensorRecord]
     files: dict[str, str] = field(default_factory=dict)
     transforms: dict[str, TransformRecord] = field(default_factory=dict)
+    tp_size: int = 1
+    tp_rank: int = 0
+    fusion: dict[str, list[str]] = field(default_factory=dict)
     kind: str = BUNDLE_KIND
 
     @cached_property
@@ -164,6 +180,13 @@ def _tensor(obj: Any, where: str) -> TensorRecord:
     )
 
 
+def _pair(obj: Any, key: str, where: str) -> list[int]:
+    value = _get(obj, key, list, where)
+    if len(value) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        raise _fail(f"{key} of {where} must be two non-negative integers")
+    return list(value)
+
+
 def _finite(obj: Any, key: str, where: str) -> float:
     value = _get(obj, key, (int, float), where)
     try:
@@ -175,12 +198,19 @@ def _finite(obj: Any, key: str, where: str) -> float:
     return value
 
 
+def _partition(obj: Any, where: str) -> PartitionRecord:
+    rows, source_rows, source_cols = (_pair(obj, key, where) for key in ("rows", "source_rows", "source_cols"))
+    if rows[1] - rows[0] != source_rows[1] - source_rows[0] or rows[0] > rows[1] or source_cols[0] > source_cols[1]:
+        raise _fail(f"{where}: rows {rows} do not match source_rows {source_rows}")
+    return PartitionRecord(_get(obj, "source", str, where), rows, source_rows, source_cols,
+                           _finite(obj, "scale_ratio", where))
+
+
 def _layer(obj: Any, where: str) -> LayerRecord:
-    padded = _get(obj, "padded_shape", list, where)
-    if len(padded) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in padded):
-        raise _fail(f"padded_shape of {where} must be two non-negative integers")
+    padded = _pair(obj, "padded_shape", where)
     scale = _finite(obj, "global_scale", where)
     tensors = _get(obj, "tensors", dict, where)
+    partitions = [_partition(p, f"{where} partition {i}") for i, p in enumerate(_get(obj, "partitions", list, where))]
     return LayerRecord(
         n=_int(obj, "n", where),
         k=_int(obj, "k", where),
@@ -188,6 +218,7 @@ def _layer(obj: Any, where: str) -> LayerRecord:
         weights_padding_cols=_int(obj, "weights_padding_cols", where),
         global_scale=scale,
         tensors={part: _tensor(rec, f"{where}.{part}") for part, rec in tensors.items()},
+        partitions=partitions,
         transforms=[_layer_transform(t, f"{where}.transforms") for t in _get(obj, "transforms", list, where)],
     )
 
@@ -213,6 +244,12 @@ def _transform(obj: Any, where: str) -> TransformRecord:
         inverse=_get(obj, "inverse", bool, where), scale=float(scale),
         tensor=_tensor(_get(obj, "tensor", dict, where), f"{where}.tensor"),
     )
+
+
+def _fusion(obj: dict) -> dict[str, list[str]]:
+    if not all(isinstance(v, list) and all(isinstance(m, str) for m in v) for v in obj.values()):
+        raise _fail("fusion must map fused module names to lists of source module names")
+    return {k: list(v) for k, v in obj.items()}
 
 
 def parse_manifest(data: Any) -> Manifest:
@@ -244,7 +281,12 @@ def parse_manifest(data: Any) -> Manifest:
         passthrough={n: _tensor(rec, n) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
         files=_file_hashes(_get(data, "files", dict, "manifest"), "files"),
         transforms={n: _transform(rec, n) for n, rec in _get(data, "transforms", dict, "manifest").items()},
+        tp_size=_int(data, "tp_size", "manifest"),
+        tp_rank=_int(data, "tp_rank", "manifest"),
+        fusion=_fusion(_get(data, "fusion", dict, "manifest")),
     )
+    if not 0 <= manifest.tp_rank < manifest.tp_size:
+        raise _fail(f"tp_rank {manifest.tp_rank} is not a rank of tp_size {manifest.tp_size}")
     seen: set[str] = set()
     for prefix, layer in manifest.layers.items():
         for name in [f"{prefix}.{part}" for part in layer.tensors]:

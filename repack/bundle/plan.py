@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import RepackError
-from ..formats import QuantizedLayer, SourceModel
+from ..formats import SourceModel
 from ..formats.safetensors_io import DTYPE_NAMES
 from ..formats.transforms import SourceMatrix, model_dtype
 from ..targets import Target
+from .layers import LayerPlan, OutputLayer
 
 SHARD_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -30,7 +31,7 @@ class PlannedTensor:
     dtype_name: str
     shape: tuple[int, ...]
     nbytes: int
-    layer: QuantizedLayer | None = None
+    layer: OutputLayer | None = None
     part: str = ""
     source_name: str = ""
     matrix: SourceMatrix | None = None
@@ -39,6 +40,7 @@ class PlannedTensor:
 @dataclass(frozen=True)
 class BundlePlan:
     target: Target
+    layers: LayerPlan
     shards: dict[str, list[PlannedTensor]]
 
     @property
@@ -50,7 +52,7 @@ class BundlePlan:
         return len(self.shards) > 1
 
 
-def _layer_outputs(layer: QuantizedLayer, target: Target) -> list[PlannedTensor]:
+def _layer_outputs(layer: OutputLayer, target: Target) -> list[PlannedTensor]:
     return [
         PlannedTensor(
             name=f"{layer.prefix}.{part}",
@@ -84,13 +86,13 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str = "5GB") -> BundlePlan:
+def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shard_size: int | str = "5GB") -> BundlePlan:
     """Assign every output tensor to a shard, in name order.
 
     A layer's parts are one unit for the splitter, so they always share a shard and are written one after
     another: the layer is converted once and only one converted layer is ever held in memory.
     """
-    units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in source.layers.values()}
+    units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in layers.layers.values()}
     names = {t.name: prefix for prefix, parts in units.items() for t in parts}
     for name in source.passthrough:
         entry = source.checkpoint.tensors[name]
@@ -112,4 +114,4 @@ def plan_bundle(source: SourceModel, target: Target, max_shard_size: int | str =
         max_shard_size=max_bytes,
     )
     shards = {file: [t for key in keys for t in ordered[key]] for file, keys in split.filename_to_tensors.items()}
-    return BundlePlan(target=target, shards=shards)
+    return BundlePlan(target=target, layers=layers, shards=shards)

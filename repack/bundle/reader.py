@@ -100,6 +100,13 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
             f"{MANIFEST_NAME}: {prefix}: padded_shape {record.padded_shape} / weights_padding_cols "
             f"{record.weights_padding_cols} do not follow from N={record.n}, K={record.k}"
         )
+    edge = 0
+    for part in record.partitions:
+        if part.rows[0] != edge or part.source_cols[1] - part.source_cols[0] != record.k:
+            raise RepackError(f"{MANIFEST_NAME}: {prefix}: partitions do not tile its N={record.n} x K={record.k}")
+        edge = part.rows[1]
+    if edge != record.n:
+        raise RepackError(f"{MANIFEST_NAME}: {prefix}: partitions do not tile its N={record.n} x K={record.k}")
     parts = sorted(target.runtime_specs(record.n, record.k))
     if sorted(record.tensors) != parts:
         raise RepackError(

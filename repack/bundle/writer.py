@@ -85,6 +85,11 @@ def write_json(path: Path, data: object) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
+def holds_bundles(folder: Path) -> bool:
+    """A bundle, or the ``rank-R`` bundles of a tensor-parallel conversion."""
+    return (folder / "manifest.json").is_file() or any((p / "manifest.json").is_file() for p in folder.glob("rank-*"))
+
+
 def check_destination(out: Path, overwrite: bool, protected: Iterable[Path] = ()) -> None:
     """Refuse to replace an existing ``out`` without ``overwrite``, and never replace an input folder."""
     resolved = out.resolve()
@@ -97,7 +102,7 @@ def check_destination(out: Path, overwrite: bool, protected: Iterable[Path] = ()
             raise RepackError(f"{out}: already exists (pass --overwrite to replace it)")
         if not out.is_dir() or out.is_symlink():
             raise RepackError(f"{out}: exists and is not a folder; refusing to replace it")
-        if not (out / "manifest.json").is_file() and any(out.iterdir()):
+        if not holds_bundles(out) and any(out.iterdir()):
             raise RepackError(f"{out}: exists and is not an nvfp4-repack bundle; --overwrite only replaces bundles")
     if not out.parent.is_dir():
         raise RepackError(f"{out.parent}: output's parent folder does not exist")
@@ -138,10 +143,15 @@ def _fsync(path: Path) -> None:
 
 
 def _sync_tree(folder: Path) -> None:
-    """Flush every file of ``folder`` and the folder itself, so the rename publishes complete data."""
+    """Flush every file of ``folder`` (and of its rank folders) and the folders, so the rename publishes
+    complete data."""
     for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink():
+        if path.is_symlink():
+            continue
+        if path.is_file():
             _fsync(path)
+        elif path.is_dir():
+            _sync_tree(path)
     _fsync(folder)
 
 
@@ -154,7 +164,7 @@ def recover_interrupted(out: Path) -> Path | None:
     a retired complete bundle ``.OUT.old-XXXX`` exists, rename it back to OUT. Returns what was restored."""
     if out.exists() or out.is_symlink() or not out.parent.is_dir():
         return None
-    candidates = [p for p in _retired_folders(out) if (p / "manifest.json").is_file()]
+    candidates = [p for p in _retired_folders(out) if holds_bundles(p)]
     if not candidates:
         return None
     newest = max(candidates, key=lambda p: p.stat().st_mtime)

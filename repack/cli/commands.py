@@ -54,6 +54,10 @@ def convert(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
     sample: Annotated[bool, typer.Option("--sample", help="Convert the built-in tiny sample checkpoint.")] = False,
+    fuse: Annotated[bool, typer.Option("--fuse", help="Write vLLM's fused qkv_proj / gate_up_proj modules.")] = False,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
+    rescale: Annotated[bool, typer.Option(
+        "--rescale", help="Fold unequal partition global scales into the block scales instead of refusing.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert an NVFP4 checkpoint into a runtime-layout bundle for one target.
@@ -61,6 +65,7 @@ def convert(
     Examples:
       nvfp4-repack convert --sample --target sm100 -o sample-sm100
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm120 -o llama-sm120
+      nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
     """
     from ..convert import convert as run_convert
     from ..sample import SAMPLE_DIR
@@ -77,14 +82,15 @@ def convert(
     task = progress.add_task("converting", total=None)
     started = []
 
-    def start_bar(src: object, plan: BundlePlan) -> None:
-        progress.update(task, total=plan.total_bytes)
+    def start_bar(src: object, plans: list[BundlePlan]) -> None:
+        progress.update(task, total=sum(plan.total_bytes for plan in plans))
         progress.start()
         started.append(True)
 
     try:
         summary = run_convert(
-            source, target, destination, overwrite=overwrite, max_shard_size=max_shard_size, on_plan=start_bar,
+            source, target, destination, overwrite=overwrite, max_shard_size=max_shard_size, fuse=fuse, tp=tp,
+            rescale=rescale, on_plan=start_bar,
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
@@ -93,7 +99,11 @@ def convert(
     if as_json:
         print(json.dumps({**asdict(summary), "out": str(summary.out)}, indent=2))
         return
-    table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}")
+    for prefix, error in summary.rescaled.items():
+        stdout.print(f"rescaled {show(prefix)}: partition scales folded into block scales, "
+                     f"added relative L2 weight error {error:.3g}", highlight=False)
+    ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
+    table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}{ranks}")
     for column in ("quantized layers", "passthrough tensors", "bytes in", "bytes out", "time"):
         table.add_column(column, justify="right")
     table.add_row(str(summary.layers), str(summary.passthrough), _human(summary.bytes_in),
@@ -115,15 +125,21 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
     stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
+    stdout.print(f"tensor parallel: rank {manifest.tp_rank} of {manifest.tp_size}; fusion: "
+                 + (show(", ".join(f"{k} = {' + '.join(v)}" for k, v in manifest.fusion.items())) or "none"))
     table = Table(title=f"{len(manifest.layers)} quantized layers, {len(manifest.passthrough)} passthrough tensors")
-    columns = ("layer", "N x K", "padded", "K pad (bytes)", "global scale")
+    sliced = bool(manifest.fusion) or manifest.tp_size > 1  # otherwise every layer is its whole source layer
+    columns = ("layer", "N x K", "padded", "K pad (bytes)", "global scale") + (("source rows x cols",) * sliced)
     for column in columns + (("online transforms",) if manifest.transforms else ()):
         table.add_column(column)
     for prefix, layer in manifest.layers.items():
+        origin = "; ".join(f"{p.source.rsplit('.', 1)[-1]} {p.source_rows[0]}:{p.source_rows[1]} x "
+                           f"{p.source_cols[0]}:{p.source_cols[1]}" + (f" (x{p.scale_ratio:.4g})" if p.scale_ratio != 1 else "")
+                           for p in layer.partitions)
         transforms = ", ".join(f"{t.location}: {manifest.transforms[t.matrix].scheme} "
                                f"{manifest.transforms[t.matrix].type} b={t.block_size}" for t in layer.transforms)
         table.add_row(show(prefix), f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
-                      str(layer.weights_padding_cols), f"{layer.global_scale:.6g}",
+                      str(layer.weights_padding_cols), f"{layer.global_scale:.6g}", *([show(origin)] * sliced),
                       *([show(transforms or "-")] if manifest.transforms else []))
     stdout.print(table)
     if manifest.transforms:
@@ -191,9 +207,20 @@ def inspect(
       nvfp4-repack inspect sample-sm100 --json
     """
     from ..bundle.reader import is_bundle
+    from ..verify import rank_bundles
 
     if not path.exists():
         raise RepackError(f"{path}: no such file or directory")
+    ranks = rank_bundles(path) if path.is_dir() else []
+    if ranks and as_json:
+        from ..bundle.reader import open_bundle
+
+        print(json.dumps([json.loads(open_bundle(rank).manifest.to_json()) for rank in ranks], indent=2))
+        return
+    for rank in ranks:
+        _inspect_bundle(rank, as_json)
+    if ranks:
+        return
     (_inspect_bundle if is_bundle(path) else _inspect_source)(path, as_json)
 
 
@@ -239,6 +266,7 @@ def verify(
 ) -> int:
     """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
 
+    A ``--tp`` output folder: every rank, and each source layer reassembled from the ranks' outputs.
     Exits 0 only when every check passes.
 
     Examples:
@@ -246,16 +274,16 @@ def verify(
       nvfp4-repack verify llama-sm90 --source ./Llama-3.1-8B-NVFP4 --device cuda --json report.json
     """
     from ..bundle.reader import open_bundle
-    from ..verify import verify_bundle
+    from ..verify import rank_bundles, verify_output
 
-    opened = open_bundle(bundle)
-    total = len(opened.manifest.layers) + len(opened.manifest.passthrough)
+    manifests = [open_bundle(b).manifest for b in rank_bundles(bundle) or [bundle]]
+    total = sum(len(m.layers) + len(m.passthrough) for m in manifests)
     with Progress(TextColumn("[bold]verifying"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.description}"), console=stderr, transient=True,
                   disable=not stderr.is_terminal) as progress:
         task = progress.add_task("", total=total)
-        report = verify_bundle(
-            opened, source=source, device=device.value, seed=seed,
+        report = verify_output(
+            bundle, source=source, device=device.value, seed=seed,
             progress=lambda name: progress.update(task, advance=1, description=show(name[-48:])),
         )
     table = Table(title=f"{show(bundle)} ({report.target}, {report.backend} backend on {report.device}; "

@@ -121,3 +121,50 @@ def write_checkpoint(
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return root
+
+
+def llama_layers(
+    hidden: int, heads: int, kv_heads: int, intermediate: int, generator: torch.Generator, *, layers: int = 1,
+    head_dim: int = 16, shared_scales: bool = True,
+) -> dict[str, NVFP4Weight]:
+    """Random NVFP4 q/k/v/o and gate/up/down of a Llama decoder; ``shared_scales``: every partition of a
+    fused module gets one multiplier, as llm-compressor and ModelOpt write them."""
+    shapes = {
+        "self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+        "mlp.down_proj": (hidden, intermediate),
+    }
+    out = {}
+    for i in range(layers):
+        shared = {}
+        for name, (n, k) in shapes.items():
+            weight = random_nvfp4(n, k, generator)
+            group = name.split(".")[0] + ("" if name.endswith(("o_proj", "down_proj")) else "-fused")
+            if shared_scales:
+                weight = NVFP4Weight(weight.codes, weight.block_scales, shared.setdefault(group, weight.multiplier).clone())
+            out[f"model.layers.{i}.{name}"] = weight
+    return out
+
+
+def write_llama(
+    root: Path, fmt: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int, generator: torch.Generator,
+    layers: int = 1, head_dim: int = 16, vocab: int = 64, w4a4: bool = False,
+    quantized: dict[str, NVFP4Weight] | None = None,
+) -> Path:
+    """A tiny Llama checkpoint that vLLM can build (config.json, embeddings, norms, bf16 lm_head)."""
+    quantized = quantized or llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers,
+                                          head_dim=head_dim)
+    plain = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
+             "lm_head.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
+             "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            plain[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
+    }
+    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=["lm_head"])

@@ -1,0 +1,238 @@
+"""Which source slices make each output layer: the source's own layers, vLLM's fused modules, TP ranks.
+
+Planning only: names and index ranges from the headers and config.json, plus the 4-byte global scales
+(read up front so that unequal partitions are refused before anything is written). The data path
+(:func:`assemble`) cuts the source tensors along these ranges and concatenates them along N; the result
+goes through the target's one transform, so fusion and sharding never touch layout code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import RepackError
+from ..formats import QuantizedLayer, SourceModel
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+
+# vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
+VLLM_FUSION: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+FUSABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # split along K; every other fused layer along N
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[rows)`` and columns ``[cols)`` (elements) of source layer ``source``; ``scale_ratio`` is folded
+    into its block scales (1.0 unless ``--rescale`` had to equalise a fused layer's global scales)."""
+
+    source: str
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    scale_ratio: float = 1.0
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """One bundle layer: its pieces stacked along N, in order."""
+
+    prefix: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(p.rows[1] - p.rows[0] for p in self.pieces)
+
+    @property
+    def k(self) -> int:
+        return self.pieces[0].cols[1] - self.pieces[0].cols[0]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The layers of one bundle: a whole model (``tp_size`` 1) or one tensor-parallel rank."""
+
+    layers: dict[str, OutputLayer]
+    fusion: dict[str, list[str]]
+    tp_size: int = 1
+    tp_rank: int = 0
+
+
+def _whole(layer: QuantizedLayer) -> Piece:
+    return Piece(layer.prefix, (0, layer.n), (0, layer.k))
+
+
+def _check_architecture(config: dict) -> None:
+    supported = ", ".join(FUSABLE_ARCHITECTURES)
+    archs = config.get("architectures") or []
+    moe = any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if moe or len(archs) != 1 or archs[0] not in FUSABLE_ARCHITECTURES:
+        what = "an MoE model" if moe else f"architecture {archs[0] if archs else 'unknown'!r}"
+        raise RepackError(f"--fuse/--tp: {what} is not supported; supported (dense only): {supported}")
+
+
+def _fused_groups(source: SourceModel) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:
+    """``{fused prefix: its source layers in vLLM's order}`` and the layers that stay as they are."""
+    members = {m: fused for fused, parts in VLLM_FUSION.items() for m in parts}
+    found: dict[tuple[str, str], dict[str, QuantizedLayer]] = {}
+    alone = []
+    for prefix, layer in source.layers.items():
+        owner, module = _split_owner(prefix)
+        if module in members:
+            found.setdefault((owner, members[module]), {})[module] = layer
+        else:
+            alone.append(layer)
+    groups = {}
+    for (owner, fused), have in found.items():
+        missing = [m for m in VLLM_FUSION[fused] if m not in have]
+        if missing:
+            raise RepackError(f"{owner}.{fused}: cannot fuse, {owner}.{missing[0]} is not an NVFP4 layer of the source")
+        parts = [have[m] for m in VLLM_FUSION[fused]]
+        if len({p.k for p in parts}) != 1:
+            raise RepackError(f"{owner}.{fused}: cannot fuse, its partitions have different K")
+        groups[f"{owner}.{fused}"] = parts
+    return groups, alone
+
+
+def _split_owner(prefix: str) -> tuple[str, str]:
+    """``model.layers.0.self_attn.q_proj`` -> (``model.layers.0``, ``self_attn.q_proj``)."""
+    head, _, name = prefix.rpartition(".")
+    owner, _, block = head.rpartition(".")
+    return owner, f"{block}.{name}"
+
+
+def _unit_rows(units: int, size: int, tp: int, rank: int, what: str, replicate: bool) -> tuple[int, int]:
+    """Rows of ``units`` blocks of ``size`` rows that rank ``rank`` holds: vLLM's split, or for k/v with fewer
+    heads than ranks its ``num_kv_head_replicas`` (rank r holds head ``r // (tp / heads)``)."""
+    if units % tp == 0:
+        per = units // tp
+        return rank * per * size, (rank + 1) * per * size
+    if replicate and tp % units == 0:
+        head = rank // (tp // units)
+        return head * size, (head + 1) * size
+    rule = f"divide {tp} or be a multiple of it" if replicate else f"be a multiple of {tp}"
+    raise RepackError(f"--tp {tp}: {what} ({units}) must {rule}, as vLLM requires")
+
+
+def _column_pieces(fused: str, layers: list[QuantizedLayer], config: dict, tp: int, rank: int) -> list[Piece]:
+    if not fused.endswith("qkv_proj"):
+        return [Piece(p.prefix, _unit_rows(p.n, 1, tp, rank, f"{p.prefix} N", False), (0, p.k)) for p in layers]
+    q, k, v = layers
+    heads = int(config.get("num_attention_heads", 0))
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or (config.get("hidden_size", 0) // max(heads, 1)))
+    if heads <= 0 or q.n != heads * head_dim or k.n != v.n or k.n != kv_heads * head_dim:
+        raise RepackError(
+            f"{fused}: q/k/v rows {q.n}/{k.n}/{v.n} do not match config.json's {heads} heads, "
+            f"{kv_heads} kv heads of size {head_dim}"
+        )
+    q_rows = _unit_rows(heads, head_dim, tp, rank, "num_attention_heads", False)
+    kv_rows = _unit_rows(kv_heads, head_dim, tp, rank, "num_key_value_heads", True)
+    return [Piece(q.prefix, q_rows, (0, q.k)), Piece(k.prefix, kv_rows, (0, k.k)), Piece(v.prefix, kv_rows, (0, v.k))]
+
+
+def _row_piece(layer: QuantizedLayer, tp: int, rank: int) -> Piece:
+    if layer.k % tp or (layer.k // tp) % BLOCK_SIZE:
+        raise RepackError(
+            f"--tp {tp}: {layer.prefix} K={layer.k} gives a per-rank K that is not a multiple of {BLOCK_SIZE} "
+            "(vLLM refuses it for ModelOpt and builds wrong block scales for compressed-tensors)"
+        )
+    per = layer.k // tp
+    return Piece(layer.prefix, (0, layer.n), (rank * per, (rank + 1) * per))
+
+
+def _rank_layers(source: SourceModel, tp: int, rank: int) -> dict[str, OutputLayer]:
+    groups, alone = _fused_groups(source)
+    layers = {fused: OutputLayer(fused, tuple(_column_pieces(fused, parts, source.checkpoint.config, tp, rank)))
+              for fused, parts in groups.items()}
+    for layer in alone:
+        if tp > 1 and not layer.prefix.endswith(ROW_PARALLEL):
+            raise RepackError(f"--tp {tp}: {layer.prefix} is neither a fused module nor o_proj/down_proj; "
+                              "cannot shard it")
+        layers[layer.prefix] = OutputLayer(layer.prefix, (_row_piece(layer, tp, rank) if tp > 1 else _whole(layer),))
+    return dict(sorted(layers.items()))
+
+
+def _multipliers(source: SourceModel) -> dict[str, torch.Tensor]:
+    return {p: source.scheme.to_multiplier(source.checkpoint.read(layer.tensor_names[2]).reshape(1))
+            for p, layer in source.layers.items()}
+
+
+def _equalise(layer: OutputLayer, multipliers: dict[str, torch.Tensor], rescale: bool) -> OutputLayer:
+    """vLLM keeps one multiplier per fused layer and leaves block scales alone: partitions must agree, or
+    (``rescale``) each folds ``own / max`` into its block scales so the layer takes the largest multiplier."""
+    values = [multipliers[p.source] for p in layer.pieces]
+    if all(torch.equal(v, values[0]) for v in values):
+        return layer
+    top = max(float(v) for v in values)
+    if not rescale:
+        low = min(layer.pieces, key=lambda p: float(multipliers[p.source]))
+        raise RepackError(
+            f"{layer.prefix}: partition global scales differ ({low.source} is {top / float(multipliers[low.source]):.6g}x "
+            "smaller than the largest); vLLM would mis-scale it; pass --rescale to fold the ratios into the block scales"
+        )
+    pieces = tuple(Piece(p.source, p.rows, p.cols, float(multipliers[p.source]) / top) for p in layer.pieces)
+    return OutputLayer(layer.prefix, pieces)
+
+
+def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False) -> list[LayerPlan]:
+    """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
+    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules)."""
+    if tp < 1:
+        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    if not (fuse or tp > 1):
+        return [LayerPlan({p: OutputLayer(p, (_whole(layer),)) for p, layer in source.layers.items()}, {})]
+    if source.transforms.layers:  # a fused or sharded layer would need its partitions' rotations merged or cut
+        raise RepackError("--fuse and --tp are not supported yet for checkpoints with online transforms "
+                          "(transform_config); convert without them")
+    _check_architecture(source.checkpoint.config)
+    multipliers = _multipliers(source)
+    fusion = {fused: list(parts) for fused, parts in VLLM_FUSION.items()}
+    plans = []
+    for rank in range(tp):
+        layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
+        plans.append(LayerPlan(layers, fusion, tp, rank))
+    return plans
+
+
+def _cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:
+    (r0, r1), (c0, c1) = piece.rows, piece.cols
+    scales = weight.block_scales[r0:r1, c0 // BLOCK_SIZE : c1 // BLOCK_SIZE]
+    if piece.scale_ratio != 1.0:
+        scales = (scales.to(torch.float32) * piece.scale_ratio).to(torch.float8_e4m3fn)
+    return NVFP4Weight(weight.codes[r0:r1, c0 // 2 : c1 // 2], scales, weight.multiplier)
+
+
+def assemble(source: SourceModel, layer: OutputLayer) -> NVFP4Weight:
+    """The layer's canonical weight: its pieces cut from the source (ratios folded in) and stacked along N,
+    with the pieces' common multiplier (the largest, after a rescale)."""
+    loaded: dict[str, NVFP4Weight] = {}
+    cuts = []
+    for piece in layer.pieces:
+        if piece.source not in loaded:
+            loaded[piece.source] = source.load_layer(source.layers[piece.source])
+        cuts.append(_cut(loaded[piece.source], piece))
+    multiplier = max((c.multiplier for c in cuts), key=float)
+    return NVFP4Weight(torch.cat([c.codes for c in cuts]), torch.cat([c.block_scales for c in cuts]), multiplier)
+
+
+def source_function(source: SourceModel, layer: OutputLayer) -> torch.Tensor:
+    """float64 ``[n, k]``: what the unfused source computes for this layer, each piece with its own scales."""
+    return torch.cat([
+        dequantize(_cut(source.load_layer(source.layers[p.source]), Piece(p.source, p.rows, p.cols)))
+        for p in layer.pieces
+    ])
+
+
+def rescale_error(source: SourceModel, layer: OutputLayer) -> float:
+    """Relative L2 error that ``--rescale`` adds to ``layer``'s weights (0.0 where nothing was rescaled)."""
+    if all(p.scale_ratio == 1.0 for p in layer.pieces):
+        return 0.0
+    exact = source_function(source, layer)
+    error = float((dequantize(assemble(source, layer)) - exact).norm() / exact.norm().clamp(min=1e-300))
+    return error if math.isfinite(error) else math.inf

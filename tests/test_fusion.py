@@ -1,0 +1,146 @@
+"""convert --fuse / --tp / --rescale without vLLM: planning refusals, rescale error, verify of rank outputs.
+
+(Byte identity with vLLM's own load is tests/test_vllm_conformance.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.runtime import load_bundle
+from repack.sample.synthetic import llama_layers, write_llama
+from repack.verify import verify_output
+
+
+def _gen() -> torch.Generator:
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _llama(root: Path, fmt: str = "compressed-tensors", **shape) -> Path:
+    dims = {"hidden": 96, "heads": 6, "kv_heads": 1, "intermediate": 96} | shape
+    return write_llama(root, fmt, generator=_gen(), **dims)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_fused_layers_are_the_source_partitions_stacked(tmp_path, fmt):
+    gen = _gen()
+    layers = llama_layers(96, 6, 2, 80, gen)
+    root = write_llama(tmp_path / "m", fmt, hidden=96, heads=6, kv_heads=2, intermediate=80, generator=gen,
+                       quantized=layers)
+    convert(root, "sm120", tmp_path / "out", fuse=True)
+    loaded = load_bundle(tmp_path / "out")
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
+    for fused, parts in (("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up"))):
+        group = fused.split(".")[0]
+        weight = torch.cat([dequantize(layers[f"model.layers.0.{group}.{p}_proj"]) for p in parts])
+        y = loaded.layer(f"model.layers.0.{fused}")(x).double()
+        ref = x.double() @ weight.t()
+        assert float((y - ref).norm() / ref.norm()) < 1e-2
+    manifest = loaded.bundle.manifest
+    assert manifest.fusion["self_attn.qkv_proj"] == ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    assert [p.rows for p in manifest.layers["model.layers.0.self_attn.qkv_proj"].partitions] == [[0, 96], [96, 128], [128, 160]]
+    assert verify_output(tmp_path / "out").passed
+
+
+def test_tp_ranks_replicate_a_single_kv_head_and_split_k(tmp_path):
+    root = _llama(tmp_path / "m")
+    convert(root, "sm100", tmp_path / "out", tp=2)
+    for rank in range(2):
+        manifest = load_bundle(tmp_path / "out" / f"rank-{rank}").bundle.manifest
+        assert (manifest.tp_size, manifest.tp_rank) == (2, rank)
+        qkv = manifest.layers["model.layers.0.self_attn.qkv_proj"].partitions
+        assert [p.source_rows for p in qkv] == [[48 * rank, 48 * (rank + 1)], [0, 16], [0, 16]]  # kv replicated
+        assert manifest.layers["model.layers.0.mlp.down_proj"].partitions[0].source_cols == [48 * rank, 48 * (rank + 1)]
+    report = verify_output(tmp_path / "out")
+    assert report.passed, [c.errors for c in report.failures]
+    assert sum(c.name.startswith("reassembled/") for c in report.layers) == 7
+
+
+def test_verify_catches_a_corrupted_rank(tmp_path):
+    convert(_llama(tmp_path / "m"), "sm100", tmp_path / "out", tp=2)
+    shard = tmp_path / "out" / "rank-1" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x10  # a byte inside the last tensor's data
+    shard.write_bytes(bytes(data))
+    report = verify_output(tmp_path / "out")
+    assert not report.passed
+    assert all(c.name.startswith("rank-1/") for c in report.failures), [c.name for c in report.failures]
+
+
+@pytest.mark.parametrize("shape,match", [
+    ({"heads": 5, "hidden": 80}, "num_attention_heads \\(5\\) must be a multiple of 2"),
+    ({"kv_heads": 3, "heads": 6}, "num_key_value_heads \\(3\\)"),
+    ({"intermediate": 80}, "per-rank K that is not a multiple of 16"),
+])
+def test_tp_refuses_what_vllm_cannot_shard(tmp_path, shape, match):
+    root = _llama(tmp_path / "m", **shape)
+    with pytest.raises(RepackError, match=match):
+        convert(root, "sm100", tmp_path / "out", tp=2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_is_one_line_error(tmp_path):
+    root = _llama(tmp_path / "m")
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
+    with pytest.raises(RepackError, match="an MoE model is not supported; supported .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        convert(root, "sm100", tmp_path / "out", fuse=True)
+
+
+@pytest.mark.parametrize("ratio,exact", [(0.25, True), (0.3, False)])
+def test_unequal_partition_scales_are_refused_or_rescaled(tmp_path, ratio, exact):
+    gen = _gen()
+    layers = llama_layers(96, 6, 1, 96, gen)
+    k = layers["model.layers.0.self_attn.k_proj"]
+    # block scales in the normal e4m3 range, so that a power-of-two rescale stays exact
+    scales = torch.randint(0x38, 0x70, tuple(k.block_scales.shape), dtype=torch.uint8, generator=gen)
+    layers["model.layers.0.self_attn.k_proj"] = NVFP4Weight(k.codes, scales.view(torch.float8_e4m3fn), k.multiplier * ratio)
+    root = write_llama(tmp_path / "m", "modelopt", hidden=96, heads=6, kv_heads=1, intermediate=96, generator=gen,
+                       quantized=layers)
+    with pytest.raises(RepackError, match=r"self_attn.qkv_proj: partition global scales differ \(model.layers.0.self_attn.k_proj is"):
+        convert(root, "sm100", tmp_path / "out", fuse=True)
+    summary = convert(root, "sm100", tmp_path / "out", fuse=True, rescale=True)
+    error = summary.rescaled["model.layers.0.self_attn.qkv_proj"]
+    assert (error == 0.0) if exact else (0 < error < 0.05), error
+    report = verify_output(tmp_path / "out")  # numerics against the unfused source
+    assert report.passed, [c.errors for c in report.failures]
+
+
+def test_cli_tp_convert_inspect_verify_and_refusals(tmp_path, capsys):
+    from repack.cli import main
+
+    def cli(*argv):
+        code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    root = _llama(tmp_path / "m", "modelopt")
+    out = tmp_path / "out"
+    assert cli("convert", root, "-t", "sm120", "--tp", "2", "-o", out)[0] == 0
+    code, text, _ = cli("inspect", out)
+    assert code == 0 and "rank 0 of 2" in text and "rank 1 of 2" in text and "qkv_proj" in text
+    manifests = json.loads(cli("inspect", out, "--json")[1])
+    assert [m["tp_rank"] for m in manifests] == [0, 1]
+    code, text, _ = cli("verify", out)
+    assert code == 0 and "PASS" in text and "reassembled/" in text
+    assert cli("convert", root, "-t", "sm120", "--tp", "2", "-o", out, "--overwrite")[0] == 0  # replaces rank folders
+    code, _, err = cli("convert", _llama(tmp_path / "h5", heads=5, hidden=80), "-t", "sm100", "--tp", "2", "-o", tmp_path / "x")
+    assert code == 1 and err.startswith("Error: --tp 2: num_attention_heads (5)") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("options", [{"fuse": True}, {"tp": 2}])
+def test_fusion_and_tp_refuse_online_transforms(tmp_path, options):
+    """A fused or sharded layer would need its partitions' rotations merged or cut: refused, never dropped."""
+    source = Path(__file__).parent / "data" / "producers" / "ct_quip_v_had16_nvfp4a16"
+    with pytest.raises(RepackError, match="not supported yet for checkpoints with online transforms"):
+        convert(source, "sm100", tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,175 @@
+"""vLLM 0.33.0 as the oracle, on CPU: load a checkpoint through vLLM's own DefaultModelLoader and dump what
+every fused linear layer holds after process_weights_after_loading.
+
+Runs in the vLLM virtualenv (tests/vllm/make_env.sh), never in the project's env, and imports nothing
+from the project. Only four GPU-only leaf calls are replaced (the blocks marked PATCH); vLLM's config,
+model construction, weight loading and fusion, the quantization scheme's post-processing, padding,
+swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
+the versions are pinned, so that an upgrade fails loudly instead of testing something else.
+
+    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120)
+
+loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
+for sm100 the 2-D buffer under vLLM's 6-D view) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
+view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # CpuPlatform, fixed before the first vllm import
+os.environ.setdefault("VLLM_HAS_FLASHINFER_CUBIN", "1")  # no JIT here; kernel selection wants the flag
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import flashinfer  # noqa: E402
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from flashinfer.gemm import gemm_bf16_fp4_cute_dsl as fi_cute  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed import (  # noqa: E402
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: E402
+from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vfi  # noqa: E402
+from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
+from vllm.platforms import PlatformEnum  # noqa: E402
+
+assert vllm.__version__ == "0.33.0", vllm.__version__
+assert flashinfer.__version__ == "0.7.2.post1", flashinfer.__version__
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+
+KERNEL = vfi.FlashInferCuteDslNvFp4W4A16LinearKernel
+ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute._prepare_cute_dsl_sm12x)}
+FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
+    assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
+assert hasattr(torch.accelerator, "empty_cache")
+
+register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
+
+
+_current = {"arch": "sm100"}  # the job being loaded: which capability and FlashInfer layout to emulate
+
+
+def patch() -> None:
+    def cc() -> int:
+        return ARCH[_current["arch"]][0]
+
+    # PATCH 1: is_supported answers "requires CUDA" on CPU; run the original with the emulated capability.
+    original = KERNEL.is_supported.__func__
+    KERNEL.is_supported = classmethod(lambda cls, compute_capability=None: original(cls, compute_capability or cc()))
+
+    # PATCH 2: swizzle_blockscale ends in .cuda(); run vLLM's own function with Tensor.cuda an identity.
+    swizzle = vfi.swizzle_blockscale
+
+    def swizzle_on_cpu(scale):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return swizzle(scale)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    vfi.swizzle_blockscale = swizzle_on_cpu
+
+    # PATCH 3: FlashInfer's public prepare refuses CPU tensors; call its per-arch helper directly.
+    def prepare_on_cpu(b, b_descale, alpha=None, *, backend, block_size=16):
+        assert backend == "cute-dsl", backend
+        return ARCH[_current["arch"]][1](b, b_descale, alpha, block_size)
+
+    vfi.flashinfer_prepare_bf16_fp4_weights = prepare_on_cpu
+
+    # PATCH 4: torch.accelerator.empty_cache raises without an accelerator.
+    torch.accelerator.empty_cache = lambda: None
+
+
+def dump(model, out: Path, rank: int) -> None:
+    tensors, meta = {}, {}
+    for li in range(len(model.model.layers)):
+        for fused in FUSED:
+            prefix = f"model.layers.{li}.{fused}"
+            layer = model.get_submodule(prefix)
+            kernel = getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
+            assert type(kernel) is KERNEL, type(kernel)
+            scale = layer.weight_scale
+            buffer = scale.detach() if scale.is_contiguous() else (  # sm100: the buffer its 6-D view looks at
+                torch.empty(0, dtype=scale.dtype).set_(scale.untyped_storage()))
+            tensors[f"{prefix}.weight"] = layer.weight.detach().contiguous()
+            tensors[f"{prefix}.weight_scale"] = buffer.contiguous().view(torch.uint8).clone()
+            tensors[f"{prefix}.weight_global_scale"] = layer.weight_global_scale.detach().reshape(-1).clone()
+            meta[prefix] = {
+                "weights_padding_cols": getattr(layer, "weights_padding_cols", None),
+                "weight_scale_dtype": str(scale.dtype).replace("torch.", ""),
+                "weight_scale_shape": list(buffer.shape),
+                "weight_scale_view": [list(scale.shape), list(scale.stride()), scale.storage_offset()],
+                "kernel": type(kernel).__name__,
+            }
+    save_file(tensors, out / f"rank-{rank}.safetensors")
+    (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
+
+
+def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
+    """One model build (one VllmConfig each: attention layers register their names in it)."""
+    _current["arch"] = arch
+    cfg = EngineArgs(
+        model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
+        linear_backend="flashinfer_cutedsl", tensor_parallel_size=tp, distributed_executor_backend="mp",
+    ).create_engine_config()
+    with set_current_vllm_config(cfg):
+        if not torch.distributed.is_initialized():  # once per process, inside a config as vLLM wants
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"file://{out.parent / 'dist-init'}")
+            initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
+        dump(model, out, rank)
+
+
+def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:
+    patch()
+    try:
+        for job in jobs:
+            name, _, rest = job.partition("=")
+            ckpt, _, arch = rest.rpartition(":")
+            folder = out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                load(ckpt, arch, tp, rank, folder)
+            except Exception as exc:  # vLLM refused the checkpoint: the test compares with our refusal
+                (folder / "refused.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--job", action="append", required=True, help="NAME=CKPT:ARCH")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=None, help="internal: run one rank of --tp")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.rank is None and args.tp > 1:  # one process per rank, as vLLM runs them
+        ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r)]) for r in range(args.tp)]
+        return max(p.wait() for p in ranks)
+    run_jobs(args.job, args.tp, args.rank or 0, out)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
