@@ -36,17 +36,22 @@ print(json.dumps({"seconds": time.perf_counter() - t, "baseline_kb": base, "peak
 """
 
 
-def measure(model: Path, target: str, out: Path) -> dict:
-    """Run one conversion in a child process; its timing and memory as a dict.
+def measure_child(child: str, *args: str) -> dict:
+    """Run the Python source ``child`` with ``args`` in a fresh process; its last line of output, as JSON.
 
     glibc's malloc keeps freed medium-sized blocks (its mmap threshold grows up to 32 MB after each free),
-    so RSS would count memory the converter no longer holds; a fixed 1 MB threshold returns every
+    so RSS would count memory the child no longer holds; a fixed 1 MB threshold returns every
     tensor-sized block to the OS when freed, making peak RSS the peak of live data.
     """
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(model), target, str(out)], check=True, env=env,
+    done = subprocess.run([sys.executable, "-c", child, *args], check=True, env=env,
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(model: Path, target: str, out: Path) -> dict:
+    """Run one conversion in a child process; its timing and memory as a dict."""
+    return measure_child(CHILD, str(model), target, str(out))
 
 
 def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> int:

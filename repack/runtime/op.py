@@ -34,6 +34,38 @@ def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend):
     return x.new_empty((x.shape[0], n))
 
 
+def _rows(x: torch.Tensor, k: int, transform: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K]``, rotated by the online input ``transform`` if any, as a contiguous bf16 ``[M, K]``, copied
+    only where it must be."""
+    if x.shape[-1] != k:
+        raise ValueError(f"nvfp4_linear: x has K={x.shape[-1]}, layer expects K={k}")
+    x2d = x if x.dim() == 2 else x.reshape(-1, k)
+    if transform is not None:
+        x2d = block_transform(x2d, transform)
+    if x2d.dtype != torch.bfloat16:
+        x2d = x2d.to(torch.bfloat16)
+    return x2d.contiguous()
+
+
+def nvfp4_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    n: int,
+    k: int,
+    target: str,
+    backend: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, dequant(W), bias)`` from a layer's runtime tensors, through the op: for modules that hold the
+    tensors themselves (vLLM's layers, whose engine compiles and captures the model)."""
+    y = _linear(_rows(x, k), weight, weight_scale, weight_global_scale, n, k, target, backend)
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], n)
+    return y + bias if bias is not None else y
+
+
 def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | None = None) -> torch.Tensor:  # noqa: F821
     """``F.linear(x @ T_in, dequant(W), bias) @ T_out`` for ``x`` of any leading shape ``[..., K]`` and dtype.
 
@@ -41,14 +73,7 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
     ``T_out`` are the layer's online transforms (``block_transform``), when it has them.
     """
     k = layer.k
-    if x.shape[-1] != k:
-        raise ValueError(f"nvfp4_linear: x has K={x.shape[-1]}, layer expects K={k}")
-    x2d = x if x.dim() == 2 else x.reshape(-1, k)
-    if layer.input_transform is not None:
-        x2d = block_transform(x2d, layer.input_transform)
-    if x2d.dtype != torch.bfloat16:
-        x2d = x2d.to(torch.bfloat16)
-    x2d = x2d.contiguous()
+    x2d = _rows(x, k, layer.input_transform)
     if type(x2d) is torch.Tensor and not torch.compiler.is_compiling():  # eager, no tensor subclass or fake tensor
         y = layer.prepared()(x2d)
     else:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from ...targets.layout import vllm_geometry
 
 
-def _kernel_scales(weight_scale: torch.Tensor, target: str, n_padded: int, k_padded: int) -> torch.Tensor:
-    if target != "sm100":
-        return weight_scale
+def sm100_scale_view(weight_scale: torch.Tensor, n_padded: int, k_padded: int) -> torch.Tensor:
+    """The 6-D view of the 2-D 128x4-swizzled buffer that FlashInfer's sm100 kernel (and vLLM's layer) holds:
+    a zero-copy view, so the bundle stores the buffer and this rebuilds what ``_prepare_cute_dsl_sm100`` makes."""
     from flashinfer.cute_dsl.utils import convert_sf_to_mma_layout
 
     return convert_sf_to_mma_layout(weight_scale, m=n_padded, k=k_padded, num_groups=1, sf_vec_size=16)
@@ -30,7 +30,7 @@ def linear(x, weight, weight_scale, weight_global_scale, n: int, k: int, target:
     y = mm_bf16_fp4(
         x_padded.contiguous(),
         weight,
-        _kernel_scales(weight_scale, target, shape.n_padded, shape.k_padded),
+        sm100_scale_view(weight_scale, shape.n_padded, shape.k_padded) if target == "sm100" else weight_scale,
         weight_global_scale,
         backend="cute-dsl",
     )

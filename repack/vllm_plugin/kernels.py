@@ -1,0 +1,79 @@
+"""Which vLLM NVFP4 linear kernel runs a bundle's layers, and this project's Hopper kernel as a vLLM kernel class.
+
+sm100 and sm120 bundles hold exactly what vLLM's ``FlashInferCuteDslNvFp4W4A16LinearKernel`` leaves on its
+layers, so they run that class unchanged. vLLM has no NVFP4 layout of its own for sm90 that this project's
+kernels read, so sm90 bundles run :class:`RepackSm90NvFp4LinearKernel`: ``apply_weights`` is this project's
+``nvfp4_repack::linear`` op (the Triton kernels on the GPU, the reference backend on CPU), and
+``process_weights_after_loading`` is the offline transform run at load time, so the class also serves a
+source checkpoint through vLLM's own loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
+from vllm.model_executor.kernels.linear.nvfp4.flashinfer import FlashInferCuteDslNvFp4W4A16LinearKernel
+from vllm.model_executor.utils import replace_parameter
+from vllm.platforms import current_platform
+
+from ..nvfp4 import NVFP4Weight
+from ..runtime.op import nvfp4_matmul
+from ..targets import Target, sm90
+
+
+class RepackSm90NvFp4LinearKernel(NvFp4LinearKernel):
+    """BF16 x NVFP4 GEMM on Hopper with nvfp4-repack's sm90 layout (``sm90-triton-v2``) and Triton kernels."""
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        if compute_capability is None:
+            if not current_platform.is_cuda():
+                return True, None  # CPU: the reference backend decodes the same layout
+            capability = current_platform.get_device_capability()
+            if capability is None:
+                return False, "CUDA compute capability is unavailable"
+            compute_capability = capability.to_int()
+        if compute_capability != 90:
+            return False, "nvfp4-repack's sm90 kernel requires sm_90"
+        if importlib.util.find_spec("triton") is None:
+            return False, "nvfp4-repack's sm90 kernel requires Triton"
+        return True, None
+
+    @classmethod
+    def can_implement(cls, config: NvFp4LinearLayerConfig) -> tuple[bool, str | None]:
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """vLLM's source tensors -> the sm90 layout (the same transform ``convert --target sm90`` runs offline)."""
+        device = layer.weight.device
+        source = NVFP4Weight(
+            codes=layer.weight.data.cpu(),
+            block_scales=layer.weight_scale.data.cpu(),
+            multiplier=layer.weight_global_scale.data.reshape(1).float().cpu(),
+        )
+        runtime = sm90.TARGET.to_runtime(source)
+        for name, tensor in runtime.tensors().items():
+            replace_parameter(layer, name, tensor.to(device))
+        layer.weights_padding_cols = runtime.weights_padding_cols
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"nvfp4-repack sm90 W4A16 requires BF16 input, got {x.dtype}")
+        backend = "triton" if layer.weight.is_cuda else "reference"
+        return nvfp4_matmul(
+            x, layer.weight, layer.weight_scale, layer.weight_global_scale,
+            layer.output_size_per_partition, layer.input_size_per_partition, sm90.TARGET.name, backend, bias,
+        )
+
+
+KERNEL_FOR_TARGET: dict[str, type[NvFp4LinearKernel]] = {
+    "sm100": FlashInferCuteDslNvFp4W4A16LinearKernel,
+    "sm120": FlashInferCuteDslNvFp4W4A16LinearKernel,
+    "sm90": RepackSm90NvFp4LinearKernel,
+}
+
+
+def kernel_class(target: Target) -> type[NvFp4LinearKernel]:
+    return KERNEL_FOR_TARGET[target.name]

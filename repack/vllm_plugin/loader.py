@@ -1,0 +1,242 @@
+"""``--load-format nvfp4_repack``: vLLM builds its model from a bundle, and no layer's NVFP4 weights are repacked.
+
+vLLM's normal load is: build the model, feed checkpoint tensors through each parameter's weight loader (which
+fuses q/k/v and gate/up and cuts this rank's shard), then ``process_weights_after_loading``, where every NVFP4
+layer's scheme turns its per-partition global scales into one multiplier and its kernel pads, swizzles and
+repacks the weight into the kernel's layout. A bundle already holds that layout for this rank, so this loader:
+
+1. refuses, in one line, a bundle this stack cannot serve (see :func:`open_rank_bundle`);
+2. builds vLLM's model as ``DefaultModelLoader`` does (from the bundle's config.json);
+3. for each quantized layer: makes the layer's NVFP4 kernel the one the bundle was made for, points the
+   scheme's weight and block-scale parameters at the bundle's tensors, and sets its per-partition global
+   scales so that the scheme derives the bundle's multiplier;
+4. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
+5. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
+   ``process_weights_after_loading`` (the padding, swizzle and FlashInfer repack) is replaced, for that one
+   call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
+   tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer).
+
+Everything else vLLM does after loading (its schemes' Python-side state, W4A4 activation scales, KV-cache
+scales, attention, tied embeddings, the model's own hook) runs as in a load from the source. vLLM's
+``weights_already_processed()`` route skips all of it instead, and compressed-tensors layers refuse it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
+from vllm.model_executor.layers.fusion.quant_activation import expose_input_quant_key
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.utils import replace_parameter
+from vllm.platforms import current_platform
+
+from ..bundle.manifest import MANIFEST_NAME, LayerRecord
+from ..bundle.reader import Bundle, open_bundle
+from ..errors import RepackError
+from ..targets import Target
+from .kernels import kernel_class
+
+LOAD_FORMAT = "nvfp4_repack"
+
+# Per vLLM quantization method: the NVFP4 scheme's parameters that its process step reads before the
+# kernel runs (packed codes, block scales, per-partition global scale), and whether that global scale is
+# stored as the reciprocal of the multiplier (compressed-tensors) or the multiplier itself (ModelOpt).
+SCHEME_PARAMS: dict[str, tuple[str, str, str, bool]] = {
+    "modelopt_fp4": ("weight", "weight_scale", "weight_scale_2", False),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", True),
+}
+
+
+def rank_dir(path: Path, tp_rank: int) -> Path:
+    """This rank's bundle folder: ``path/rank-R`` when ``path`` holds a ``--tp`` conversion, its sibling
+    ``rank-R`` when ``path`` is one of the ranks (vLLM reads config.json from the folder it is given), else
+    ``path`` itself."""
+    for root in (path, path.parent) if path.name.startswith("rank-") else (path,):
+        ranked = root / f"rank-{tp_rank}"
+        if (ranked / MANIFEST_NAME).is_file():
+            return ranked
+    return path
+
+
+def running_capability() -> tuple[int, int] | None:
+    capability = current_platform.get_device_capability()
+    return None if capability is None else (capability.major, capability.minor)
+
+
+def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
+    """This rank's bundle under ``path``, or a one-line refusal naming what to run instead."""
+    root = Path(path)
+    folder = rank_dir(root, tp_rank)
+    if not (folder / MANIFEST_NAME).is_file():
+        raise RepackError(
+            f"{root} is not an nvfp4-repack bundle (no {MANIFEST_NAME}); convert it first with "
+            f"'nvfp4-repack convert {root} --target TARGET --fuse --tp {tp_size}', or serve the source with "
+            f"--load-format auto"
+        )
+    bundle = open_bundle(folder)
+    manifest = bundle.manifest
+    if (manifest.tp_size, manifest.tp_rank) != (tp_size, tp_rank if manifest.tp_size > 1 else 0):
+        raise RepackError(
+            f"{folder}: the bundle is rank {manifest.tp_rank} of tensor-parallel size {manifest.tp_size}, but vLLM "
+            f"runs rank {tp_rank} of --tensor-parallel-size {tp_size}; serve it with --tensor-parallel-size "
+            f"{manifest.tp_size} or re-convert with --tp {tp_size}"
+        )
+    if not manifest.fusion:
+        raise RepackError(
+            f"{folder}: the bundle keeps the checkpoint's unfused modules (q/k/v_proj, gate/up_proj); vLLM holds "
+            f"qkv_proj and gate_up_proj: re-convert with --fuse"
+        )
+    if bundle.config.get("quantization_config", {}).get("transform_config") or bundle.config.get("transform_config"):
+        raise RepackError(f"{folder}: bundles with online transforms (transform_config) cannot be served by the "
+                          f"{LOAD_FORMAT} loader yet; serve the source checkpoint with --load-format auto")
+    _check_device(bundle.target)
+    _check_flashinfer(bundle)
+    return bundle
+
+
+def _check_device(target: Target) -> None:
+    """A bundle runs on its own GPU family only; on a CPU-only host (tests) there is no family to check."""
+    capability = running_capability()
+    if capability is not None and capability not in target.compute_capabilities:
+        have = f"sm{capability[0]}{capability[1]}"
+        raise RepackError(
+            f"this bundle is for {target.name} ({', '.join(f'sm{a}{b}' for a, b in target.compute_capabilities)}) "
+            f"but this GPU is {have}; convert the source with --target {have}"
+        )
+
+
+def _check_flashinfer(bundle: Bundle) -> None:
+    """A FlashInfer layout is served only by the FlashInfer releases it was checked against."""
+    if bundle.target.backend != "flashinfer":
+        return
+    try:
+        installed = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "none"
+    if installed not in bundle.manifest.flashinfer_versions:
+        raise RepackError(
+            f"{bundle.root}: the {bundle.manifest.layout_id} layout was checked against FlashInfer "
+            f"{', '.join(bundle.manifest.flashinfer_versions)}, but flashinfer-python {installed} is installed; "
+            f"install one of those or re-convert with an nvfp4-repack that knows {installed}"
+        )
+
+
+def _kernel_holder(module: nn.Module) -> object | None:
+    """The object whose ``kernel`` is the layer's NVFP4 kernel (ModelOpt: the quant method; CT: the scheme)."""
+    for holder in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
+        if isinstance(getattr(holder, "kernel", None), NvFp4LinearKernel):
+            return holder
+    return None
+
+
+def _nvfp4_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules() if _kernel_holder(module) is not None}
+
+
+def _stored_reciprocal(multiplier: torch.Tensor) -> torch.Tensor:
+    """A float32 ``g`` with ``1 / g == multiplier`` in float32, so compressed-tensors' ``1 / max(g)`` rebuilds the
+    bundle's multiplier exactly (and with it W4A4's ``alpha``); one of the neighbours of ``1 / m`` is such a ``g``
+    whenever ``m`` itself was a float32 reciprocal, as a compressed-tensors multiplier is."""
+    guess = (1.0 / multiplier.double()).float()
+    for candidate in (guess, torch.nextafter(guess, guess * 2), torch.nextafter(guess, guess * 0)):
+        if torch.equal(1.0 / candidate, multiplier):
+            return candidate
+    return guess
+
+
+def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record: LayerRecord,
+             multiplier: torch.Tensor) -> None:
+    """What the kernel's ``process_weights_after_loading`` leaves beside the bundle's tensors, and no repack."""
+    if target.name == "sm100":
+        from ..runtime.backends.flashinfer import sm100_scale_view
+
+        geometry = target.geometry(record.n, record.k)
+        replace_parameter(layer, "weight_scale", sm100_scale_view(layer.weight_scale.data, geometry.n_padded,
+                                                                  geometry.k_padded))
+    replace_parameter(layer, "weight_global_scale", multiplier)
+    layer.weights_padding_cols = record.weights_padding_cols
+    del kernel.process_weights_after_loading  # the instance hook; the class's method is untouched
+
+
+class BundleModelLoader(BaseModelLoader):
+    """Loads an nvfp4-repack bundle (``vllm serve BUNDLE --load-format nvfp4_repack``)."""
+
+    def _bundle(self, model_config: ModelConfig) -> Bundle:
+        if get_pp_group().world_size != 1:
+            raise RepackError(f"the {LOAD_FORMAT} loader does not support pipeline parallelism; use "
+                              f"--pipeline-parallel-size 1")
+        return open_rank_bundle(model_config.model, get_tensor_model_parallel_world_size(),
+                                get_tensor_model_parallel_rank())
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: a bundle is a local folder; opening it runs the refusals early."""
+        self._bundle(model_config)
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        self._restored: set[str] = set()
+        self._opened = self._bundle(model_config)  # refuse before vLLM allocates anything
+        model = super().load_model(vllm_config, model_config, prefix)
+        missed = sorted(set(self._opened.manifest.layers) - self._restored)
+        if missed:
+            raise RepackError(f"vLLM never post-processed bundle layer {missed[0]!r} ({len(missed)} in all)")
+        return model
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        bundle = getattr(self, "_opened", None) or self._bundle(model_config)
+        names = SCHEME_PARAMS.get(model_config.quantization)
+        if names is None:
+            raise RepackError(f"vLLM reads this bundle as {model_config.quantization!r} quantization; bundles are "
+                              f"served as one of {', '.join(SCHEME_PARAMS)}")
+        layers = _nvfp4_layers(model)
+        extra = sorted(set(bundle.manifest.layers) - set(layers))
+        if extra:
+            raise RepackError(f"{bundle.root}: layer {extra[0]!r} is not an NVFP4 layer of vLLM's "
+                              f"{type(model).__name__}; was the bundle converted with --fuse for this model?")
+        absent = sorted(set(layers) - set(bundle.manifest.layers))
+        if absent:
+            raise RepackError(f"{bundle.root}: vLLM's NVFP4 layer {absent[0]!r} has no tensors in the bundle")
+        for name, module in layers.items():
+            self._install(module, name, bundle, names)
+        model.load_weights(self._passthrough(bundle))
+
+    @staticmethod
+    def _passthrough(bundle: Bundle) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in bundle.manifest.passthrough:
+            yield name, bundle.read(name)
+
+    def _install(self, module: nn.Module, prefix: str, bundle: Bundle, names: tuple[str, str, str, bool]) -> None:
+        """Give one vLLM layer the bundle's tensors and its target's kernel, and hook that kernel's post-load."""
+        record = bundle.layer(prefix)
+        if (module.output_size_per_partition, module.input_size_per_partition) != (record.n, record.k):
+            raise RepackError(
+                f"{prefix}: vLLM's layer is [N={module.output_size_per_partition}, "
+                f"K={module.input_size_per_partition}] on this rank but the bundle's is [N={record.n}, K={record.k}]"
+            )
+        holder = _kernel_holder(module)
+        wanted = kernel_class(bundle.target)
+        if type(holder.kernel) is not wanted:  # e.g. Marlin (vLLM's sm12x default) or a W4A4 kernel
+            module.__dict__.pop("_input_quant_key", None)
+            holder.kernel = wanted(NvFp4LinearLayerConfig())
+            expose_input_quant_key(module, holder.kernel)
+        runtime = bundle.runtime_layer(prefix)
+        packed, scales, partition_scale, reciprocal = names
+        device = getattr(module, packed).device
+        getattr(module, packed).data = runtime.weight.to(device)
+        getattr(module, scales).data = runtime.weight_scale.to(device)
+        multiplier = runtime.weight_global_scale.to(device)
+        getattr(module, partition_scale).data.fill_(float(_stored_reciprocal(multiplier) if reciprocal
+                                                          else multiplier))
+        kernel = holder.kernel
+
+        def restore(layer: nn.Module) -> None:
+            _restore(layer, kernel, bundle.target, record, multiplier)
+            self._restored.add(prefix)
+
+        kernel.process_weights_after_loading = restore
