@@ -176,8 +176,8 @@ class BundleModelLoader(BaseModelLoader):
                                 get_tensor_model_parallel_rank())
 
     def download_model(self, model_config: ModelConfig) -> None:
-        """Nothing to download: a bundle is a local folder; opening it runs the refusals early."""
-        self._bundle(model_config)
+        """Nothing to download: a bundle is a local folder (vLLM may call this before its distributed state
+        exists, so the refusals run in ``load_model``)."""
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         self._restored: set[str] = set()

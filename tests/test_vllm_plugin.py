@@ -1,0 +1,34 @@
+"""The vLLM loader plugin's checks (tests/vllm/plugin_checks.py), run in the vLLM env from the project's suite.
+
+They need vLLM itself in-process (the plugin is vLLM code), so they run as one pytest session in
+tests/vllm/make_env.sh's env, which pins FlashInfer 0.7.2.post1 as vLLM does; in CI a missing env fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from .test_vllm_conformance import HERE, VENV, _vllm_python
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_vllm_plugin_checks_pass_in_the_vllm_env():
+    python = _vllm_python()
+    subprocess.run(["bash", str(HERE / "make_env.sh")], check=True, env={**os.environ, "NVFP4_REPACK_VLLM_VENV": str(VENV)})
+    done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "plugin_checks.py")],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_entry_point_is_the_register_function_and_the_core_never_imports_vllm():
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    module, _, name = entry["nvfp4_repack"].partition(":")
+    code = (f"import sys, repack.cli, repack.convert, repack.verify, repack.runtime, {module}; "
+            f"assert callable({module}.{name}); assert 'vllm' not in sys.modules, 'imported vllm'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})

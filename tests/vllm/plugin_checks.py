@@ -1,0 +1,268 @@
+"""The ``nvfp4_repack`` vLLM model loader against vLLM 0.33's own load of the source; runs in the vLLM env.
+
+    python -m pytest tests/vllm/plugin_checks.py      # in tests/vllm/make_env.sh's env, PYTHONPATH=<repo>
+
+(tests/test_vllm_plugin.py runs it so from the project's suite.) Oracle: vLLM's ``DefaultModelLoader`` on the
+source checkpoint, through harness.py's four patches (q/k/v and gate/up fusion, TP sharding, the schemes'
+post-processing, padding, swizzle and FlashInfer's per-arch preparation all run unmodified). The model the
+plugin loads from the bundle, after the source's safetensors are deleted, must hold the same state: every
+parameter and buffer (class, dtype, shape, strides, storage offset, the bytes of its whole storage, so a view is
+compared with the buffer under it) and, per NVFP4 layer, the kernel class and the attributes the kernel reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import harness  # noqa: I001  (first: fixes vLLM's platform before anything imports vLLM)
+import pytest
+import torch
+from torch import nn
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import (
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader import get_model_loader
+
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.formats import read_source
+from repack.nvfp4 import dequantize
+from repack.sample.synthetic import write_llama
+from repack.vllm_plugin import register
+from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
+from repack.vllm_plugin.loader import LOAD_FORMAT
+
+harness.patch()
+register()  # what vLLM's plugin loader does through the vllm.general_plugins entry point
+PRODUCERS = Path(__file__).resolve().parents[1] / "data" / "producers"
+# What a layer's NVFP4 kernel reads besides its three tensors.
+KERNEL_ATTRS = ("weights_padding_cols", "output_size_per_partition", "input_size_per_partition", "logical_widths")
+
+
+@contextlib.contextmanager
+def world(tp_size: int = 1, rank: int = 0, init_file: str | None = None) -> Iterator[None]:
+    """vLLM's distributed state for one rank on gloo (``init_file`` shared by the ranks of one world)."""
+    init = init_file or os.path.join(tempfile.mkdtemp(prefix="vllm-plugin-"), "dist_init")
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=tp_size, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"file://{init}")
+        initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def load(model: str | Path, load_format: str, target: str, tp_size: int = 1) -> nn.Module:
+    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces)."""
+    harness._current["arch"] = "sm120" if target == "sm120" else "sm100"
+    config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
+                        load_format=load_format, linear_backend="flashinfer_cutedsl",
+                        tensor_parallel_size=tp_size).create_engine_config()
+    with set_current_vllm_config(config):
+        return get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
+
+
+def tensor_state(t: torch.Tensor) -> tuple:
+    return (type(t).__name__, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.device.type,
+            bytes(t.untyped_storage()))
+
+
+def layer_state(model: nn.Module) -> dict[str, object]:
+    """Every parameter and buffer of ``model``, and each NVFP4 layer's kernel class and kernel-read attributes."""
+    state: dict[str, object] = {}
+    for name, module in model.named_modules():
+        for part, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            state[f"{name}.{part}"] = tensor_state(t)
+        holder = getattr(module, "scheme", None) or getattr(module, "quant_method", None)
+        kernel = getattr(holder, "kernel", None)
+        if kernel is not None:
+            state[f"{name}:kernel"] = type(kernel).__name__
+            state[f"{name}:kernel_attrs"] = sorted(vars(kernel))
+            for attr in KERNEL_ATTRS:
+                state[f"{name}:{attr}"] = getattr(module, attr, None)
+    return state
+
+
+FIXTURES = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
+# vLLM's Llama fusion (packed_modules_mapping), written out independently of the planner under test.
+PARTITIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.fixture(scope="module")
+def vllm_world():
+    with world():
+        yield
+
+
+def _source(tmp_path: Path, fixture: str) -> Path:
+    return Path(shutil.copytree(PRODUCERS / fixture, tmp_path / "source"))
+
+
+def _delete_weights(source: Path) -> None:
+    for file in source.glob("*.safetensors"):
+        file.unlink()
+
+
+def _differences(got: dict, expected: dict) -> list[str]:
+    keys = sorted(set(got) | set(expected))
+    return [k for k in keys if got.get(k, "<absent>") != expected.get(k, "<absent>")]
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = layer_state(load(source, "safetensors", target))
+    _delete_weights(source)
+    got = layer_state(load(bundle, LOAD_FORMAT, target))
+    assert any(k.endswith("qkv_proj:kernel") for k in expected)
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+def _tp2_rank(rank: int, cases: list[tuple[str, str, str]], init_file: str, results: str) -> None:
+    """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's."""
+    import torch.distributed as dist
+
+    out = {}
+    with world(tp_size=2, rank=rank, init_file=init_file):
+        for source, bundle, target in cases:
+            expected = layer_state(load(source, "safetensors", target, tp_size=2))
+            dist.barrier()
+            if rank == 0:
+                _delete_weights(Path(source))
+            dist.barrier()
+            got = layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2))
+            out[Path(source).parent.name] = _differences(got, expected) or (
+                [] if any(k.endswith("qkv_proj:kernel") for k in got) else ["no fused layer loaded"])
+    Path(results, f"rank-{rank}.json").write_text(json.dumps(out))
+
+
+# The producer fixtures' MLP (176) splits into per-rank K = 88, which vLLM cannot serve at TP = 2; this Llama
+# splits cleanly and has one kv head, which vLLM replicates on both ranks.
+def _tp2_llama(root: Path, fmt: str, gen: torch.Generator, w4a4: bool = False) -> Path:
+    return write_llama(root, fmt, hidden=64, heads=4, kv_heads=1, intermediate=224, generator=gen, layers=2,
+                       w4a4=w4a4)
+
+
+def test_plugin_state_equals_vllm_load_tp2(tmp_path):
+    """Both formats and both targets at TP = 2, in one two-process world (each process imports vLLM once)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for fmt, w4a4 in (("modelopt", False), ("compressed-tensors", True)):
+        for target in ("sm100", "sm120"):
+            case = tmp_path / f"{fmt}-{target}"
+            source = _tp2_llama(case / "source", fmt, gen, w4a4)
+            convert(source, target, case / "bundle", fuse=True, tp=2)
+            cases.append((str(source), str(case / "bundle" / "rank-0"), target))  # vLLM reads config.json there
+    torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert len(result) == len(cases)
+        assert all(not diff for diff in result.values()), f"rank {rank}: {result}"
+
+
+@pytest.mark.parametrize("fixture", ["modelopt_w4a16_nvfp4", "ct_nvfp4"])
+def test_sm90_kernel_class_matches_float64(vllm_world, tmp_path, fixture):
+    """vLLM's own layer objects, loaded from an sm90 bundle, run through RepackSm90NvFp4LinearKernel (reference
+    backend on CPU) = a float64 GEMM with the source's dequantized partitions."""
+    source = _source(tmp_path, fixture)
+    convert(source, "sm90", tmp_path / "bundle", fuse=True)
+    weights = read_source(source)
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    layers = {name: m for name, m in model.named_modules() if hasattr(m, "weights_padding_cols")}
+    assert len(layers) == 8
+    for name, layer in layers.items():
+        assert type(layer.quant_method.kernel if hasattr(layer.quant_method, "kernel") else layer.scheme.kernel) \
+            is RepackSm90NvFp4LinearKernel
+        parent, _, leaf = name.rpartition(".")
+        parts = [f"{parent}.{p}" for p in PARTITIONS.get(leaf, (leaf,))]
+        w = torch.cat([dequantize(weights.load_layer(weights.layers[p])) for p in parts])
+        x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(torch.bfloat16)
+        y = layer.quant_method.apply(layer, x)
+        ref = x.double() @ w.t()
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+        assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
+
+
+def _refused(path: Path, target: str = "sm100") -> str:
+    with pytest.raises(RepackError) as caught:
+        load(path, LOAD_FORMAT, target)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def _edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture
+def sm100_bundle(tmp_path) -> Path:
+    convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle", fuse=True)
+    return tmp_path / "bundle"
+
+
+def test_refuses_a_source_checkpoint(vllm_world, tmp_path):
+    assert "not an nvfp4-repack bundle" in _refused(_source(tmp_path, "ct_nvfp4a16"))
+
+
+def test_refuses_another_gpu_family(vllm_world, sm100_bundle, monkeypatch):
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(12, 0))
+    assert "this GPU is sm120; convert the source with --target sm120" in _refused(sm100_bundle)
+
+
+def test_refuses_another_layout_id(vllm_world, sm100_bundle):
+    _edit_json(sm100_bundle / "manifest.json", lambda m: m.update(layout_id="sm100-cute-dsl-v0"))
+    assert "re-convert" in _refused(sm100_bundle)
+
+
+def test_refuses_an_unchecked_flashinfer(vllm_world, sm100_bundle):
+    _edit_json(sm100_bundle / "manifest.json", lambda m: m.update(flashinfer_versions=["0.6.18"]))
+    assert "checked against FlashInfer 0.6.18" in _refused(sm100_bundle)
+
+
+def test_refuses_another_tp_size(vllm_world, tmp_path):
+    source = _tp2_llama(tmp_path / "source", "compressed-tensors", torch.Generator().manual_seed(0))
+    convert(source, "sm100", tmp_path / "bundle", fuse=True, tp=2)
+    assert "--tensor-parallel-size 2 or re-convert with --tp 1" in _refused(tmp_path / "bundle" / "rank-0")
+
+
+def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
+    convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
+    assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
+
+
+HADAMARD = {"config_groups": {"u": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "weight_input"},
+                                                                    {"targets": ["Linear"], "location": "input"}]}}}
+
+
+def test_refuses_online_transforms(vllm_world, sm100_bundle):
+    _edit_json(sm100_bundle / "config.json",
+               lambda c: c["quantization_config"].update(transform_config=HADAMARD))
+    assert "online transforms" in _refused(sm100_bundle)
