@@ -6,6 +6,9 @@
    multiplier bit for bit; passthrough tensors equal the source's bytes.
 3. Numerics: the runtime GEMM on the chosen device, on fresh random bf16 activations, against a float64
    GEMM with weights dequantized from the source (from the bundle's own decode when no source exists).
+   On CPU that GEMM is the reference backend, which reads the layout by its index formula
+   (``runtime/formulas.py``), not with the inverse step 2 uses, so a transform and its inverse that are
+   wrong together still fail here.
 
 Online transforms: each stored matrix is checked for integrity and, with a source, for being bit for bit the
 source's matrix normalized and cast as convert makes it; each layer must carry exactly the source's transforms;

@@ -1,8 +1,10 @@
-"""Shared fixtures: fresh random NVFP4 checkpoints in either producer format."""
+"""Shared fixtures: fresh random NVFP4 checkpoints in either producer format, and each test's random seed."""
 
 from __future__ import annotations
 
 import os
+import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from repack.nvfp4 import NVFP4Weight
 from repack.sample.synthetic import random_nvfp4, write_checkpoint
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+SEED_ENV = "NVFP4_TEST_SEED"
 PRODUCERS = Path(__file__).parent / "data" / "producers"
 
 # Producer fixtures with online transforms (llm-compressor QuIP / SpinQuant): these convert, run and verify...
@@ -37,6 +40,30 @@ def require(module: str):
     return pytest.importorskip(module)
 
 
+def seed_for(nodeid: str) -> int:
+    """``NVFP4_TEST_SEED`` if set, else a hash of the test id: stable across runs, different per test."""
+    return int(os.environ.get(SEED_ENV) or zlib.crc32(nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def random_seed(request) -> int:
+    """Seed torch's and ``random``'s global generators for every test; a failing test's report prints the seed."""
+    seed = seed_for(request.node.nodeid)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    return seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seeds = [value for key, value in item.user_properties if key == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("random seed", f"{SEED_ENV}={seeds[0]} reproduces this test's random inputs"))
+    return report
+
+
 @dataclass
 class SyntheticModel:
     path: Path
@@ -48,7 +75,7 @@ class SyntheticModel:
 
 @pytest.fixture
 def make_model(tmp_path: Path):
-    """Factory: write a random NVFP4 checkpoint (fresh seed each call) and return what was written."""
+    """Factory: write a random NVFP4 checkpoint (a new draw from the test's seeded generator each call)."""
     counter = iter(range(1000))
 
     def make(

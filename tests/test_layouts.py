@@ -63,7 +63,7 @@ def test_swizzle_matches_the_documented_offset_formula(n, k_sf):
 
 
 def test_sm120_tiles_match_the_documented_index_formula():
-    """shared/NVFP4_REFERENCE.md §4, element by element, for a 2 x 3 grid of tiles."""
+    """docs/NVFP4_REFERENCE.md §4, element by element, for a 2 x 3 grid of tiles."""
     codes = torch.randint(0, 256, (128, 16), dtype=torch.uint8)  # Np=128, Kp/2=16
     packed = pack_tiles(codes).view(torch.uint8).reshape(2, 2, 128, 4)  # [KT, NT, p, j]
     b_kn = codes.t()

@@ -118,10 +118,11 @@ def fake_mm_bf16_fp4(calls: list, target_name: str):
             n_padded = b.shape[1] // 2
             scales = b_descale
         calls.append((a.shape, n_padded))
+        from repack.runtime.formulas import decode
         from repack.targets import RuntimeLayer
 
-        decoded = target.from_runtime(RuntimeLayer(b, scales, alpha, 0), n_padded, k_padded)
-        return (a.double() @ dequantize(decoded).t()).to(torch.bfloat16)
+        weight = decode(RuntimeLayer(b, scales, alpha, 0), n_padded, k_padded, target.name, torch.float64)
+        return (a.double() @ weight.t()).to(torch.bfloat16)
 
     return mm
 

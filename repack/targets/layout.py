@@ -2,7 +2,7 @@
 
 Pure torch on CPU or GPU. Each transform has its exact inverse next to it; the swizzle follows
 cuBLAS/CUTLASS's "128x4" scale-factor layout as vLLM's ``swizzle_blockscale`` and FlashInfer's
-``_unswizzle_sf_128x4`` define it (see shared/NVFP4_REFERENCE.md §3).
+``_unswizzle_sf_128x4`` define it (see docs/NVFP4_REFERENCE.md §3).
 """
 
 from __future__ import annotations

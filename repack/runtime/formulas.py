@@ -1,0 +1,159 @@
+"""Index-formula decoders: each target's runtime tensors -> dense weights, one gathered element at a time.
+
+A layout transform and its inverse can be wrong together and still round-trip bit for bit, so decoding
+with a target's ``from_runtime`` cannot check ``to_runtime``. These decoders share no code with the
+targets' view-and-permute transforms: for every logical weight ``(row, col)`` and block scale
+``(row, block)`` they compute, from the layout's documented index formula (the targets' module
+docstrings, docs/NVFP4_REFERENCE.md), where its bits live in the runtime buffers, gather them, and decode
+the values arithmetically. The reference backend, and so ``verify``'s numerics on CPU, decode with them.
+
+Every formula is a sum of a row term and a column term, so offsets are two small vectors broadcast
+together, and layers are decoded in row blocks to bound the int64 temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..nvfp4 import BLOCK_SIZE, e2m1_to_float
+from ..targets import RuntimeLayer, resolve_target
+from ..targets.layout import round_up
+from ..targets.sm90 import DECODE_BIAS_LOG2, decode_pairs
+
+ROW_BLOCK_ELEMENTS = 1 << 22  # elements gathered at a time: ~32 MiB of int64 offsets
+
+Offsets = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayoutFormula:
+    """Where one target keeps each code and block scale, and how it encodes them.
+
+    Attributes:
+        code_offsets: ``(rows [R], cols [C], n, k)`` -> ``[R, C]`` code positions: nibble index
+            ``2 * byte + half`` (half 1 = high nibble) for byte layouts, ``8 * word + element`` for sm90.
+        codes: ``(weight buffer, positions)`` -> E2M1 values as float64.
+        scale_offsets: ``(rows [R], blocks [B], n, k)`` -> ``[R, B]`` byte index into the scale buffer.
+        scales: ``(scale buffer, byte indices)`` -> block scales as float64.
+    """
+
+    code_offsets: Offsets
+    codes: Decode
+    scale_offsets: Offsets
+    scales: Decode
+
+
+def _bytes(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer.contiguous().reshape(-1).view(torch.uint8)
+
+
+def nibble_codes(weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibble ``positions`` (``2 * byte + half``) of a byte buffer, decoded."""
+    byte = _bytes(weight)[positions // 2]
+    return e2m1_to_float((byte >> (4 * (positions % 2)).to(torch.uint8)) & 0x0F, torch.float64)
+
+
+def e4m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn bytes at ``positions``, as float64 (torch's own e4m3 conversion)."""
+    return _bytes(scales)[positions].view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def s0e5m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """FlashInfer sm12x's S0E5M3 bytes: 5 exponent bits (bias 15), 3 mantissa bits, no sign; zero exponent is
+    subnormal. Decoded from that definition, not by re-using the encoder's fp16 bit trick."""
+    byte = _bytes(scales)[positions].to(torch.int64)
+    exponent, mantissa = byte >> 3, (byte & 7).to(torch.float64)
+    normal = (8 + mantissa) * torch.exp2((exponent - 18).to(torch.float64))  # (1 + m/8) * 2**(e - 15)
+    return torch.where(exponent == 0, mantissa * 2.0**-17, normal)
+
+
+def sm90_codes(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Element ``positions % 8`` of int32 word ``positions // 8``, decoded with the kernel's rotate-and-mask
+    arithmetic (``decode_pairs``: bf16 patterns of ``e2m1 * 2**-126``), not with the packer's bit tables."""
+    element = positions % 8
+    pairs = decode_pairs(words.contiguous().reshape(-1)[positions // 8])  # [..., 4] int64 bf16x2
+    pair = pairs.gather(-1, (element // 2).unsqueeze(-1)).squeeze(-1)
+    half = (pair >> (16 * (element % 2))) & 0xFFFF
+    raw = half.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64)
+    return raw * 2.0**-DECODE_BIAS_LOG2
+
+
+def sm100_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Row-major ``[round_up(N, 64), round_up(K, 64)/2]`` bytes, element ``2i`` in the low nibble: nibble
+    ``row * round_up(K, 64) + col``."""
+    return (rows * round_up(k, 64))[:, None] + cols[None, :]
+
+
+def swizzle_128x4_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """cuBLAS's 128x4 scale layout: ``((r//128)*(Kp/4) + b//4)*512 + (r%32)*16 + ((r%128)//32)*4 + b%4``,
+    ``Kp = round_up(K/16, 4)`` (docs/NVFP4_REFERENCE.md §3)."""
+    kp = round_up(k // BLOCK_SIZE, 4)
+    row = (rows // 128) * (kp // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    return row[:, None] + ((blocks // 4) * 512 + blocks % 4)[None, :]
+
+
+def sm120_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """FlashInfer's sm12x tiles (docs/NVFP4_REFERENCE.md §4): packed row ``kb = col//2`` of the transposed codes,
+    tile ``(kb//8, row//64)``, int32 ``p = 64w + 8c + 2r + s`` byte ``j = 2h + q`` with ``row%64 = 32s + 16h
+    + 8w + c`` and ``kb%8 = r + 4q``; row ``kt`` of the int32 ``[Kp/16, 2*Np]`` buffer is ``8*Np`` bytes."""
+    np_ = round_up(n, 64)
+    s, h, w, c = (rows % 64) // 32, (rows % 32) // 16, (rows % 16) // 8, rows % 8
+    row_byte = (rows // 64) * 512 + 4 * (64 * w + 8 * c + s) + 2 * h
+    kb = cols // 2
+    r, q = kb % 4, (kb % 8) // 4
+    col_byte = (kb // 8) * 8 * np_ + 4 * 2 * r + q
+    return 2 * (row_byte[:, None] + col_byte[None, :]) + (cols % 2)[None, :]
+
+
+def sm120_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Transposed scales, ``[Kp/16, Np]`` bytes."""
+    return rows[:, None] + (blocks * round_up(n, 64))[None, :]
+
+
+def sm90_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """sm90-triton-v2 (``repack/targets/sm90.py``): row ``16s + 8h + g``, column ``64c + 16t + 4j + 2q + p``
+    is element ``p + 2h + 4q`` of word ``[s, 128c + 4(4g + t) + j]`` of the ``[Np/16, 2*Kp]`` buffer."""
+    kp = round_up(k, 256)
+    s, h, g = rows // 16, (rows % 16) // 8, rows % 8
+    c, t, j, q, p = cols // 64, (cols % 64) // 16, (cols % 16) // 4, (cols % 4) // 2, cols % 2
+    row_word, col_word = s * 2 * kp + 16 * g, 128 * c + 4 * t + j
+    return 8 * (row_word[:, None] + col_word[None, :]) + (2 * h)[:, None] + (p + 4 * q)[None, :]
+
+
+def sm90_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Block ``4c + t`` of row ``16s + 8h + g`` at byte ``[s, 64c + 8g + 2t + h]`` of the ``[Np/16, Kp]`` buffer."""
+    kp = round_up(k, 256)
+    s, h, g = rows // 16, (rows % 16) // 8, rows % 8
+    row = s * kp + 8 * g + h
+    return row[:, None] + (64 * (blocks // 4) + 2 * (blocks % 4))[None, :]
+
+
+FORMULAS: dict[str, LayoutFormula] = {
+    "sm100": LayoutFormula(sm100_code_offsets, nibble_codes, swizzle_128x4_offsets, e4m3_scales),
+    "sm120": LayoutFormula(sm120_code_offsets, nibble_codes, sm120_scale_offsets, s0e5m3_scales),
+    "sm90": LayoutFormula(sm90_code_offsets, sm90_codes, sm90_scale_offsets, e4m3_scales),
+}
+
+
+def formula_for(target: str) -> LayoutFormula:
+    return FORMULAS[resolve_target(target).name]
+
+
+def decode(layer: RuntimeLayer, n: int, k: int, target: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense ``[n, k]`` weights ``e2m1 * block_scale * multiplier`` gathered from ``layer`` by ``target``'s formula."""
+    formula = formula_for(target)
+    device = layer.weight.device
+    cols, blocks = torch.arange(k, device=device), torch.arange(k // BLOCK_SIZE, device=device)
+    multiplier = layer.weight_global_scale.to(torch.float64).reshape(())
+    out = torch.empty((n, k), dtype=dtype, device=device)
+    step = max(1, ROW_BLOCK_ELEMENTS // k)
+    for first in range(0, n, step):
+        rows = torch.arange(first, min(n, first + step), device=device)
+        values = formula.codes(layer.weight, formula.code_offsets(rows, cols, n, k))
+        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k))
+        out[first : first + len(rows)] = values * scales.repeat_interleave(BLOCK_SIZE, dim=1) * multiplier
+    return out

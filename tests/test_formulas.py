@@ -1,0 +1,74 @@
+"""The index-formula decoders against every target's ``to_runtime``: every code and scale position, odd shapes.
+
+``repack/runtime/formulas.py`` computes each element's position from the documented formula and shares no
+code with the targets' view-and-permute transforms, so these tests fail when either side moves a byte, a
+nibble, a word element, a scale or the multiplier (a wrong transform and its wrong inverse still round-trip).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from repack.nvfp4 import BLOCK_SIZE, dequantize
+from repack.runtime.formulas import FORMULAS, decode, formula_for
+from repack.sample.synthetic import random_nvfp4
+from repack.targets import TARGETS
+
+from .conftest import ODD_SHAPES
+
+# Odd shapes, plus ones that cross sm90's 128-row / 256-column and sm100's 128-row scale tiles more than once.
+SHAPES = ODD_SHAPES + [(272, 528), (1040, 272)]
+
+
+def test_every_target_has_a_formula():
+    assert sorted(FORMULAS) == sorted(t.name for t in TARGETS)
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_formula_decode_of_to_runtime_is_the_source(target, n, k):
+    """Every logical element, gathered where the formula says, is the source's value, bit for bit in float64."""
+    weight = random_nvfp4(n, k, allow_zero_scales=True)
+    assert torch.equal(decode(target.to_runtime(weight), n, k, target.name, torch.float64), dequantize(weight))
+
+
+def nbytes(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.element_size()
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_formula_covers_every_position_once_and_padding_is_zero(target, n, k):
+    """Over the padded grid the formula is a bijection onto the runtime buffers (every nibble / word element
+    and every scale byte has exactly one (row, col)); the positions outside the logical [n, k] hold zeros."""
+    runtime = target.to_runtime(random_nvfp4(n, k))
+    formula = formula_for(target.name)
+    geometry = target.geometry(n, k)
+    rows, cols = torch.arange(geometry.n_padded), torch.arange(geometry.k_padded)
+    codes = formula.code_offsets(rows, cols, n, k)  # two per byte: nibbles, or sm90's 8 elements per int32
+    assert torch.equal(codes.reshape(-1).sort().values, torch.arange(2 * nbytes(runtime.weight)))
+    scale_rows = torch.arange(runtime.weight_scale.numel() // (geometry.k_padded // BLOCK_SIZE))
+    scales = formula.scale_offsets(scale_rows, torch.arange(geometry.k_padded // BLOCK_SIZE), n, k)
+    assert torch.equal(scales.reshape(-1).sort().values, torch.arange(nbytes(runtime.weight_scale)))
+    full = formula.codes(runtime.weight, codes)
+    assert not full[n:].any() and not full[:, k:].any(), "padded codes must decode to zero"
+    padded_scales = formula.scales(runtime.weight_scale, scales)
+    assert not padded_scales[n:].any() and not padded_scales[:, k // BLOCK_SIZE :].any(), "padded scales must be 0"
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+def test_one_code_and_one_scale_land_where_the_formula_says(target):
+    """A single nonzero code (and scale) per position: the formula finds it, and nothing else is nonzero."""
+    n, k = 48, 80
+    for row, col in [(0, 0), (1, 0), (0, 1), (17, 33), (47, 79), (40, 64), (9, 17)]:
+        codes = torch.zeros((n, k // 2), dtype=torch.uint8)
+        codes[row, col // 2] = 0x7 << (4 * (col % 2))  # E2M1 6.0 at (row, col)
+        scales = torch.zeros((n, k // BLOCK_SIZE), dtype=torch.uint8)
+        scales[row, col // BLOCK_SIZE] = 0x38  # e4m3 1.0
+        weight = random_nvfp4(n, k)
+        weight = type(weight)(codes, scales.view(torch.float8_e4m3fn), weight.multiplier)
+        got = decode(target.to_runtime(weight), n, k, target.name, torch.float64)
+        want = torch.zeros((n, k), dtype=torch.float64)
+        want[row, col] = 6.0 * float(weight.multiplier)
+        assert torch.equal(got, want), (row, col)
