@@ -150,10 +150,13 @@ def audit(mutation: Mutation | None, tests: list[str]) -> tuple[list[str], str]:
         return run_suite(clone, tests)
 
 
-def short(test_ids: list[str], shown: int = 4) -> str:
-    names = [t.removeprefix("tests/") for t in test_ids]
-    more = f", ... (+{len(names) - shown})" if len(names) > shown else ""
-    return ", ".join(f"`{n}`" for n in names[:shown]) + more
+def by_test(test_ids: list[str]) -> str:
+    """``file::test (count)`` per test function, parameters folded."""
+    counts: dict[str, int] = {}
+    for test_id in test_ids:
+        name = test_id.removeprefix("tests/").split("[")[0]
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"`{name}` ({count})" for name, count in counts.items())
 
 
 def main() -> None:
@@ -168,7 +171,7 @@ def main() -> None:
     failed, summary = audit(None, tests)
     print(f"unmutated copy: {summary}", flush=True)
     if failed:
-        raise SystemExit(f"the unmutated suite fails ({short(failed)}); fix that first")
+        raise SystemExit(f"the unmutated suite fails ({by_test(failed)}); fix that first")
     rows = []
     for mutation in chosen:
         failed, summary = audit(mutation, tests)
@@ -177,7 +180,7 @@ def main() -> None:
     print(f"\ntests run: {' '.join(tests)}  ({time.monotonic() - start:.0f} s)\n")
     print("| mutation | CPU tests failing |\n| --- | --- |")
     for name, failed in rows:
-        print(f"| {name} | {len(failed)}: {short(failed)} |" if failed else f"| {name} | **0 (not caught)** |")
+        print(f"| {name} | {len(failed)}: {by_test(failed)} |" if failed else f"| {name} | **0 (not caught)** |")
     if any(not failed for _, failed in rows):
         raise SystemExit(1)
 

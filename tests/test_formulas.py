@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from repack.nvfp4 import BLOCK_SIZE, dequantize
+from repack.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from repack.runtime.formulas import FORMULAS, decode, formula_for
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS
@@ -51,7 +51,7 @@ def test_formula_covers_every_position_once_and_padding_is_zero(target, n, k):
     scale_rows = torch.arange(runtime.weight_scale.numel() // (geometry.k_padded // BLOCK_SIZE))
     scales = formula.scale_offsets(scale_rows, torch.arange(geometry.k_padded // BLOCK_SIZE), n, k)
     assert torch.equal(scales.reshape(-1).sort().values, torch.arange(nbytes(runtime.weight_scale)))
-    full = formula.codes(runtime.weight, codes)
+    full = formula.code_values(runtime.weight)[codes]
     assert not full[n:].any() and not full[:, k:].any(), "padded codes must decode to zero"
     padded_scales = formula.scales(runtime.weight_scale, scales)
     assert not padded_scales[n:].any() and not padded_scales[:, k // BLOCK_SIZE :].any(), "padded scales must be 0"
@@ -66,8 +66,7 @@ def test_one_code_and_one_scale_land_where_the_formula_says(target):
         codes[row, col // 2] = 0x7 << (4 * (col % 2))  # E2M1 6.0 at (row, col)
         scales = torch.zeros((n, k // BLOCK_SIZE), dtype=torch.uint8)
         scales[row, col // BLOCK_SIZE] = 0x38  # e4m3 1.0
-        weight = random_nvfp4(n, k)
-        weight = type(weight)(codes, scales.view(torch.float8_e4m3fn), weight.multiplier)
+        weight = NVFP4Weight(codes, scales.view(torch.float8_e4m3fn), random_nvfp4(n, k).multiplier)
         got = decode(target.to_runtime(weight), n, k, target.name, torch.float64)
         want = torch.zeros((n, k), dtype=torch.float64)
         want[row, col] = 6.0 * float(weight.multiplier)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -12,7 +13,9 @@ from safetensors.torch import load_file, save_file
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
+from repack import targets
 from repack.formats.safetensors_io import DTYPE_NAMES, file_sha256, tensor_bytes
+from repack.targets import TARGETS, Target
 from repack.verify import verify_bundle
 
 from .conftest import PRODUCERS
@@ -160,6 +163,35 @@ def test_failure_reports_the_seed(bundle, capsys, tmp_path):
     code, text = run_verify(out, capsys, "--seed", "1234", "--json", str(tmp_path / "r.json"))
     assert code == 1 and "seed 1234" in text
     assert json.loads((tmp_path / "r.json").read_text())["seed"] == 1234
+
+
+def wrong_together(target: Target) -> Target:
+    """``target`` with the global scale doubled by ``to_runtime`` and halved by ``from_runtime``: a layout bug
+    that its inverse mirrors, so the bundle round-trips bit for bit."""
+
+    def to_runtime(weight):
+        layer = target.to_runtime(weight)
+        return dataclasses.replace(layer, weight_global_scale=layer.weight_global_scale * 2)
+
+    def from_runtime(layer, n, k):
+        weight = target.from_runtime(layer, n, k)
+        return dataclasses.replace(weight, multiplier=weight.multiplier / 2)
+
+    return dataclasses.replace(target, to_runtime=to_runtime, from_runtime=from_runtime)
+
+
+@pytest.mark.parametrize("name", [t.name for t in TARGETS])
+def test_numerics_catches_a_transform_wrong_together_with_its_inverse(make_model, tmp_path, monkeypatch, name):
+    """Exactness decodes with the target's inverse and passes; numerics reads the bytes by the layout's index
+    formula (the reference backend) and fails: the two checks are independent."""
+    monkeypatch.setattr(targets, "TARGETS", tuple(wrong_together(t) if t.name == name else t for t in TARGETS))
+    model = make_model("compressed-tensors")
+    convert(model.path, name, tmp_path / "bundle")
+    report = verify_bundle(tmp_path / "bundle", source=model.path)
+    assert report.backend == "reference"
+    assert [c.name for c in report.failures] == list(model.layers)
+    for check in report.failures:
+        assert check.errors and all("relative error" in e for e in check.errors), check.errors
 
 
 @pytest.mark.gpu

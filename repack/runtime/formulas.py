@@ -1,4 +1,4 @@
-"""Index-formula decoders: each target's runtime tensors -> dense weights, one gathered element at a time.
+"""Index-formula decoders: each target's runtime tensors -> dense weights, every element gathered by formula.
 
 A layout transform and its inverse can be wrong together and still round-trip bit for bit, so decoding
 with a target's ``from_runtime`` cannot check ``to_runtime``. These decoders share no code with the
@@ -23,9 +23,11 @@ from ..targets import RuntimeLayer, resolve_target
 from ..targets.layout import round_up
 from ..targets.sm90 import DECODE_BIAS_LOG2, decode_pairs
 
-ROW_BLOCK_ELEMENTS = 1 << 22  # elements gathered at a time: ~32 MiB of int64 offsets
+ROW_BLOCK_ELEMENTS = 1 << 20  # elements gathered at a time: 8 MiB of int64 offsets
+WORD_BLOCK = 1 << 18  # sm90 words decoded at a time: 8 MiB of int64 bf16x2 pairs
 
 Offsets = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+Values = Callable[[torch.Tensor], torch.Tensor]
 Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -36,13 +38,13 @@ class LayoutFormula:
     Attributes:
         code_offsets: ``(rows [R], cols [C], n, k)`` -> ``[R, C]`` code positions: nibble index
             ``2 * byte + half`` (half 1 = high nibble) for byte layouts, ``8 * word + element`` for sm90.
-        codes: ``(weight buffer, positions)`` -> E2M1 values as float64.
+        code_values: weight buffer -> the E2M1 value at every position, in position order (bf16, exact).
         scale_offsets: ``(rows [R], blocks [B], n, k)`` -> ``[R, B]`` byte index into the scale buffer.
         scales: ``(scale buffer, byte indices)`` -> block scales as float64.
     """
 
     code_offsets: Offsets
-    codes: Decode
+    code_values: Values
     scale_offsets: Offsets
     scales: Decode
 
@@ -51,10 +53,12 @@ def _bytes(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.contiguous().reshape(-1).view(torch.uint8)
 
 
-def nibble_codes(weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """E2M1 nibble ``positions`` (``2 * byte + half``) of a byte buffer, decoded."""
-    byte = _bytes(weight)[positions // 2]
-    return e2m1_to_float((byte >> (4 * (positions % 2)).to(torch.uint8)) & 0x0F, torch.float64)
+def nibble_values(weight: torch.Tensor) -> torch.Tensor:
+    """Position ``2 * byte + half`` of a byte buffer: E2M1 of the low nibble for half 0, of the high for half 1."""
+    e2m1 = e2m1_to_float(torch.arange(16, device=weight.device), torch.bfloat16)
+    byte = torch.arange(256, device=weight.device)
+    pair_of_byte = torch.stack((e2m1[byte % 16], e2m1[byte // 16]), dim=-1)  # [256, 2]
+    return pair_of_byte[_bytes(weight).long()].reshape(-1)
 
 
 def e4m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -71,15 +75,17 @@ def s0e5m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return torch.where(exponent == 0, mantissa * 2.0**-17, normal)
 
 
-def sm90_codes(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Element ``positions % 8`` of int32 word ``positions // 8``, decoded with the kernel's rotate-and-mask
-    arithmetic (``decode_pairs``: bf16 patterns of ``e2m1 * 2**-126``), not with the packer's bit tables."""
-    element = positions % 8
-    pairs = decode_pairs(words.contiguous().reshape(-1)[positions // 8])  # [..., 4] int64 bf16x2
-    pair = pairs.gather(-1, (element // 2).unsqueeze(-1)).squeeze(-1)
-    half = (pair >> (16 * (element % 2))) & 0xFFFF
-    raw = half.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64)
-    return raw * 2.0**-DECODE_BIAS_LOG2
+def sm90_values(words: torch.Tensor) -> torch.Tensor:
+    """Position ``8 * word + element`` of the int32 words, decoded with the kernel's rotate-and-mask arithmetic
+    (``decode_pairs``: pair i = elements 2i, 2i+1 as bf16 bits of ``e2m1 * 2**-126``), not the packer's tables."""
+    flat = words.contiguous().reshape(-1)
+    out = torch.empty(8 * flat.numel(), dtype=torch.bfloat16, device=flat.device)
+    for first in range(0, flat.numel(), WORD_BLOCK):
+        pairs = decode_pairs(flat[first : first + WORD_BLOCK])  # [w, 4] int64
+        halves = torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).reshape(-1)  # element 2i + half
+        raw = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
+        out[8 * first : 8 * first + halves.numel()] = (raw * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
+    return out
 
 
 def sm100_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -106,7 +112,7 @@ def sm120_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -
     kb = cols // 2
     r, q = kb % 4, (kb % 8) // 4
     col_byte = (kb // 8) * 8 * np_ + 4 * 2 * r + q
-    return 2 * (row_byte[:, None] + col_byte[None, :]) + (cols % 2)[None, :]
+    return (2 * row_byte)[:, None] + (2 * col_byte + cols % 2)[None, :]
 
 
 def sm120_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -121,7 +127,7 @@ def sm90_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) ->
     s, h, g = rows // 16, (rows % 16) // 8, rows % 8
     c, t, j, q, p = cols // 64, (cols % 64) // 16, (cols % 16) // 4, (cols % 4) // 2, cols % 2
     row_word, col_word = s * 2 * kp + 16 * g, 128 * c + 4 * t + j
-    return 8 * (row_word[:, None] + col_word[None, :]) + (2 * h)[:, None] + (p + 4 * q)[None, :]
+    return (8 * row_word + 2 * h)[:, None] + (8 * col_word + p + 4 * q)[None, :]
 
 
 def sm90_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -133,9 +139,9 @@ def sm90_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int)
 
 
 FORMULAS: dict[str, LayoutFormula] = {
-    "sm100": LayoutFormula(sm100_code_offsets, nibble_codes, swizzle_128x4_offsets, e4m3_scales),
-    "sm120": LayoutFormula(sm120_code_offsets, nibble_codes, sm120_scale_offsets, s0e5m3_scales),
-    "sm90": LayoutFormula(sm90_code_offsets, sm90_codes, sm90_scale_offsets, e4m3_scales),
+    "sm100": LayoutFormula(sm100_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
+    "sm120": LayoutFormula(sm120_code_offsets, nibble_values, sm120_scale_offsets, s0e5m3_scales),
+    "sm90": LayoutFormula(sm90_code_offsets, sm90_values, sm90_scale_offsets, e4m3_scales),
 }
 
 
@@ -148,12 +154,14 @@ def decode(layer: RuntimeLayer, n: int, k: int, target: str, dtype: torch.dtype 
     formula = formula_for(target)
     device = layer.weight.device
     cols, blocks = torch.arange(k, device=device), torch.arange(k // BLOCK_SIZE, device=device)
+    values = formula.code_values(layer.weight)
     multiplier = layer.weight_global_scale.to(torch.float64).reshape(())
     out = torch.empty((n, k), dtype=dtype, device=device)
     step = max(1, ROW_BLOCK_ELEMENTS // k)
     for first in range(0, n, step):
         rows = torch.arange(first, min(n, first + step), device=device)
-        values = formula.codes(layer.weight, formula.code_offsets(rows, cols, n, k))
-        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k))
-        out[first : first + len(rows)] = values * scales.repeat_interleave(BLOCK_SIZE, dim=1) * multiplier
+        codes = values[formula.code_offsets(rows, cols, n, k)].to(torch.float64)
+        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k)) * multiplier
+        block = codes.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * scales.unsqueeze(-1)  # exact in float64
+        out[first : first + len(rows)] = block.view(len(rows), k)  # one rounding to ``dtype``
     return out
