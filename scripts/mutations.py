@@ -104,6 +104,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         Edit("repack/targets/sm120.py", "bits = (encoded.to(torch.int32) << 7).to(torch.int16)",
              "bits = (encoded.to(torch.int32) << 6).to(torch.int16)"),
     )),
+    Mutation("online-transform matrix transposed where convert stores it (`runtime_matrix`)", (
+        Edit("repack/formats/transforms.py", "return (load_matrix(checkpoint, matrix) / matrix.scale).to(dtype).contiguous()",
+             "return (load_matrix(checkpoint, matrix) / matrix.scale).t().to(dtype).contiguous()"),
+    )),
 )  # fmt: skip
 
 
