@@ -1,28 +1,45 @@
-"""read -> plan -> transform -> write: a source checkpoint becomes a runtime-layout bundle for one target."""
+"""read -> plan -> transform -> write: a source checkpoint becomes runtime-layout bundles, in one pass.
+
+The pass reads each source unit (a quantized layer, or a passthrough tensor in bounded chunks) once and
+hands it to every output bundle; each output transforms it for its own plan on a thread of its own and queues
+the bytes on its writer thread (its *lane*). Reading runs on the calling thread, transforms, hashing and
+writing on the outputs' threads and the source files' threads: hashlib, file I/O and large torch ops release the GIL, so this
+uses every core. The source files' sha256 comes from the same reads (``formats.hashing``): one read of the
+source. Each output is all-or-nothing on its own (see ``bundle.writer``); a resume keeps the
+shards a journal in the staging folder records (see ``bundle.resume``).
+"""
 
 from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Sequence
 
 from . import BUNDLE_FORMAT_VERSION, __version__
-from .bundle.layers import LayerPlan, OutputLayer, assemble, plan_layers, rescale_error
+from .bundle.layers import LayerPlan, OutputLayer, assemble, plan_layers, rescale_error, whole_piece
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
     TransformRecord,
 )
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
-from .bundle.writer import check_destination, recover_interrupted, staged_folder, write_json, write_shard
+from .bundle.resume import Journal, find_resumable, source_identity
+from .bundle.writer import ShardWriter, check_destination, recover_interrupted, staged_folder, write_json
+from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
-from .formats.checkpoint import BUNDLE_CONFIG_KEY, contained_file
-from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, iter_raw_chunks, tensor_bytes
+from .formats.checkpoint import BUNDLE_CONFIG_KEY
+from .formats.hashing import HashingReader
+from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_bytes
 from .formats.transforms import runtime_matrix
-from .targets import RuntimeLayer, Target, resolve_target
+from .nvfp4 import NVFP4Weight
+from .targets import TARGETS, Target, resolve_target
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
+LANE_BYTES = 16 << 20  # produced bytes a lane may queue (beyond one tensor) before the pass waits: bounds memory
 
 
 @dataclass(frozen=True)
@@ -34,47 +51,18 @@ class ConvertSummary:
     bytes_in: int
     bytes_out: int
     seconds: float
-    bundles: list[str]
-    rescaled: dict[str, float]  # layer -> relative L2 error --rescale added (worst over ranks)
+    kept_shards: int = 0  # shards a resume kept from an interrupted convert
+    bundles: list[str] = field(default_factory=list)  # the bundle folders written (OUT, or OUT/rank-R)
+    rescaled: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added (worst over ranks)
 
 
-class _LayerCache:
-    """Converts each layer once even though its parts are written one after another."""
+@dataclass(frozen=True)
+class OutputBundle:
+    """One bundle a pass writes: where it goes and what it holds (its plan names the target layout)."""
 
-    def __init__(self, source: SourceModel, target: Target) -> None:
-        self.source, self.target = source, target
-        self.prefix: str | None = None
-        self.runtime: RuntimeLayer | None = None
-        self.global_scales: dict[str, float] = {}
-
-    def get(self, layer: OutputLayer) -> RuntimeLayer:
-        if self.prefix != layer.prefix:
-            self.runtime = None  # free the previous layer before building the next
-            self.runtime = self.target.to_runtime(assemble(self.source, layer))
-            self.prefix = layer.prefix
-            self.global_scales[layer.prefix] = float(self.runtime.weight_global_scale)
-        assert self.runtime is not None
-        return self.runtime
-
-
-def _chunk_source(source: SourceModel, cache: _LayerCache, progress: Progress) -> Callable[[PlannedTensor], Iterable]:
-    def chunks(tensor: PlannedTensor) -> Iterable:
-        if tensor.matrix is not None:
-            progress(tensor.nbytes, tensor.name)
-            yield tensor_bytes(runtime_matrix(source.checkpoint, tensor.matrix, DTYPES[tensor.dtype_name]))
-            return
-        if tensor.layer is None:
-            for chunk in iter_raw_chunks(source.checkpoint.entry(tensor.source_name)):
-                progress(len(chunk), tensor.name)
-                yield chunk
-            return
-        value = cache.get(tensor.layer).tensors()[tensor.part]
-        if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
-            raise AssertionError(f"{tensor.name}: target produced {value.dtype} {list(value.shape)}, planned otherwise")
-        progress(tensor.nbytes, tensor.name)
-        yield tensor_bytes(value)
-
-    return chunks
+    out: Path
+    plan: BundlePlan
+    folder: str = ""  # inside ``out``: rank-R of a --tp conversion, whose ranks are staged (and installed) together
 
 
 def bundle_config(config: dict, target: Target, layers: LayerPlan) -> dict:
@@ -102,24 +90,142 @@ def _partitions(layer: OutputLayer) -> list[PartitionRecord]:
     return records
 
 
-def _manifest(
-    source: SourceModel, plan: BundlePlan, cache: _LayerCache, digests: dict[str, str], files: dict[str, str]
-) -> Manifest:
+class _Lane:
+    """Work run in order on a thread of its own (a bundle's transforms, or its writes). ``submit`` waits while
+    more than ``limit`` bytes are queued, so no stage gets more than that ahead of the next one."""
+
+    def __init__(self, limit: int = LANE_BYTES) -> None:
+        self._pool = ThreadPoolExecutor(1)
+        self._queue: deque[tuple[Future, int]] = deque()
+        self._queued = 0
+        self._limit = limit
+
+    def submit(self, nbytes: int, fn: Callable, *args) -> None:
+        while self._queue and self._queued + nbytes > self._limit:
+            self._wait_oldest()
+        self._queue.append((self._pool.submit(fn, *args), nbytes))
+        self._queued += nbytes
+
+    def _wait_oldest(self) -> None:
+        future, nbytes = self._queue.popleft()
+        self._queued -= nbytes
+        future.result()
+
+    def drain(self) -> None:
+        while self._queue:
+            self._wait_oldest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class _Writing:
+    """An output bundle during the pass: its staging folder, open shards, and what is known for its manifest."""
+
+    output: OutputBundle
+    staging: Path
+    journal: Journal
+    transformer: _Lane = field(default_factory=_Lane)  # to_runtime, then queue the writes on ``lane``
+    lane: _Lane = field(default_factory=_Lane)  # hashing and writing
+    writers: dict[str, ShardWriter] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    global_scales: dict[str, float] = field(default_factory=dict)
+    remaining: dict[str, int] = field(default_factory=dict)  # shard -> tensors not yet queued
+    syncer: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))  # shards' fsync, in order
+    syncs: list[Future] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for file, tensors in self.output.plan.shards.items():
+            if file in self.journal.kept:
+                kept = self.journal.kept[file]
+                self.files[file] = kept.sha256
+                self.digests.update(kept.tensors)
+                self.global_scales.update(kept.global_scales)
+            else:
+                self.remaining[file] = len(tensors)
+
+    def needs(self, unit: str) -> bool:
+        return any(self.output.plan.file_of[t.name] in self.remaining for t in self.output.plan.units[unit])
+
+    def take_layer(self, layer: OutputLayer, weight: NVFP4Weight) -> None:
+        """Queue ``weight`` for this bundle's transform thread (each output transforms on a thread of its own)."""
+        nbytes = weight.codes.nbytes + weight.block_scales.nbytes
+        self.transformer.submit(nbytes, self._transform, layer, weight)
+
+    def take_chunk(self, tensor: PlannedTensor, chunk: bytes | memoryview, last: bool) -> None:
+        """Queue passthrough bytes, behind the layers already queued (the shards' order)."""
+        if self.output.plan.file_of[tensor.name] in self.remaining:
+            self.transformer.submit(len(chunk), self._queue_write, tensor, chunk, last)
+
+    def _transform(self, layer: OutputLayer, weight: NVFP4Weight) -> None:
+        runtime = self.output.plan.target.to_runtime(weight)
+        self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
+        values = runtime.tensors()
+        for tensor in self.output.plan.units[layer.prefix]:
+            value = values[tensor.part]
+            if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
+                raise AssertionError(f"{tensor.name}: target produced {value.dtype} {list(value.shape)}, planned otherwise")
+            self._queue_write(tensor, tensor_bytes(value), last=True)
+
+    def _queue_write(self, tensor: PlannedTensor, chunk: bytes | memoryview, last: bool) -> None:
+        file = self.output.plan.file_of[tensor.name]
+        self.lane.submit(len(chunk), self._write, file, tensor, chunk)
+        if last:
+            self.remaining[file] -= 1
+            if self.remaining[file] == 0:
+                self.lane.submit(0, self._close, file)
+
+    def _write(self, file: str, tensor: PlannedTensor, chunk: bytes | memoryview) -> None:
+        if file not in self.writers:
+            self.writers[file] = ShardWriter(self.staging / file, self.output.plan.shards[file])
+        self.writers[file].write(tensor, chunk)
+
+    def _close(self, file: str) -> None:
+        writer = self.writers.pop(file)
+        self.files[file] = writer.finish()
+        self.digests.update(writer.tensor_digests)
+        prefixes = {t.layer.prefix for t in self.output.plan.shards[file] if t.layer is not None}
+        scales = {p: self.global_scales[p] for p in prefixes}
+        self.syncs.append(self.syncer.submit(self._sync, writer, file, scales))
+
+    def _sync(self, writer: ShardWriter, file: str, scales: dict[str, float]) -> None:
+        writer.sync()  # only a shard on disk may enter the journal
+        self.journal.record(file, self.files[file], writer.tensor_digests, scales)
+
+    def drain(self) -> None:
+        """Wait for every queued transform and write, and every shard's fsync."""
+        self.transformer.drain()
+        self.lane.drain()
+        for future in self.syncs:
+            future.result()
+
+    def close(self) -> None:
+        self.transformer.close()
+        self.lane.close()
+        self.syncer.shutdown(wait=True, cancel_futures=True)
+        for writer in self.writers.values():
+            writer.abandon()
+
+
+def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, str]) -> Manifest:
+    plan = writing.output.plan
     records: dict[str, TensorRecord] = {}
     for file, tensors in plan.shards.items():
         for t in tensors:
-            records[t.name] = TensorRecord(file=file, dtype=t.dtype_name, shape=list(t.shape), sha256=digests[t.name])
+            records[t.name] = TensorRecord(file=file, dtype=t.dtype_name, shape=list(t.shape),
+                                           digest=writing.digests[t.name])
     layers = {}
     for prefix, layer in plan.layers.layers.items():
-        parts = plan.target.runtime_specs(layer.n, layer.k)
         geometry = plan.target.geometry(layer.n, layer.k)
         layers[prefix] = LayerRecord(
             n=layer.n,
             k=layer.k,
             padded_shape=geometry.padded_shape,
             weights_padding_cols=geometry.weights_padding_cols,
-            global_scale=cache.global_scales[prefix],
-            tensors={part: records.pop(f"{prefix}.{part}") for part in parts},
+            global_scale=writing.global_scales[prefix],
+            tensors={t.part: records.pop(t.name) for t in plan.units[prefix]},
             transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
                         for t in source.transforms.layers.get(prefix, ())],
             partitions=_partitions(layer),
@@ -129,6 +235,7 @@ def _manifest(
                               source_tensors=[t for t in (m.weight, m.perm) if t], tensor=records.pop(name))
         for name, m in source.transforms.matrices.items()
     }
+    origin = source.checkpoint.origin
     return Manifest(
         bundle_format_version=BUNDLE_FORMAT_VERSION,
         tool_version=__version__,
@@ -139,11 +246,13 @@ def _manifest(
             path=str(source.checkpoint.root.resolve()),
             format=source.format,
             quant_algo=source.quant_algo,
-            files={name: file_sha256(source.checkpoint.root / name) for name in source.checkpoint.shard_files},
+            files=source_files,
+            repo_id=origin.repo_id,
+            revision=origin.commit,
         ),
         layers=layers,
         passthrough=records,
-        files=files,
+        files=dict(writing.files),
         transforms=transforms,
         tp_size=plan.layers.tp_size,
         tp_rank=plan.layers.tp_rank,
@@ -151,80 +260,204 @@ def _manifest(
     )
 
 
-def _write_bundle(folder: Path, source: SourceModel, plan: BundlePlan, progress: Progress) -> None:
-    """Write one bundle (shards, index, side files, config, manifest) into the empty ``folder``."""
-    cache = _LayerCache(source, plan.target)
-    chunks = _chunk_source(source, cache, progress)
-    digests: dict[str, str] = {}
-    files: dict[str, str] = {}
-    for file, tensors in plan.shards.items():
-        tensor_digests, files[file] = write_shard(folder / file, tensors, chunks)
-        digests.update(tensor_digests)
-    if plan.is_sharded:
-        weight_map = {t.name: file for file, tensors in plan.shards.items() for t in tensors}
-        files[INDEX_NAME] = write_json(
-            folder / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
-        )
-    for name in source.checkpoint.side_files():
-        shutil.copyfile(contained_file(source.checkpoint.root, name), folder / name)
-        files[name] = file_sha256(folder / name)
-    config = bundle_config(source.checkpoint.config, plan.target, plan.layers)
-    files["config.json"] = write_json(folder / "config.json", config)
-    manifest = _manifest(source, plan, cache, digests, files)
-    (folder / MANIFEST_NAME).write_text(manifest.to_json())
-
-
 def rank_folder(rank: int) -> str:
     """Where rank ``rank`` of a ``--tp`` conversion lives inside OUT."""
     return f"rank-{rank}"
 
 
-def convert(
-    model: str | Path,
-    target_name: str,
-    out: str | Path,
+def _finish(source: SourceModel, writing: _Writing, source_files: dict[str, str]) -> None:
+    """Index, side files, config and manifest of a bundle whose shards are all written."""
+    plan, staging = writing.output.plan, writing.staging
+    if plan.is_sharded:
+        weight_map = {t.name: file for file, tensors in plan.shards.items() for t in tensors}
+        writing.files[INDEX_NAME] = write_json(
+            staging / INDEX_NAME, {"metadata": {"total_size": plan.total_bytes}, "weight_map": weight_map}
+        )
+    for name in source.checkpoint.side_files():
+        shutil.copyfile(source.checkpoint.contained(name), staging / name)
+        writing.files[name] = file_sha256(staging / name)
+    writing.files["config.json"] = write_json(staging / "config.json", bundle_config(source.checkpoint.config, plan.target, plan.layers))
+    writing.journal.discard()
+    (staging / MANIFEST_NAME).write_text(_manifest(source, writing, source_files).to_json())
+
+
+def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], report: Progress) -> None:
+    """Read every unit some output still needs, once, and hand it to each of them (``reader`` hashes the source
+    files on the way; units no output needs are left to its final hashing)."""
+    for unit in sorted({unit for w in outputs for unit in w.output.plan.units}):  # every plan's unit_order, merged
+        takers = [w for w in outputs if unit in w.output.plan.units and w.needs(unit)]
+        if not takers:
+            continue
+        if unit in takers[0].output.plan.layers.layers:  # an output layer: a source layer, or pieces of some
+            loaded: dict[str, NVFP4Weight] = {}  # each source layer read once, shared by every bundle's pieces
+
+            def load(prefix: str) -> NVFP4Weight:
+                if prefix not in loaded:
+                    loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
+                return loaded[prefix]
+
+            for writing in takers:
+                layer = writing.output.plan.layers.layers[unit]
+                whole = layer.prefix in source.layers and layer.pieces == (whole_piece(source.layers[layer.prefix]),)
+                writing.take_layer(layer, load(layer.prefix) if whole else assemble(source, layer, load))
+            report(sum(source.checkpoint.tensors[n].nbytes for p in loaded for n in source.layers[p].tensor_names), unit)
+            continue
+        if unit in source.transforms.matrices:  # an online-transform matrix, normalized and cast per output
+            for writing in takers:
+                tensor = writing.output.plan.units[unit][0]
+                matrix = runtime_matrix(source.checkpoint, tensor.matrix, DTYPES[tensor.dtype_name])
+                writing.take_chunk(tensor, tensor_bytes(matrix), last=True)
+            report(0, unit)
+            continue
+        entry = source.checkpoint.entry(unit)
+        done = 0
+        for chunk in reader.chunks(entry) if entry.nbytes else [b""]:
+            done += len(chunk)
+            for writing in takers:
+                writing.take_chunk(writing.output.plan.units[unit][0], chunk, last=done == entry.nbytes)
+            report(len(chunk), unit)
+
+
+def convert_bundles(
+    source: SourceModel,
+    outputs: Sequence[OutputBundle],
     *,
     overwrite: bool = False,
+    resume: bool = False,
+    progress: Progress | None = None,
+) -> list[ConvertSummary]:
+    """Write every bundle of ``outputs`` in one pass over ``source``; each destination is all-or-nothing on its
+    own (the ``folder``s of one ``out``, a --tp conversion's ranks, are staged and installed together).
+
+    ``resume``: reuse the staging folder an interrupted convert to the same destination left, keeping the
+    shards its journal records (when the source and plan are the same and each file still hashes as
+    recorded); everything else is written again, so the result is byte-identical to an uninterrupted run.
+    """
+    started = time.perf_counter()
+    report = progress or (lambda nbytes, what: None)
+    destinations = list(dict.fromkeys(output.out for output in outputs))
+    for out in destinations:
+        recover_interrupted(out)  # a replace killed between its two renames left OUT missing
+        check_destination(out, overwrite, protected=[source.checkpoint.root])
+    identity = source_identity(source.checkpoint)
+    with ExitStack() as stack:
+        reader = HashingReader(source.checkpoint)
+        stack.callback(reader.close)
+        writings: list[_Writing] = []
+        try:
+            for out in destinations:
+                group = [output for output in outputs if output.out == out]
+                if resume and any(output.folder for output in group):
+                    raise RepackError(f"{out}: --resume is not supported for tensor-parallel (--tp) conversions")
+                reuse = find_resumable(out, group[0].plan, identity) if resume else None
+                root = stack.enter_context(staged_folder(out, overwrite, reuse=reuse and reuse.folder))
+                for output in group:
+                    staging = root / output.folder
+                    staging.mkdir(exist_ok=True)
+                    writings.append(_Writing(output, staging, reuse or Journal.start(staging, output.plan, identity)))
+                    stack.callback(writings[-1].close)
+            _pass(source, reader, writings, report)
+            for writing in writings:
+                writing.drain()
+            source_files = reader.digests()
+            for writing in writings:
+                _finish(source, writing, source_files)
+        except KeyboardInterrupt:  # finish the writes already queued (bounded by LANE_BYTES), keep them for a resume
+            for writing in writings:
+                writing.drain()
+                writing.close()
+                writing.journal.save()
+            raise Interrupted([(w.output.out, w.staging, len(w.journal.kept_now()), len(w.output.plan.shards))
+                               for w in writings]) from None
+    bytes_in = sum(e.nbytes for e in source.checkpoint.tensors.values())
+    seconds = time.perf_counter() - started
+    return [
+        ConvertSummary(out=w.output.out, target=w.output.plan.target.name, layers=len(w.output.plan.layers.layers),
+                       passthrough=len(source.passthrough), bytes_in=bytes_in, bytes_out=w.output.plan.total_bytes,
+                       seconds=seconds, kept_shards=len(w.journal.kept),
+                       bundles=[str(w.output.out / w.output.folder) if w.output.folder else str(w.output.out)])
+        for w in writings
+    ]
+
+
+def resolve_targets(names: str | Sequence[str]) -> list[Target]:
+    """Targets by name or alias, ``all`` for every family; each once, in the order given."""
+    wanted: list[Target] = []
+    for name in [names] if isinstance(names, str) else names:
+        for target in TARGETS if name.strip().lower() == "all" else [resolve_target(name)]:
+            if target not in wanted:
+                wanted.append(target)
+    if not wanted:
+        raise RepackError("no target given")
+    return wanted
+
+
+def convert(
+    model: str | Path,
+    target_name: str | Sequence[str],
+    out: str | Path,
+    *,
+    revision: str | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
     max_shard_size: int | str = "5GB",
     fuse: bool = False,
     tp: int = 1,
     rescale: bool = False,
     progress: Progress | None = None,
-    on_plan: Callable[[SourceModel, list[BundlePlan]], None] | None = None,
-) -> ConvertSummary:
-    """Convert ``model`` into a bundle for ``target_name`` at ``out`` (``tp > 1``: one bundle per rank in
-    ``out/rank-R``); all-or-nothing."""
-    started = time.perf_counter()
-    target = resolve_target(target_name)
-    parse_size(max_shard_size)  # a bad --max-shard-size fails before any work
+    on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
+) -> ConvertSummary | list[ConvertSummary]:
+    """Convert ``model`` (a folder, or a Hub repo id at ``revision``) into bundles; all-or-nothing per bundle.
+
+    One target name: ``out`` is the bundle, and one summary is returned. A list of names (``all`` for every
+    family): one pass writes ``out/<target>`` for each, and a list of summaries is returned.
+
+    ``fuse``: vLLM's fused modules (qkv_proj, gate_up_proj); ``tp > 1``: one bundle per tensor-parallel rank in
+    ``out/rank-R`` (one summary for them all); ``rescale``: fold unequal partition scales into block scales.
+    These take one target, and no ``resume`` with ``tp > 1``.
+    """
+    targets = resolve_targets(target_name)
+    parse_size(max_shard_size)  # a bad shard size fails before any work
+    single = isinstance(target_name, str) and target_name.strip().lower() != "all"
+    if (fuse or tp > 1) and not single:
+        raise RepackError("--fuse/--tp take one target; convert each target in a run of its own")
+    if resume and tp > 1:
+        raise RepackError("--resume is not supported with --tp; convert again without --resume")
     out = Path(out)
-    source = read_source(model)
-    recover_interrupted(out)  # a replace killed between its two renames (non-Linux fallback) left OUT missing
-    check_destination(out, overwrite, protected=[source.checkpoint.root])
-    plans = [plan_bundle(source, target, layers, max_shard_size)
-             for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
-    folders = [rank_folder(p.layers.tp_rank) if tp > 1 else "" for p in plans]
+    source = read_source(model, revision=revision)
+    if not single:
+        _prepare_root(out, protected=source.checkpoint.root)
+    if fuse or tp > 1:
+        plans = [plan_bundle(source, targets[0], layers, max_shard_size)
+                 for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
+        outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
+    else:
+        layers = plan_layers(source)[0]
+        outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
+                   for t in targets]
     if on_plan is not None:
-        on_plan(source, plans)
+        on_plan(source, outputs)
     rescaled: dict[str, float] = {}
-    for plan in plans:
-        for prefix, layer in plan.layers.layers.items():
+    for output in outputs:
+        for prefix, layer in output.plan.layers.layers.items():
             if any(piece.scale_ratio != 1.0 for piece in layer.pieces):
                 rescaled[prefix] = max(rescaled.get(prefix, 0.0), rescale_error(source, layer))
-    report = progress or (lambda nbytes, what: None)
-    with staged_folder(out, overwrite) as staging:
-        for plan, folder in zip(plans, folders):
-            (staging / folder).mkdir(exist_ok=True)
-            _write_bundle(staging / folder, source, plan, report)
-    bytes_in = sum(e.nbytes for e in source.checkpoint.tensors.values())
-    return ConvertSummary(
-        out=out,
-        target=target.name,
-        layers=len(plans[0].layers.layers),
-        passthrough=len(source.passthrough),
-        bytes_in=bytes_in,
-        bytes_out=sum(p.total_bytes for p in plans),
-        seconds=time.perf_counter() - started,
-        bundles=[str(out / f) if f else str(out) for f in folders],
-        rescaled=rescaled,
-    )
+    summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, progress=progress)
+    if not single:
+        return summaries
+    first = summaries[0]
+    return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
+                   bundles=[b for s in summaries for b in s.bundles])
+
+
+def _prepare_root(out: Path, protected: Path) -> None:
+    """The folder that holds one bundle per target: created if missing, never a bundle itself."""
+    if (out / MANIFEST_NAME).is_file():
+        raise RepackError(f"{out}: is a bundle; several targets are written to <out>/<target>, choose another output")
+    if out.resolve() == protected.resolve() or protected.resolve().is_relative_to(out.resolve()):
+        raise RepackError(f"{out}: the output folder would replace the input {protected}; choose another output")
+    if out.exists() and not out.is_dir():
+        raise RepackError(f"{out}: exists and is not a folder")
+    if not out.parent.is_dir():
+        raise RepackError(f"{out.parent}: output's parent folder does not exist")
+    out.mkdir(exist_ok=True)

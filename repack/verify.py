@@ -1,6 +1,7 @@
 """verify: prove a bundle computes the same function as its source, in three independent steps.
 
-1. Integrity: every file and tensor the manifest lists is present, with its dtype, shape and sha256, and
+1. Integrity: every file the manifest lists is present with its sha256, every tensor with its dtype, shape
+   and digest (xxh3-128, or sha256 in format-1 bundles), and
    each layer's tensors have the shapes its target's layout implies.
 2. Exactness: each layer, decoded with the target's inverse, equals the source's codes, scales and
    multiplier bit for bit; passthrough tensors equal the source's bytes.
@@ -22,15 +23,16 @@ weight or scale, or a misplaced tile, gives errors of order 1.
 
 from __future__ import annotations
 
-import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .bundle.layers import OutputLayer, Piece, assemble, source_function
-from .bundle.manifest import MANIFEST_NAME, LayerRecord, PartitionRecord
+from .bundle.layers import OutputLayer, Piece, assemble, source_function, whole_piece
+from .bundle.manifest import MANIFEST_NAME, LayerRecord, PartitionRecord, tensor_digest
 from .bundle.reader import Bundle, open_bundle
 from .errors import RepackError
 from .formats import SourceModel, read_source
@@ -43,6 +45,10 @@ from .targets import RuntimeLayer
 
 NUMERIC_TOLERANCE = 1e-2
 BATCH_SIZES = (1, 7, 32)
+REFERENCE_ROWS = 512
+
+
+CHECK_KINDS = ("integrity", "layout", "exactness", "numerics")  # what a failure is about, for the summary
 
 
 @dataclass
@@ -51,10 +57,12 @@ class TensorCheck:
     status: str = "ok"  # ok | fail | skipped
     errors: list[str] = field(default_factory=list)
     max_rel_error: float | None = None
+    kinds: list[str] = field(default_factory=list)  # the CHECK_KINDS entry of each of ``errors``
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, kind: str = "integrity") -> None:
         self.status = "fail"
         self.errors.append(message)
+        self.kinds.append(kind)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class VerifyReport:
     layers: list[TensorCheck]
     passthrough: list[TensorCheck]
     transforms: list[TensorCheck] = field(default_factory=list)
+    numerics_layers: int = 0  # layers whose numerics were checked (all, or a sample: see numerics_sample)
 
     @property
     def passed(self) -> bool:
@@ -79,21 +88,26 @@ class VerifyReport:
     def failures(self) -> list[TensorCheck]:
         return [c for c in self.files + self.layers + self.passthrough + self.transforms if c.status == "fail"]
 
+    def summary(self) -> dict[str, list[str]]:
+        """Every failure message, grouped by check kind (kinds without failures left out)."""
+        grouped: dict[str, list[str]] = {}
+        for check in self.failures:
+            for kind, message in zip(check.kinds, check.errors):
+                grouped.setdefault(kind, []).append(message)
+        return {kind: grouped[kind] for kind in CHECK_KINDS if kind in grouped}
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "passed": self.passed}
+        return {**asdict(self), "passed": self.passed, "failures_by_kind": {k: len(v) for k, v in self.summary().items()}}
 
 
-def _check_files(bundle: Bundle) -> list[TensorCheck]:
-    checks = []
-    for name, sha in sorted(bundle.manifest.files.items()):
-        check = TensorCheck(name)
-        try:
-            if file_sha256(contained_file(bundle.root, name)) != sha:
-                check.fail(f"{name}: sha256 differs from the manifest (file modified or truncated)")
-        except RepackError as exc:
-            check.fail(str(exc))
-        checks.append(check)
-    return checks
+def _check_file(bundle: Bundle, name: str, sha: str) -> TensorCheck:
+    check = TensorCheck(name)
+    try:
+        if file_sha256(contained_file(bundle.root, name)) != sha:
+            check.fail(f"{name}: sha256 differs from the manifest (file modified or truncated)")
+    except RepackError as exc:
+        check.fail(str(exc))
+    return check
 
 
 def _checked_tensor(
@@ -111,11 +125,13 @@ def _checked_tensor(
         check.fail(f"{name}: file has {entry.dtype_name} {list(entry.shape)}, manifest says {record.dtype} {record.shape}")
         return None
     if expected is not None and (record.dtype, record.shape) != expected:
-        check.fail(f"{name}: {record.dtype} {record.shape} is not the {bundle.target.name} layout {expected}")
+        check.fail(f"{name}: {record.dtype} {record.shape} is not the {bundle.target.name} layout {expected}", "layout")
         return None
     tensor = read_tensor(entry)
-    if hashlib.sha256(tensor_bytes(tensor)).hexdigest() != record.sha256:
-        check.fail(f"{name}: sha256 differs from the manifest")
+    digest = tensor_digest(bundle.manifest.tensor_digest)
+    digest.update(tensor_bytes(tensor))
+    if digest.hexdigest() != record.digest:
+        check.fail(f"{name}: {bundle.manifest.tensor_digest} digest differs from the manifest")
         return None
     return tensor
 
@@ -142,7 +158,22 @@ def _check_exact(decoded: NVFP4Weight, original: NVFP4Weight, prefix: str, check
     for what, a, b in (("codes", decoded.codes, original.codes), ("block scales", decoded.block_scales,
                        original.block_scales), ("global scale", decoded.multiplier, original.multiplier)):
         if not _same_bits(a, b):
-            check.fail(f"{prefix}: {what} differ from the source")
+            check.fail(f"{prefix}: {what} differ from the source", "exactness")
+
+
+def _reference_products(weight: NVFP4Weight | torch.Tensor, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x @ dequant(weight).T`` in float64 for each ``x``, dequantizing ``REFERENCE_ROWS`` rows at a time:
+    memory stays at one block, where the whole float64 matrix of a large layer took gigabytes. A float64
+    ``weight`` (a rescaled layer's source function) is used as it is."""
+    if isinstance(weight, torch.Tensor):
+        return [x @ weight.t() for x in xs]
+    outs = [torch.empty(x.shape[0], weight.n, dtype=torch.float64) for x in xs]
+    for start in range(0, weight.n, REFERENCE_ROWS):
+        rows = slice(start, start + REFERENCE_ROWS)
+        block = dequantize(NVFP4Weight(weight.codes[rows], weight.block_scales[rows], weight.multiplier), torch.float64)
+        for x, out in zip(xs, outs):
+            out[:, rows] = x @ block.t()
+    return outs
 
 
 def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
@@ -157,20 +188,7 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 def _judge(check: TensorCheck, worst: float, what: str) -> None:
     check.max_rel_error = worst
     if not worst <= NUMERIC_TOLERANCE:
-        check.fail(f"{what}: relative error {worst:.3g} exceeds {NUMERIC_TOLERANCE:g}")
-
-
-def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, weight: torch.Tensor,
-                    check: TensorCheck, gen: torch.Generator, transforms: dict[str, torch.Tensor]) -> None:
-    """``layer`` on random bf16 activations against a float64 GEMM with ``weight`` (float64 ``[n, k]``), with the
-    layer's online ``transforms`` (location -> float64 normalized matrix) applied around it."""
-    worst = 0.0
-    for m in BATCH_SIZES:
-        x = torch.randn(m, layer.k, generator=gen).to(torch.bfloat16)
-        y = layer(x.to(device)).to("cpu", torch.float64)
-        ref = _block64(_block64(x.to(torch.float64), transforms.get("input")) @ weight.t(), transforms.get("output"))
-        worst = max(worst, _relative_error(y, ref))
-    _judge(check, worst, prefix)
+        check.fail(f"{what}: relative error {worst:.3g} exceeds {NUMERIC_TOLERANCE:g}", "numerics")
 
 
 def output_layer(prefix: str, record: LayerRecord) -> OutputLayer:
@@ -188,6 +206,23 @@ def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
         if piece.rows[1] > found.n or piece.cols[1] > found.k or piece.cols[0] % BLOCK_SIZE:
             return f"{layer.prefix}: partition rows {list(piece.rows)} x cols {list(piece.cols)} are outside {piece.source}"
     return None
+def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight | torch.Tensor,
+                    check: TensorCheck, gen: torch.Generator, one_call: bool,
+                    transforms: dict[str, torch.Tensor]) -> None:
+    """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (a weight, or the float64
+    ``[n, k]`` function of a rescaled layer's source), with the layer's online ``transforms`` (location ->
+    float64 normalized matrix) applied around it."""
+    xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
+    if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
+        ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
+    else:
+        ys = [layer(x.to(device)).to("cpu", torch.float64) for x in xs]
+    worst = 0.0
+    inputs = [_block64(x.to(torch.float64), transforms.get("input")) for x in xs]
+    refs = [_block64(r, transforms.get("output")) for r in _reference_products(reference, inputs)]
+    for y, ref in zip(ys, refs):
+        worst = max(worst, _relative_error(y, ref))
+    _judge(check, worst, prefix)
 
 
 def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[TensorCheck], dict[str, torch.Tensor]]:
@@ -227,75 +262,145 @@ def _check_layer_transforms(bundle: Bundle, src: SourceModel, prefix: str, check
         check.fail(f"{prefix}: online transforms {have} are not the source's {want}")
 
 
-def _source_for(bundle: Bundle, source: str | Path | None) -> SourceModel | None:
+def numerics_sample(layers: dict[str, LayerRecord], gen: torch.Generator) -> set[str]:
+    """The layers whose numerics a sampled verify runs: the first of each distinct [N, K] and one more at random.
+
+    Exactness compares every layer's decode with the source bit for bit; numerics then shows that the runtime
+    path computes the function for each layer geometry, which does not depend on the layer's values."""
+    first: dict[tuple[int, int], str] = {}
+    for prefix, record in layers.items():
+        first.setdefault((record.n, record.k), prefix)
+    names = list(layers)
+    return set(first.values()) | ({names[int(torch.randint(0, len(names), (), generator=gen))]} if names else set())
+
+
+def resolve_source(bundle: Bundle, source: str | Path | None = None, revision: str | None = None) -> SourceModel | None:
+    """The source to check against: ``source`` (a folder or Hub repo id), else the folder the manifest records
+    if it still exists, else None."""
     if source is not None:
-        return read_source(source)
+        return read_source(source, revision=revision)
     recorded = Path(bundle.manifest.source.path)
     return read_source(recorded) if (recorded / "config.json").exists() else None
+
+
+def check_source_identity(bundle: Bundle, src: SourceModel, digests: dict[str, str]) -> None:
+    """Refuse a source that is not the one the bundle was built from: ``digests`` (its files' sha256) must be the
+    manifest's. Comparing with any other checkpoint would report every layer as wrong, or fail on shapes."""
+    recorded = bundle.manifest.source.files
+    if digests != recorded:
+        differing = sorted(set(digests) ^ set(recorded)) or sorted(n for n in digests if digests[n] != recorded[n])
+        raise RepackError(f"{src.checkpoint.root}: not the source the bundle was built from "
+                          f"({differing[0]}: sha256 or file list differs from the manifest's)")
+
+
+def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, numerics: bool,
+                 gen: torch.Generator, matrices: dict[str, torch.Tensor | None], bad: set[str]) -> TensorCheck:
+    """Integrity and layout of one layer's tensors, exactness against the source, numerics if asked."""
+    record = bundle.manifest.layers[prefix]
+    check = TensorCheck(prefix)
+    runtime = _checked_runtime_layer(bundle, prefix, check)
+    if runtime is None:
+        return check
+    decoded = bundle.target.from_runtime(runtime, record.n, record.k)
+    reference = decoded
+    if src is not None:
+        planned = output_layer(prefix, record)
+        layer = src.layers.get(prefix)
+        problem = _source_slices_problem(src, planned)
+        if problem is not None:
+            check.fail(problem, "exactness")
+            return check
+        if layer is not None and planned.pieces == (whole_piece(layer),):
+            reference = src.load_layer(layer)  # the whole source layer (no fusion, no rank)
+            _check_exact(decoded, reference, prefix, check)
+        else:
+            assembled = assemble(src, planned)
+            _check_exact(decoded, assembled, prefix, check)
+            rescaled = any(p.scale_ratio != 1.0 for p in planned.pieces)
+            reference = source_function(src, planned) if rescaled else assembled
+        _check_layer_transforms(bundle, src, prefix, check)
+    for t in record.transforms:  # whether or not numerics run on this layer
+        if t.matrix in bad:
+            check.fail(f"{prefix}: its {t.location} transform {t.matrix} failed its checks", "exactness")
+    transforms = {t.location: matrices[t.matrix] for t in record.transforms}
+    if any(m is None for m in transforms.values()):
+        check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
+    elif numerics:
+        _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
+                        loaded.backend == "reference", transforms)
+    return check
+
+
+def _check_passthrough(bundle: Bundle, name: str, src: SourceModel | None) -> TensorCheck:
+    check = TensorCheck(name)
+    tensor = _checked_tensor(bundle, name, check)
+    if tensor is not None and src is not None:
+        if name not in src.checkpoint.tensors:
+            check.fail(f"{name}: not in the source", "exactness")
+        elif not _same_bits(tensor, src.checkpoint.read(name)):
+            check.fail(f"{name}: differs from the source", "exactness")
+    return check
 
 
 def verify_bundle(
     path: str | Path | Bundle,
     *,
-    source: str | Path | None = None,
+    source: str | Path | SourceModel | None = None,
     device: str = "cpu",
     seed: int | None = None,
+    numerics: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
-    """Run all three checks; never raises for problems inside the bundle, reports them instead."""
+    """Run all three checks; never raises for problems inside the bundle, reports them instead.
+
+    ``source`` (default: the folder the manifest records, if it exists) must be the checkpoint the bundle
+    was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a ``sample`` (see
+    :func:`numerics_sample`), or ``auto``: all on a GPU, a sample on the CPU, whose reference backend takes
+    longer than every other check together. Files and the source are hashed on other threads meanwhile."""
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     loaded = load_bundle(bundle, device)
-    src = _source_for(bundle, source)
+    src = source if isinstance(source, SourceModel) else resolve_source(bundle, source)
+    if numerics not in ("auto", "all", "sample"):
+        raise RepackError(f"numerics {numerics!r}: expected auto, all or sample")
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
     gen = torch.Generator().manual_seed(seed)
-    report = VerifyReport(
-        bundle=str(bundle.root), target=bundle.target.name, device=device, backend=loaded.backend,
-        source=str(src.checkpoint.root) if src else None, seed=seed, tolerance=NUMERIC_TOLERANCE,
-        files=_check_files(bundle), layers=[], passthrough=[],
-    )
-    report.transforms, matrices = _check_transforms(bundle, src)
+    sampled = numerics == "sample" or (numerics == "auto" and loaded.backend == "reference")
+    chosen = numerics_sample(bundle.manifest.layers, gen) if sampled else set(bundle.manifest.layers)
     tick = progress or (lambda name: None)
-    for prefix, record in bundle.manifest.layers.items():
-        check = TensorCheck(prefix)
-        report.layers.append(check)
-        runtime = _checked_runtime_layer(bundle, prefix, check)
-        if runtime is None:
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        source_files = src.checkpoint.shard_files if src is not None else []
+        hashing = {name: pool.submit(file_sha256, src.checkpoint.contained(name)) for name in source_files}
+        files = [pool.submit(_check_file, bundle, name, sha) for name, sha in sorted(bundle.manifest.files.items())]
+
+        def check_identity(wait: bool) -> None:  # a wrong source stops verify as soon as its hash is known
+            if src is not None and (wait or all(f.done() for f in hashing.values())):
+                check_source_identity(bundle, src, {name: f.result() for name, f in hashing.items()})
+
+        transform_checks, matrices = _check_transforms(bundle, src)
+        bad = {c.name for c in transform_checks if c.status == "fail"}
+        layers, passthrough = [], []
+        for prefix in bundle.manifest.layers:
+            check_identity(wait=False)
+            layers.append(_check_layer(bundle, loaded, prefix, src, prefix in chosen, gen, matrices, bad))
             tick(prefix)
-            continue
-        decoded = bundle.target.from_runtime(runtime, record.n, record.k)
-        function = dequantize(decoded, torch.float64)
-        if src is not None:
-            planned = output_layer(prefix, record)
-            problem = _source_slices_problem(src, planned)
-            if problem is not None:
-                check.fail(problem)
-            else:
-                _check_exact(decoded, assemble(src, planned), prefix, check)
-                _check_layer_transforms(bundle, src, prefix, check)
-                function = source_function(src, planned)
-        transforms = {t.location: matrices[t.matrix] for t in record.transforms}
-        if any(m is None for m in transforms.values()):
-            check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run")
-        else:
-            _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, function, check, gen,
-                            transforms)
-        tick(prefix)
-    for name in bundle.manifest.passthrough:
-        check = TensorCheck(name)
-        report.passthrough.append(check)
-        tensor = _checked_tensor(bundle, name, check)
-        if tensor is not None and src is not None:
-            if name not in src.checkpoint.tensors:
-                check.fail(f"{name}: not in the source")
-            elif not _same_bits(tensor, src.checkpoint.read(name)):
-                check.fail(f"{name}: differs from the source")
-        tick(name)
-    if src is not None and bundle.manifest.tp_size == 1:
+        for name in bundle.manifest.passthrough:
+            passthrough.append(_check_passthrough(bundle, name, src))
+            tick(name)
+        check_identity(wait=True)
+        report = VerifyReport(
+            bundle=str(bundle.root), target=bundle.target.name, device=device, backend=loaded.backend,
+            source=str(src.checkpoint.root) if src else None, seed=seed, tolerance=NUMERIC_TOLERANCE,
+            files=[f.result() for f in files], layers=layers, passthrough=passthrough, numerics_layers=len(chosen),
+            transforms=transform_checks,
+        )
+    if src is not None and bundle.manifest.tp_size == 1:  # a rank holds part of the model: see verify_output
         covered = {p.source for record in bundle.manifest.layers.values() for p in record.partitions}
         for prefix in sorted(set(src.layers) - covered):
-            report.layers.append(TensorCheck(prefix, "fail", [f"{prefix}: source layer missing from the bundle"]))
+            report.layers.append(TensorCheck(prefix, "fail", [f"{prefix}: source layer missing from the bundle"],
+                                             kinds=["exactness"]))
         for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough)):
-            report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"]))
+            report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"],
+                                                  kinds=["exactness"]))
     return report
 
 
@@ -335,7 +440,7 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
         for (rows, cols) in regions:
             cover[rows[0]:rows[1], cols[0]:cols[1]] += 1
         if not bool((cover == 1).all()):
-            check.fail(f"{name}: the ranks do not cover the source layer exactly once")
+            check.fail(f"{name}: the ranks do not cover the source layer exactly once", "exactness")
             continue
         weight = dequantize(src.load_layer(layer), torch.float64)
         worst = 0.0
@@ -357,34 +462,38 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
 def verify_output(
     path: str | Path,
     *,
-    source: str | Path | None = None,
+    source: str | Path | SourceModel | None = None,
     device: str = "cpu",
     seed: int | None = None,
+    numerics: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Verify a bundle, or every rank of a ``--tp`` output and the layers the ranks reassemble into."""
     ranks = rank_bundles(path)
     if not ranks:
-        return verify_bundle(path, source=source, device=device, seed=seed, progress=progress)
+        return verify_bundle(path, source=source, device=device, seed=seed, numerics=numerics, progress=progress)
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
     bundles = [open_bundle(r) for r in ranks]
     sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
-    reports = [verify_bundle(b, source=source, device=device, seed=seed + i, progress=progress)
+    src = source if isinstance(source, SourceModel) else resolve_source(bundles[0], source)
+    reports = [verify_bundle(b, source=src, device=device, seed=seed + i, numerics=numerics, progress=progress)
                for i, b in enumerate(bundles)]
     first = reports[0]
     merged = VerifyReport(
         bundle=str(path), target=first.target, device=device, backend=first.backend, source=first.source,
         seed=seed, tolerance=NUMERIC_TOLERANCE, files=[], layers=[], passthrough=[],
+        numerics_layers=sum(r.numerics_layers for r in reports),
     )
     for rank, report in zip(ranks, reports):
         merged.files += _prefixed(report.files, rank.name)
         merged.layers += _prefixed(report.layers, rank.name)
         merged.passthrough += _prefixed(report.passthrough, rank.name)
+        merged.transforms += _prefixed(report.transforms, rank.name)
     tp = bundles[0].manifest.tp_size
     if sizes != {(tp, r) for r in range(tp)}:
-        merged.files.append(TensorCheck(str(path), "fail", [f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"]))
+        merged.files.append(TensorCheck(str(path), "fail", [f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"],
+                                        kinds=["integrity"]))
         return merged
-    src = _source_for(bundles[0], source)
     if src is not None:
         merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
     return merged

@@ -1,10 +1,14 @@
-"""Convert a synthetic checkpoint of a given size and report wall time and peak RSS per target.
+"""Time convert and verify against a plain copy of the same checkpoint, and report each one's peak RSS.
 
-    python scripts/bench_convert.py --gb 1.0 --targets sm100 sm120
+    python scripts/bench_convert.py --gb 1.0
+    python scripts/bench_convert.py --gb 1.0 --jobs sm100 sm120 sm100+sm120+sm90 verify:sm100
 
-Each conversion runs in a fresh subprocess so its peak RSS (ru_maxrss) is its own. The checkpoint is
-made of [N, K] = [4096, 14336] layers (the largest tensor of a Llama-8B MLP), so peak RSS should stay
-near the import baseline plus a few layers, whatever the model size.
+Each job runs in a fresh subprocess so its peak RSS is its own; `cp -r` of the checkpoint is timed in the same
+run (page cache warm for both: the checkpoint was just written, and each job reads it once before timing is
+over anyway). A job is a target (`sm100`), several targets in one pass (`sm100+sm120+sm90`), or `verify:T`
+(verify the bundle of target T against the source). The checkpoint is made of [N, K] = [4096, 14336] layers
+(the largest tensor of a Llama-8B MLP), so peak RSS should stay near the import baseline plus a few layers,
+whatever the model size.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,13 +31,21 @@ from repack.sample.synthetic import random_nvfp4, write_checkpoint  # noqa: E402
 # VmHWM (peak RSS of this process image) rather than ru_maxrss, which Linux carries over from the parent.
 CHILD = """
 import json, re, sys, time
-import repack.convert
+import repack.convert, repack.verify
 hwm = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 base = hwm()
+model, job, out = sys.argv[1:4]
 t = time.perf_counter()
-summary = repack.convert.convert(sys.argv[1], sys.argv[2], sys.argv[3])
-print(json.dumps({"seconds": time.perf_counter() - t, "baseline_kb": base, "peak_kb": hwm(),
-                  "bytes_in": summary.bytes_in, "bytes_out": summary.bytes_out}))
+if job.startswith("verify:"):
+    report = repack.verify.verify_bundle(out, source=model)
+    assert report.passed, report.failures
+    result = {"bytes_in": 0, "bytes_out": 0}
+else:
+    targets = job.split("+")
+    summary = repack.convert.convert(model, targets[0] if len(targets) == 1 else targets, out)
+    summaries = summary if isinstance(summary, list) else [summary]
+    result = {"bytes_in": summaries[0].bytes_in, "bytes_out": sum(s.bytes_out for s in summaries)}
+print(json.dumps({"seconds": time.perf_counter() - t, "baseline_kb": base, "peak_kb": hwm(), **result}))
 """
 
 
@@ -49,9 +62,18 @@ def measure_child(child: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model: Path, target: str, out: Path) -> dict:
-    """Run one conversion in a child process; its timing and memory as a dict."""
-    return measure_child(CHILD, str(model), target, str(out))
+def measure(model: Path, job: str, out: Path) -> dict:
+    """Run one job in a child process; its timing and memory as a dict."""
+    return measure_child(CHILD, str(model), job, str(out))
+
+
+def time_copy(model: Path, destination: Path) -> float:
+    """Wall time of ``cp -r`` of the checkpoint (the copy is deleted afterwards)."""
+    started = time.perf_counter()
+    subprocess.run(["cp", "-r", str(model), str(destination)], check=True)
+    seconds = time.perf_counter() - started
+    shutil.rmtree(destination)
+    return seconds
 
 
 def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> int:
@@ -67,20 +89,29 @@ def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--targets", nargs="+", default=["sm100", "sm120"])
+    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm100+sm120+sm90", "verify:sm100"])
+    parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         model = Path(tmp) / "model"
         t = time.perf_counter()
         layer_bytes = make_model(model, args.gb)
         print(f"wrote {args.gb} GB checkpoint in {time.perf_counter() - t:.1f} s; largest layer {layer_bytes / 1e6:.1f} MB")
-        print("| target | bytes in | bytes out | time (s) | MB/s | baseline RSS (MB) | peak RSS (MB) | peak - baseline (MB) |")
+        copy = min(time_copy(model, Path(tmp) / "copy") for _ in range(3))
+        print(f"cp -r: {copy:.2f} s (best of 3)\n")
+        print("| job | bytes in | bytes out | time (s) | x cp | baseline RSS (MB) | peak RSS (MB) | peak - baseline (MB) |")
         print("|---|---|---|---|---|---|---|---|")
-        for target in args.targets:
-            r = measure(model, target, Path(tmp) / f"out-{target}")
-            print(f"| {target} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | {r['seconds']:.1f} | "
-                  f"{r['bytes_in'] / 1e6 / r['seconds']:.0f} | {r['baseline_kb'] / 1e3:.0f} | {r['peak_kb'] / 1e3:.0f} | "
-                  f"{(r['peak_kb'] - r['baseline_kb']) / 1e3:.0f} |")
+        for job in args.jobs:
+            name = job.split(":")[-1] if job.startswith("verify:") else job
+            out = Path(tmp) / f"out-{name.replace('+', '-')}"
+            if job.startswith("verify:") and not out.exists():
+                measure(model, name, out)
+            r = measure(model, job, out)
+            if "+" in job:  # single-target bundles stay for the verify jobs
+                shutil.rmtree(out)
+            print(f"| {job} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | {r['seconds']:.2f} | "
+                  f"{r['seconds'] / copy:.2f} | {r['baseline_kb'] / 1e3:.0f} | {r['peak_kb'] / 1e3:.0f} | "
+                  f"{(r['peak_kb'] - r['baseline_kb']) / 1e3:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

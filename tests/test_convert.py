@@ -7,12 +7,13 @@ import json
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
-from repack.errors import RepackError
+from repack.errors import OutputExists, RepackError
 from repack.formats import read_source
 from repack.targets import TARGETS
 
@@ -40,9 +41,12 @@ def check_bundle_against_source(source_path, out, target):
     manifest = bundle.manifest
     assert manifest.target == target.name and manifest.layout_id == target.layout_id
     assert set(manifest.layers) == set(source.layers)
+    # The source files' sha256, computed by convert from its one read of them, against hashlib on whole files.
+    assert manifest.source.files == {name: hashlib.sha256((source.checkpoint.root / name).read_bytes()).hexdigest()
+                                     for name in source.checkpoint.shard_files}
     for name, record in manifest.all_tensors.items():
         raw = as_bytes(tensors[name]).numpy().tobytes()
-        assert hashlib.sha256(raw).hexdigest() == record.sha256, name
+        assert manifest.tensor_digest == "xxh3_128" and xxhash.xxh3_128(raw).hexdigest() == record.digest, name
     for prefix, layer in source.layers.items():
         record = manifest.layers[prefix]
         runtime = bundle.runtime_layer(prefix)
@@ -112,10 +116,10 @@ def test_existing_output_is_never_touched(make_model, tmp_path):
     out = tmp_path / "bundle"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    with pytest.raises(RepackError, match="already exists"):
-        convert(model.path, "sm100", out)
-    with pytest.raises(RepackError, match="not an nvfp4-repack bundle"):
-        convert(model.path, "sm100", out, overwrite=True)
+    for overwrite in (False, True):  # no "overwrite" hint: overwriting would be refused as well
+        with pytest.raises(RepackError, match="not an nvfp4-repack bundle") as caught:
+            convert(model.path, "sm100", out, overwrite=overwrite)
+        assert not isinstance(caught.value, OutputExists)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "precious"
 
@@ -194,7 +198,8 @@ def test_each_layer_is_converted_once_and_kept_in_one_shard(make_model, tmp_path
     target = TARGETS[0]
     calls = []
     real = SourceModel.load_layer
-    monkeypatch.setattr(SourceModel, "load_layer", lambda self, layer: calls.append(layer.prefix) or real(self, layer))
+    monkeypatch.setattr(SourceModel, "load_layer",
+                        lambda self, layer, *read: calls.append(layer.prefix) or real(self, layer, *read))
     convert(model.path, target.name, tmp_path / "bundle", max_shard_size=10_000)
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 4
     monkeypatch.undo()

@@ -144,3 +144,39 @@ def test_fusion_and_tp_refuse_online_transforms(tmp_path, options):
     with pytest.raises(RepackError, match="not supported yet for checkpoints with online transforms"):
         convert(source, "sm100", tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
+
+
+def test_tp_reads_each_source_layer_once_and_installs_the_ranks_together(tmp_path, monkeypatch):
+    from repack.formats.source import SourceModel
+
+    root = _llama(tmp_path / "m")
+    reads: list[str] = []
+    original = SourceModel.load_layer
+    monkeypatch.setattr(SourceModel, "load_layer",
+                        lambda self, layer, *a, **k: reads.append(layer.prefix) or original(self, layer, *a, **k))
+    summary = convert(root, "sm100", tmp_path / "out", tp=2)
+    assert sorted(reads) == sorted(set(reads))  # one read per source layer for both ranks (before rescale/verify)
+    assert summary.bundles == [str(tmp_path / "out" / "rank-0"), str(tmp_path / "out" / "rank-1")]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rank-0", "rank-1"]
+    assert not list(tmp_path.glob(".out.partial-*"))
+    assert verify_output(tmp_path / "out", seed=0).passed
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"target_name": ["sm100", "sm120"], "fuse": True}, "take one target"),
+    ({"target_name": "all", "tp": 2}, "take one target"),
+    ({"target_name": "sm100", "tp": 2, "resume": True}, "--resume is not supported with --tp"),
+])
+def test_fuse_tp_refuse_several_targets_and_resume(tmp_path, options, match):
+    root = _llama(tmp_path / "m")
+    with pytest.raises(RepackError, match=match):
+        convert(root, out=tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fuse_resumes(tmp_path):
+    root = _llama(tmp_path / "m")
+    first = convert(root, "sm100", tmp_path / "a", fuse=True)
+    again = convert(root, "sm100", tmp_path / "b", fuse=True, resume=True)  # nothing to resume: a fresh convert
+    assert again.kept_shards == 0 and first.bundles == [str(tmp_path / "a")]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()

@@ -740,7 +740,7 @@ def test_disk_full_while_writing(make_model, tmp_path, capsys, monkeypatch, over
 
     import repack.convert
 
-    real = repack.convert.write_shard
+    real = repack.convert.ShardWriter
     calls = []
 
     def full(path, *args, **kwargs):
@@ -754,7 +754,7 @@ def test_disk_full_while_writing(make_model, tmp_path, capsys, monkeypatch, over
         convert(SAMPLE_DIR, "sm100", out)
         (out / "keep.txt").write_text("precious")
     before = {p.name: p.read_bytes() for p in out.iterdir()} if overwrite else None
-    monkeypatch.setattr(repack.convert, "write_shard", full)
+    monkeypatch.setattr(repack.convert, "ShardWriter", full)
     argv = ["convert", small(make_model, shards=2), "-t", "sm100", "-o", out, "--max-shard-size", "2KB"]
     code, _, err = run_cli(argv + ["--overwrite"] * overwrite, capsys)
     assert code == 1
@@ -769,7 +769,7 @@ def test_disk_full_while_writing(make_model, tmp_path, capsys, monkeypatch, over
 def test_verify_report_into_a_missing_folder(make_model, tmp_path, capsys):
     out = tmp_path / "bundle"
     convert(small(make_model), "sm100", out)
-    code, _, err = run_cli(["verify", out, "--json", tmp_path / "no" / "report.json"], capsys)
+    code, _, err = run_cli(["verify", out, "--report", tmp_path / "no" / "report.json"], capsys)
     assert code == 1
     assert_one_line_error(err, "report.json: No such file or directory")
 
@@ -811,8 +811,10 @@ TAMPERED = [
                  f"file of {LAYER}.weight must be a plain file name", id="file-escapes"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"]["weight"].update(dtype="F4")),
                  f"dtype of {LAYER}.weight", id="unknown-dtype"),
-    pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"]["weight"].update(sha256="abc")),
-                 f"sha256 of {LAYER}.weight", id="bad-sha"),
+    pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"]["weight"].update(digest="abc")),
+                 f"digest of {LAYER}.weight must be 32 lowercase hex digits", id="bad-digest"),
+    pytest.param(_manifest_edit(lambda m: m.update(tensor_digest="md5")), "tensor_digest 'md5' is not one of",
+                 id="unknown-digest"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"].update(
                      bias=m["layers"][LAYER]["tensors"]["weight"])),
                  f"manifest.json: {LAYER}: tensors ['bias', 'weight', 'weight_global_scale', 'weight_scale'] "
@@ -950,3 +952,29 @@ def test_reading_a_checkpoint_imports_no_remote_code(make_model, tmp_path):
     # The side file is data to the bundle: copied, never run.
     assert (out / "modeling_evil.py").exists()
     assert re.search("auto_map", (out / "config.json").read_text())
+
+
+def test_format_2_manifest_without_fusion_fields_reads_as_unfused(tmp_path):
+    from repack.bundle.manifest import parse_manifest
+    from repack.errors import RepackError
+
+    convert(SAMPLE_DIR, "sm100", tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    data["bundle_format_version"] = 2
+    for key in ("tp_size", "tp_rank", "fusion", "tensor_digest"):
+        del data[key]
+    for record in [*data["layers"].values()]:
+        del record["partitions"]
+        for tensor in record["tensors"].values():
+            tensor["sha256"] = "0" * 64
+            del tensor["digest"]
+    for tensor in data["passthrough"].values():
+        tensor["sha256"] = "0" * 64
+        del tensor["digest"]
+    manifest = parse_manifest(data)
+    assert (manifest.tp_size, manifest.tp_rank, manifest.fusion, manifest.tensor_digest) == (1, 0, {}, "sha256")
+    prefix, layer = next(iter(manifest.layers.items()))
+    assert [(p.source, p.rows, p.source_cols) for p in layer.partitions] == [(prefix, [0, layer.n], [0, layer.k])]
+    data["bundle_format_version"] = 3
+    with pytest.raises(RepackError, match="missing"):
+        parse_manifest(data)

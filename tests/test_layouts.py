@@ -10,7 +10,7 @@ from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS, resolve_target
 from repack.targets.layout import round_up, swizzle_128x4, unswizzle_128x4, vllm_geometry
-from repack.targets.sm120 import pack_tiles
+from repack.targets.sm120 import pack_tiles, unpack_tiles
 
 from .conftest import LAYER_SHAPES
 
@@ -113,3 +113,18 @@ def test_canonical_validation_rejects_bad_values(bad, message):
         mult[0] = float("inf")
     with pytest.raises(RepackError, match=f"layer: .*{message}"):
         NVFP4Weight(w.codes, scales.view(torch.float8_e4m3fn), mult).validate("layer")
+
+
+@pytest.mark.parametrize("n,k_half", [(64, 8), (128, 40), (192, 504), (1024, 2048)])
+def test_sm120_two_stage_tile_packing_is_the_documented_permutation(n, k_half):
+    """pack_tiles (two copies, for speed) against the module docstring's single 8-D view permutation, also for
+    a view that starts at an odd byte offset (the int64 stage must not misread it)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.randint(0, 256, (n * k_half + 1,), dtype=torch.uint8, generator=gen)
+    for codes in (storage[:-1].view(n, k_half), storage[1:].view(n, k_half)):
+        # codes.view(NT, s, h, w, c, KT, q, r) -> (KT, NT, w, c, r, s, h, q)
+        reference = codes.reshape(n // 64, 2, 2, 2, 8, k_half // 8, 2, 4).permute(5, 0, 3, 4, 7, 1, 2, 6)
+        packed = pack_tiles(codes)
+        assert torch.equal(packed, reference.reshape(k_half // 8, n * 8).view(torch.int32)), f"seed {seed}"
+        assert torch.equal(unpack_tiles(packed), codes), f"seed {seed}"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from repack.bundle.manifest import tensor_digest
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
@@ -49,7 +50,7 @@ def flip_tensor_byte(out, name, offset=0, xor=0x01):
 def test_fresh_bundle_passes(bundle, capsys, tmp_path):
     out, model = bundle
     report_path = tmp_path / "report.json"
-    code, text = run_verify(out, capsys, "--source", str(model.path), "--json", str(report_path))
+    code, text = run_verify(out, capsys, "--source", str(model.path), "--report", str(report_path))
     assert code == 0, text
     assert "PASS" in text
     report = json.loads(report_path.read_text())
@@ -78,8 +79,9 @@ def rewrite_consistently(out, name, value):
         del tensors[name], records[key]
     else:
         tensors[name] = value
-        records[key].update(sha256=hashlib.sha256(tensor_bytes(value)).hexdigest(),
-                            dtype=DTYPE_NAMES[value.dtype], shape=list(value.shape))
+        digest = tensor_digest(manifest["tensor_digest"])
+        digest.update(tensor_bytes(value))
+        records[key].update(digest=digest.hexdigest(), dtype=DTYPE_NAMES[value.dtype], shape=list(value.shape))
     save_file(tensors, out / record.file, metadata={"format": "pt"})
     manifest["files"][record.file] = file_sha256(out / record.file)
     manifest_path.write_text(json.dumps(manifest))
@@ -151,7 +153,9 @@ def test_verify_on_real_producer_bundle_without_source(tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["source"]["path"] = str(tmp_path / "moved-away")  # the usual case on another machine
     (out / "manifest.json").write_text(json.dumps(manifest))
-    code, text = run_verify(out, capsys)
+    assert main(["verify", str(out)]) == 1  # a gate: no source is a failure unless asked for
+    assert "--no-source" in capsys.readouterr().err
+    code, text = run_verify(out, capsys, "--no-source")
     assert code == 0, text
     assert "exactness was NOT checked" in " ".join(text.split())
     assert verify_bundle(out).source is None
@@ -160,7 +164,7 @@ def test_verify_on_real_producer_bundle_without_source(tmp_path, capsys):
 def test_failure_reports_the_seed(bundle, capsys, tmp_path):
     out, _ = bundle
     flip_tensor_byte(out, f"{LAYER}.weight")
-    code, text = run_verify(out, capsys, "--seed", "1234", "--json", str(tmp_path / "r.json"))
+    code, text = run_verify(out, capsys, "--seed", "1234", "--report", str(tmp_path / "r.json"))
     assert code == 1 and "seed 1234" in text
     assert json.loads((tmp_path / "r.json").read_text())["seed"] == 1234
 

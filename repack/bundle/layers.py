@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,7 +64,8 @@ class LayerPlan:
     tp_rank: int = 0
 
 
-def _whole(layer: QuantizedLayer) -> Piece:
+def whole_piece(layer: QuantizedLayer) -> Piece:
+    """All of ``layer``: what an unfused, unsharded output layer is made of."""
     return Piece(layer.prefix, (0, layer.n), (0, layer.k))
 
 
@@ -154,7 +156,7 @@ def _rank_layers(source: SourceModel, tp: int, rank: int) -> dict[str, OutputLay
         if tp > 1 and not layer.prefix.endswith(ROW_PARALLEL):
             raise RepackError(f"--tp {tp}: {layer.prefix} is neither a fused module nor o_proj/down_proj; "
                               "cannot shard it")
-        layers[layer.prefix] = OutputLayer(layer.prefix, (_row_piece(layer, tp, rank) if tp > 1 else _whole(layer),))
+        layers[layer.prefix] = OutputLayer(layer.prefix, (_row_piece(layer, tp, rank) if tp > 1 else whole_piece(layer),))
     return dict(sorted(layers.items()))
 
 
@@ -186,7 +188,7 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     if not (fuse or tp > 1):
-        return [LayerPlan({p: OutputLayer(p, (_whole(layer),)) for p, layer in source.layers.items()}, {})]
+        return [LayerPlan({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}, {})]
     if source.transforms.layers:  # a fused or sharded layer would need its partitions' rotations merged or cut
         raise RepackError("--fuse and --tp are not supported yet for checkpoints with online transforms "
                           "(transform_config); convert without them")
@@ -208,14 +210,17 @@ def _cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:
     return NVFP4Weight(weight.codes[r0:r1, c0 // 2 : c1 // 2], scales, weight.multiplier)
 
 
-def assemble(source: SourceModel, layer: OutputLayer) -> NVFP4Weight:
+def assemble(source: SourceModel, layer: OutputLayer,
+             load: Callable[[str], NVFP4Weight] | None = None) -> NVFP4Weight:
     """The layer's canonical weight: its pieces cut from the source (ratios folded in) and stacked along N,
-    with the pieces' common multiplier (the largest, after a rescale)."""
+    with the pieces' common multiplier (the largest, after a rescale). ``load``: a source layer's weight by
+    prefix (a pass shares one read among its bundles); by default each is read here."""
     loaded: dict[str, NVFP4Weight] = {}
     cuts = []
     for piece in layer.pieces:
         if piece.source not in loaded:
-            loaded[piece.source] = source.load_layer(source.layers[piece.source])
+            loaded[piece.source] = (load(piece.source) if load is not None
+                                    else source.load_layer(source.layers[piece.source]))
         cuts.append(_cut(loaded[piece.source], piece))
     multiplier = max((c.multiplier for c in cuts), key=float)
     return NVFP4Weight(torch.cat([c.codes for c in cuts]), torch.cat([c.block_scales for c in cuts]), multiplier)

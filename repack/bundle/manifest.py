@@ -1,4 +1,4 @@
-"""manifest.json: what a bundle is, where it came from, and the sha256 of every tensor it holds.
+"""manifest.json: what a bundle is, where it came from, the sha256 of every file and the digest of every tensor.
 
 Parsing is strict (bundles travel between machines and CI pipelines): wrong types, unknown versions or
 missing fields are one-line errors, never KeyErrors.
@@ -6,13 +6,16 @@ missing fields are one-line errors, never KeyErrors.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import xxhash
 
 from .. import BUNDLE_FORMAT_VERSION
 from ..errors import RepackError
@@ -24,12 +27,27 @@ BUNDLE_KIND = "nvfp4-repack-bundle"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
+# Per-tensor digests: xxh3-128 (xxHash, non-cryptographic, some 10x faster than sha256), named in the manifest.
+# They name the damaged tensor; every byte is also covered by the files' sha256 (comparable with the Hub's LFS
+# hashes). Neither stops someone who rewrites the manifest too: only verify's comparison with the source does.
+TENSOR_DIGESTS: dict[str, tuple[Callable[[], Any], int]] = {
+    "xxh3_128": (xxhash.xxh3_128, 32),
+    "sha256": (hashlib.sha256, 64),  # bundle formats 1 and 2
+}
+TENSOR_DIGEST = "xxh3_128"
+
+
+def tensor_digest(algorithm: str = TENSOR_DIGEST) -> Any:
+    """A fresh hasher (``update``, ``hexdigest``) for one tensor's bytes."""
+    return TENSOR_DIGESTS[algorithm][0]()
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     file: str
     dtype: str
     shape: list[int]
-    sha256: str
+    digest: str  # hex, of the manifest's tensor_digest algorithm
 
 
 @dataclass(frozen=True)
@@ -80,10 +98,14 @@ class LayerRecord:
 
 @dataclass(frozen=True)
 class SourceRecord:
+    """Where the bundle came from: the folder read, and for a Hub model its repo id and resolved commit."""
+
     path: str
     format: str
     quant_algo: str
     files: dict[str, str]
+    repo_id: str | None = None
+    revision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,7 @@ class Manifest:
     tp_size: int = 1
     tp_rank: int = 0
     fusion: dict[str, list[str]] = field(default_factory=dict)
+    tensor_digest: str = TENSOR_DIGEST
     kind: str = BUNDLE_KIND
 
     @cached_property
@@ -135,6 +158,10 @@ def _int(obj: Any, key: str, where: str) -> int:
     return value
 
 
+def _optional_str(obj: dict, key: str, where: str) -> str | None:
+    return None if obj.get(key) is None else _get(obj, key, str, where)
+
+
 def _plain_file_name(name: str) -> bool:
     """A file directly inside the bundle folder: no separators, no parent references, no NUL."""
     return name not in ("", ".", "..") and not any(c in name for c in "/\\\x00")
@@ -162,7 +189,7 @@ def _file_hashes(obj: Any, where: str) -> dict[str, str]:
     return files
 
 
-def _tensor(obj: Any, where: str) -> TensorRecord:
+def _tensor(obj: Any, where: str, algorithm: str) -> TensorRecord:
     shape = _get(obj, "shape", list, where)
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise _fail(f"shape of {where} must be non-negative integers")
@@ -172,12 +199,11 @@ def _tensor(obj: Any, where: str) -> TensorRecord:
     dtype = _get(obj, "dtype", str, where)
     if dtype not in DTYPES:
         raise _fail(f"dtype of {where} is not a safetensors dtype: {short_repr(dtype)}")
-    return TensorRecord(
-        file=file,
-        dtype=dtype,
-        shape=list(shape),
-        sha256=_sha256(_get(obj, "sha256", str, where), f"sha256 of {where}"),
-    )
+    key = "sha256" if algorithm == "sha256" else "digest"
+    digest = _get(obj, key, str, where)
+    if not re.fullmatch(f"[0-9a-f]{{{TENSOR_DIGESTS[algorithm][1]}}}", digest):
+        raise _fail(f"{key} of {where} must be {TENSOR_DIGESTS[algorithm][1]} lowercase hex digits, got {short_repr(digest)}")
+    return TensorRecord(file=file, dtype=dtype, shape=list(shape), digest=digest)
 
 
 def _pair(obj: Any, key: str, where: str) -> list[int]:
@@ -206,18 +232,24 @@ def _partition(obj: Any, where: str) -> PartitionRecord:
                            _finite(obj, "scale_ratio", where))
 
 
-def _layer(obj: Any, where: str) -> LayerRecord:
+def _layer(obj: Any, where: str, algorithm: str) -> LayerRecord:
     padded = _pair(obj, "padded_shape", where)
     scale = _finite(obj, "global_scale", where)
     tensors = _get(obj, "tensors", dict, where)
-    partitions = [_partition(p, f"{where} partition {i}") for i, p in enumerate(_get(obj, "partitions", list, where))]
+    n, k = _int(obj, "n", where), _int(obj, "k", where)
+    if isinstance(obj, dict) and "partitions" not in obj and algorithm == "sha256":
+        # formats 1 and 2 written before fusion / tensor parallelism: the layer is all of its source layer
+        partitions = [PartitionRecord(where, [0, n], [0, n], [0, k], 1.0)]
+    else:
+        partitions = [_partition(p, f"{where} partition {i}")
+                      for i, p in enumerate(_get(obj, "partitions", list, where))]
     return LayerRecord(
-        n=_int(obj, "n", where),
-        k=_int(obj, "k", where),
+        n=n,
+        k=k,
         padded_shape=list(padded),
         weights_padding_cols=_int(obj, "weights_padding_cols", where),
         global_scale=scale,
-        tensors={part: _tensor(rec, f"{where}.{part}") for part, rec in tensors.items()},
+        tensors={part: _tensor(rec, f"{where}.{part}", algorithm) for part, rec in tensors.items()},
         partitions=partitions,
         transforms=[_layer_transform(t, f"{where}.transforms") for t in _get(obj, "transforms", list, where)],
     )
@@ -231,7 +263,7 @@ def _layer_transform(obj: Any, where: str) -> LayerTransformRecord:
                                 block_size=_int(obj, "block_size", where))
 
 
-def _transform(obj: Any, where: str) -> TransformRecord:
+def _transform(obj: Any, where: str, algorithm: str) -> TransformRecord:
     sources = _get(obj, "source_tensors", list, where)
     if not all(isinstance(s, str) for s in sources):
         raise _fail(f"source_tensors of {where} must be strings")
@@ -242,7 +274,7 @@ def _transform(obj: Any, where: str) -> TransformRecord:
         scheme=_get(obj, "scheme", str, where), type=_get(obj, "type", str, where),
         block_size=_int(obj, "block_size", where), source_tensors=list(sources),
         inverse=_get(obj, "inverse", bool, where), scale=float(scale),
-        tensor=_tensor(_get(obj, "tensor", dict, where), f"{where}.tensor"),
+        tensor=_tensor(_get(obj, "tensor", dict, where), f"{where}.tensor", algorithm),
     )
 
 
@@ -259,8 +291,13 @@ def parse_manifest(data: Any) -> Manifest:
     if data.get("kind") != BUNDLE_KIND:
         raise _fail(f"not an nvfp4-repack bundle manifest (kind={data.get('kind')!r})")
     version = _int(data, "bundle_format_version", "manifest")
-    if version != BUNDLE_FORMAT_VERSION:
-        raise _fail(f"bundle format version {version} is not supported (this tool reads {BUNDLE_FORMAT_VERSION})")
+    if not 1 <= version <= BUNDLE_FORMAT_VERSION:
+        raise _fail(f"bundle format version {version} is not supported (this tool reads 1 to {BUNDLE_FORMAT_VERSION})")
+    algorithm = "sha256" if version < 3 else _get(data, "tensor_digest", str, "manifest")
+    if algorithm not in TENSOR_DIGESTS:
+        raise _fail(f"tensor_digest {short_repr(algorithm)} is not one of {', '.join(TENSOR_DIGESTS)}")
+    # formats 1 and 2 written before fusion / tensor parallelism have no tp_size, tp_rank or fusion
+    legacy_tp = True if version < 3 and "tp_size" not in data else None
     source = _get(data, "source", dict, "manifest")
     versions = _get(data, "flashinfer_versions", list, "manifest")
     if not all(isinstance(v, str) for v in versions):
@@ -276,14 +313,17 @@ def parse_manifest(data: Any) -> Manifest:
             format=_get(source, "format", str, "source"),
             quant_algo=_get(source, "quant_algo", str, "source"),
             files=_str_map(_get(source, "files", dict, "source"), "source.files"),
+            repo_id=_optional_str(source, "repo_id", "source"),
+            revision=_optional_str(source, "revision", "source"),
         ),
-        layers={p: _layer(rec, p) for p, rec in _get(data, "layers", dict, "manifest").items()},
-        passthrough={n: _tensor(rec, n) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
+        layers={p: _layer(rec, p, algorithm) for p, rec in _get(data, "layers", dict, "manifest").items()},
+        passthrough={n: _tensor(rec, n, algorithm) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
         files=_file_hashes(_get(data, "files", dict, "manifest"), "files"),
-        transforms={n: _transform(rec, n) for n, rec in _get(data, "transforms", dict, "manifest").items()},
-        tp_size=_int(data, "tp_size", "manifest"),
-        tp_rank=_int(data, "tp_rank", "manifest"),
-        fusion=_fusion(_get(data, "fusion", dict, "manifest")),
+        transforms={n: _transform(rec, n, algorithm) for n, rec in _get(data, "transforms", dict, "manifest").items()},
+        tp_size=_int(data, "tp_size", "manifest") if legacy_tp is None else 1,
+        tp_rank=_int(data, "tp_rank", "manifest") if legacy_tp is None else 0,
+        fusion=_fusion(_get(data, "fusion", dict, "manifest")) if legacy_tp is None else {},
+        tensor_digest=algorithm,
     )
     if not 0 <= manifest.tp_rank < manifest.tp_size:
         raise _fail(f"tp_rank {manifest.tp_rank} is not a rank of tp_size {manifest.tp_size}")

@@ -7,7 +7,8 @@ and the streaming writer knows each shard's header up front.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
@@ -39,9 +40,18 @@ class PlannedTensor:
 
 @dataclass(frozen=True)
 class BundlePlan:
+    """Every output tensor of one bundle: by shard file (each in write order), and by source unit (a layer's
+    prefix or a passthrough tensor's name: what one read of the source yields)."""
+
     target: Target
     layers: LayerPlan
     shards: dict[str, list[PlannedTensor]]
+    units: dict[str, list[PlannedTensor]] = field(default_factory=dict)
+
+    @cached_property
+    def file_of(self) -> dict[str, str]:
+        """Output tensor name -> its shard file."""
+        return {t.name: file for file, tensors in self.shards.items() for t in tensors}
 
     @property
     def total_bytes(self) -> int:
@@ -70,20 +80,29 @@ SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
 
 
 def parse_size(size: int | str) -> int:
-    """``5GB``, ``500MB``, ``1.5GB`` or a byte count, as a positive number of bytes; RepackError otherwise."""
+    """``5GB``, ``500MB``, ``1.5GB``, ``5000000B`` or an int byte count, as a positive number of bytes.
+
+    A string must name its unit: a bare ``5`` is far more likely a forgotten ``GB`` than five bytes."""
     if isinstance(size, int) and not isinstance(size, bool):
         value = size
     else:
         text = str(size).strip().upper()
         unit = next((u for u in SIZE_UNITS if text.endswith(u)), "")
         try:
-            number = float(text[: len(text) - len(unit)].strip())
+            number = float(text[: len(text) - len(unit)].strip()) if unit else math.nan
         except ValueError:
             number = math.nan
-        value = int(number * SIZE_UNITS.get(unit, 1)) if math.isfinite(number) else 0
+        value = int(number * SIZE_UNITS[unit]) if math.isfinite(number) else 0
     if value <= 0:
-        raise RepackError(f"--max-shard-size {str(size)[:40]!r}: expected a positive size such as 5GB or 500MB")
+        raise RepackError(f"shard size {str(size)[:40]!r}: expected a positive size with a unit, such as 5GB or 500MB")
     return value
+
+
+def unit_order(source: SourceModel, layers: LayerPlan | None = None) -> list[str]:
+    """The order in which a pass reads the source's units and every bundle writes them: by name. ``layers``:
+    a fused or rank plan's output layers instead of the source's."""
+    prefixes = source.layers if layers is None else layers.layers
+    return sorted([*prefixes, *source.passthrough, *source.transforms.matrices])
 
 
 def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shard_size: int | str = "5GB") -> BundlePlan:
@@ -106,12 +125,14 @@ def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shar
         nbytes = matrix.size * matrix.size * dtype.itemsize
         units[name] = [PlannedTensor(name, DTYPE_NAMES[dtype], (matrix.size, matrix.size), nbytes, matrix=matrix)]
     max_bytes = parse_size(max_shard_size)
-    ordered = dict(sorted(units.items()))
+    ordered = {key: units[key] for key in unit_order(source, layers)}
     split = split_state_dict_into_shards_factory(
         ordered,
         get_storage_size=lambda parts: sum(t.nbytes for t in parts),
         filename_pattern=SHARD_PATTERN,
         max_shard_size=max_bytes,
     )
+    # Each shard lists its units in the splitter's iteration order, i.e. unit_order: a pass in that order fills
+    # every shard of every bundle front to back.
     shards = {file: [t for key in keys for t in ordered[key]] for file, keys in split.filename_to_tensors.items()}
-    return BundlePlan(target=target, layers=layers, shards=shards)
+    return BundlePlan(target=target, layers=layers, shards=shards, units=ordered)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RepackError
-from ..formats.checkpoint import contained_file, load_json, resolve_model_dir
+from ..formats.checkpoint import contained_file, load_json, local_dir
 from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_header, read_tensor
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
@@ -74,7 +74,7 @@ def is_bundle(path: str | Path) -> bool:
 
 def open_bundle(path: str | Path) -> Bundle:
     """Open and validate a bundle's manifest and config (tensor data is checked by ``verify``)."""
-    root = resolve_model_dir(path)
+    root = local_dir(path)
     manifest = read_manifest(root)
     target = resolve_target(manifest.target)
     if target.layout_id != manifest.layout_id:

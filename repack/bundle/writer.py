@@ -31,12 +31,11 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
-from ..errors import RepackError
+from ..errors import Interrupted, OutputExists, RepackError
+from .manifest import tensor_digest
 from .plan import PlannedTensor
-
-ChunkSource = Callable[[PlannedTensor], Iterable[bytes | memoryview]]
 
 
 def safetensors_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -> bytes:
@@ -55,27 +54,63 @@ def safetensors_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -
     return len(body).to_bytes(8, "little") + body
 
 
-def write_shard(path: Path, tensors: list[PlannedTensor], chunks: ChunkSource) -> tuple[dict[str, str], str]:
-    """Write one shard; returns each tensor's sha256 and the file's sha256."""
-    file_digest = hashlib.sha256()
-    tensor_digests: dict[str, str] = {}
-    with open(path, "wb") as handle:
+class ShardWriter:
+    """One shard written front to back as its tensors arrive, in the plan's order.
+
+    The file's sha256 and each tensor's digest are computed on the bytes on their way to the file, so
+    nothing is read back. ``write`` may be called several times per tensor (chunks); a tensor ends when
+    the next one starts or at :meth:`close`, and must then hold exactly its planned bytes.
+    """
+
+    def __init__(self, path: Path, tensors: list[PlannedTensor]) -> None:
+        self.path = path
+        self.tensor_digests: dict[str, str] = {}
+        self._order = iter(tensors)
+        self._current: PlannedTensor | None = None
+        self._digest = tensor_digest()
+        self._written = 0
+        self._handle = open(path, "wb")
         head = safetensors_header(tensors, {"format": "pt"})
-        handle.write(head)
-        file_digest.update(head)
-        for tensor in tensors:
-            digest, written = hashlib.sha256(), 0
-            for chunk in chunks(tensor):
-                digest.update(chunk)
-                file_digest.update(chunk)
-                handle.write(chunk)
-                written += len(chunk)
-            if written != tensor.nbytes:
-                raise RepackError(f"{tensor.name}: produced {written} bytes, planned {tensor.nbytes} (internal error)")
-            tensor_digests[tensor.name] = digest.hexdigest()
-        handle.flush()
-        os.fsync(handle.fileno())
-    return tensor_digests, file_digest.hexdigest()
+        self._file_digest = hashlib.sha256(head)
+        self._handle.write(head)
+
+    def write(self, tensor: PlannedTensor, chunk: bytes | memoryview) -> None:
+        if tensor is not self._current:
+            self._end_tensor()
+            self._current = next(self._order, None)
+            if self._current is not tensor:
+                raise AssertionError(f"{tensor.name}: written out of the planned order of {self.path.name}")
+            self._digest, self._written = tensor_digest(), 0
+        self._digest.update(chunk)
+        self._file_digest.update(chunk)
+        self._handle.write(chunk)
+        self._written += len(chunk)
+
+    def _end_tensor(self) -> None:
+        if self._current is None:
+            return
+        if self._written != self._current.nbytes:
+            raise RepackError(
+                f"{self._current.name}: produced {self._written} bytes, planned {self._current.nbytes} (internal error)"
+            )
+        self.tensor_digests[self._current.name] = self._digest.hexdigest()
+
+    def finish(self) -> str:
+        """Check every planned tensor was written; the file's sha256. :meth:`sync` then makes it durable."""
+        self._end_tensor()
+        missing = next(self._order, None)
+        if missing is not None:
+            raise AssertionError(f"{missing.name}: planned in {self.path.name} but never written")
+        self._handle.flush()
+        return self._file_digest.hexdigest()
+
+    def sync(self) -> None:
+        """fsync and close: apart from :meth:`finish`, so that the next shard is written while this one syncs."""
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+
+    def abandon(self) -> None:
+        self._handle.close()
 
 
 def write_json(path: Path, data: object) -> str:
@@ -91,19 +126,20 @@ def holds_bundles(folder: Path) -> bool:
 
 
 def check_destination(out: Path, overwrite: bool, protected: Iterable[Path] = ()) -> None:
-    """Refuse to replace an existing ``out`` without ``overwrite``, and never replace an input folder."""
+    """Refuse to replace an existing ``out`` unless ``overwrite`` and it is a bundle (or an empty folder), and
+    never replace an input folder. Only a refusal that ``overwrite`` would lift is an :class:`OutputExists`."""
     resolved = out.resolve()
     for path in protected:
         keep = path.resolve()
         if resolved == keep or keep.is_relative_to(resolved):
-            raise RepackError(f"{out}: the output folder would replace the input {path}; choose another -o")
+            raise RepackError(f"{out}: the output folder would replace the input {path}; choose another output")
     if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise RepackError(f"{out}: already exists (pass --overwrite to replace it)")
         if not out.is_dir() or out.is_symlink():
             raise RepackError(f"{out}: exists and is not a folder; refusing to replace it")
         if not holds_bundles(out) and any(out.iterdir()):
-            raise RepackError(f"{out}: exists and is not an nvfp4-repack bundle; --overwrite only replaces bundles")
+            raise RepackError(f"{out}: exists and is not an nvfp4-repack bundle; only a bundle may be replaced")
+        if not overwrite:
+            raise OutputExists(f"{out}: already exists")
     if not out.parent.is_dir():
         raise RepackError(f"{out.parent}: output's parent folder does not exist")
 
@@ -200,15 +236,24 @@ def _replace(staging: Path, out: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def staging_folders(out: Path) -> list[Path]:
+    """The hidden staging folders an interrupted convert to ``out`` left, newest first."""
+    found = [p for p in out.parent.glob(f".{out.name}.partial-*") if p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 @contextlib.contextmanager
-def staged_folder(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out``; on success it atomically becomes ``out``, on failure it is
-    removed. See the module docstring for what a kill at any point leaves behind."""
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+def staged_folder(out: Path, overwrite: bool, reuse: Path | None = None) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out`` (``reuse``: one an interrupted convert left); on success it
+    atomically becomes ``out``, on failure it is removed. Ctrl-C keeps it, so that a resume can use what
+    it holds: like a kill, that leaves only a hidden folder, never a partial OUT. See the module docstring
+    for what a kill at any point leaves behind."""
+    staging = reuse or out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        staging.mkdir()
+        staging.mkdir(exist_ok=reuse is not None)
     except OSError as exc:
         raise RepackError(f"{out.parent}: cannot create the output folder ({exc.strerror or exc})") from None
+    keep = False
     try:
         yield staging
         _sync_tree(staging)
@@ -217,9 +262,12 @@ def staged_folder(out: Path, overwrite: bool) -> Iterator[Path]:
         else:
             _install(staging, out)
         _fsync(out.parent)
+    except (KeyboardInterrupt, Interrupted):
+        keep = True
+        raise
     except OSError as exc:  # disk full, permissions, a file vanishing: the user's environment, not a bug
         where = f" ({exc.filename})" if exc.filename else ""
         raise RepackError(f"{out}: conversion failed, nothing written: {exc.strerror or exc}{where}") from None
     finally:
-        if staging.exists():
+        if staging.exists() and not keep:
             shutil.rmtree(staging, ignore_errors=True)

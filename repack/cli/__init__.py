@@ -11,9 +11,12 @@ import os
 import sys
 import traceback
 
+from typing import Annotated
+
 import typer
 
-from ..errors import RepackError
+from .. import __version__
+from ..errors import Interrupted, OutputExists, RepackError
 from . import commands
 from .commands import printable
 
@@ -21,30 +24,74 @@ ERROR_LIMIT = 2000  # characters: an error is one line, whatever a hostile name 
 
 DEBUG = os.environ.get("NVFP4_REPACK_DEBUG", "") not in ("", "0")
 
+HELP_OPTIONS = ["-h", "--help"]
+
 app = typer.Typer(
     name="nvfp4-repack",
     help="Repack NVFP4 checkpoints (ModelOpt, compressed-tensors) into serving kernels' runtime layouts, offline.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": HELP_OPTIONS},
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"nvfp4-repack {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", metavar="", is_eager=True, callback=_show_version, help="Print the version.")
+    ] = False,
+) -> None:
+    """Repack NVFP4 checkpoints (ModelOpt, compressed-tensors) into serving kernels' runtime layouts, offline."""
+
+
 commands.register(app)
+
+
+def _quiet_flags(command, info_name: str) -> None:
+    """Show flags as flags in --help (Typer labels them ``<bool>``, as if they took a value)."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    with typer.Context(command, info_name=info_name, help_option_names=HELP_OPTIONS) as ctx:
+        help_option = command.get_help_option(ctx)
+        if help_option is not None:
+            help_option.metavar = ""
+    for name, sub in getattr(command, "commands", {}).items():
+        _quiet_flags(sub, name)
+
+
+def _report_interrupt(exc: BaseException) -> int:
+    """One line on stderr; for a convert, what it kept and how to resume; exit code 130."""
+    line = "Interrupted."
+    if isinstance(exc, Interrupted):
+        kept = "; ".join(f"{done} of {total} shards of {out} kept" for out, _, done, total in exc.kept)
+        line = f"Interrupted: {kept}; run the same command with --resume to continue"
+    print(printable(line, ERROR_LIMIT), file=sys.stderr)
+    return 130
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (0 ok, 1 bad input, 2 usage)."""
     command = typer.main.get_command(app)
+    _quiet_flags(command, "nvfp4-repack")
     try:
         result = command.main(args=argv, prog_name="nvfp4-repack", standalone_mode=False)
         return result if isinstance(result, int) else 0
     except RepackError as exc:
-        print(f"Error: {printable(exc, ERROR_LIMIT)}", file=sys.stderr)
+        hint = " (pass --overwrite to replace it)" if isinstance(exc, OutputExists) else ""
+        print(f"Error: {printable(f'{exc}{hint}', ERROR_LIMIT)}", file=sys.stderr)
         return 1
     except typer.Exit as exc:
         return exc.exit_code
-    except (typer.Abort, KeyboardInterrupt):
-        print("Interrupted.", file=sys.stderr)
-        return 130
+    except (Interrupted, typer.Abort, KeyboardInterrupt) as exc:
+        return _report_interrupt(exc)
     except OSError as exc:  # files, permissions, disk space: the environment, reported like bad input
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"Error: {printable(where + (exc.strerror or str(exc)), ERROR_LIMIT)}", file=sys.stderr)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -14,15 +15,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ..bundle.plan import BundlePlan
-from ..errors import RepackError
+from ..errors import Interrupted, RepackError
 from ..targets import TARGETS
 
 stdout = Console()
 stderr = Console(stderr=True)
 
-TargetOpt = Annotated[str, typer.Option("--target", "-t", help="Target GPU family: see `nvfp4-repack targets`.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+TargetOpt = Annotated[
+    list[str],
+    typer.Option("--target", "-t", metavar="TARGET",
+                 help="Target GPU family (see `nvfp4-repack targets`); repeat it, or `all`, for several in one pass."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="Print machine-readable JSON to stdout.")]
 
 
 def printable(text: object, limit: int | None = None) -> str:
@@ -45,36 +49,63 @@ def _human(nbytes: float) -> str:
     return f"{nbytes:.2f} TB"
 
 
+def _flag(help: str, *names: str):
+    return typer.Option(*names, metavar="", help=help)
+
+
+def _default_out(model: Path | str, targets: list[str]) -> Path:
+    """``<model>-<target>``, or ``<model>-bundles`` for several targets (a Hub id's name part)."""
+    name = Path(model).expanduser().resolve().name if Path(model).expanduser().exists() else str(model).rsplit("/")[-1]
+    suffix = targets[0].strip().lower() if len(targets) == 1 and targets[0].strip().lower() != "all" else "bundles"
+    return Path(f"{name}-{suffix}")
+
+
 def convert(
     target: TargetOpt,
-    model: Annotated[Optional[Path], typer.Argument(help="Source model folder (config.json + .safetensors).")] = None,
-    out: Annotated[
-        Optional[Path], typer.Option("--out", "-o", help="Output bundle folder (default: <model>-<target>).")
+    model: Annotated[
+        Optional[str], typer.Argument(help="Source model: a folder (config.json + .safetensors) or a Hub repo id.")
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
-    sample: Annotated[bool, typer.Option("--sample", help="Convert the built-in tiny sample checkpoint.")] = False,
-    fuse: Annotated[bool, typer.Option("--fuse", help="Write vLLM's fused qkv_proj / gate_up_proj modules.")] = False,
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", "-o", help="Output bundle folder (default: <model>-<target>); with several targets, "
+                                         "the folder that receives one <target> bundle each (default: <model>-bundles)."),
+    ] = None,
+    revision: Annotated[
+        Optional[str], typer.Option(help="Hub branch, tag or commit of a repo-id MODEL (default: its main branch).")
+    ] = None,
+    overwrite: Annotated[bool, _flag("Replace an existing bundle at OUT.", "--overwrite")] = False,
+    resume: Annotated[
+        bool, _flag("Continue an interrupted convert: keep the finished shards it left, write the rest.", "--resume")
+    ] = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, with a unit: 5GB, 500MB.")] = "5GB",
+    sample: Annotated[bool, _flag("Convert the built-in tiny sample checkpoint.", "--sample")] = False,
+    fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
-    rescale: Annotated[bool, typer.Option(
-        "--rescale", help="Fold unequal partition global scales into the block scales instead of refusing.")] = False,
+    rescale: Annotated[bool, _flag(
+        "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Convert an NVFP4 checkpoint into a runtime-layout bundle for one target.
+    """Convert an NVFP4 checkpoint into runtime-layout bundles: one target, or several in one pass.
 
     Examples:
       nvfp4-repack convert --sample --target sm100 -o sample-sm100
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm120 -o llama-sm120
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
+      nvfp4-repack convert nvidia/Llama-3.1-8B-Instruct-FP4 -t sm100 -t sm120 -t sm90 -o llama  # llama/sm100, ...
     """
+    from ..bundle.plan import parse_size
     from ..convert import convert as run_convert
     from ..sample import SAMPLE_DIR
 
     if sample == (model is not None):
         raise typer.BadParameter("give either MODEL or --sample")
-    source = SAMPLE_DIR if sample else model
+    try:
+        parse_size(max_shard_size)
+    except RepackError as exc:
+        raise RepackError(f"--max-shard-size: {exc}") from None
+    source = str(SAMPLE_DIR) if sample else model
     assert source is not None
-    destination = out or Path(f"{source.resolve().name}-{target.lower()}")
+    destination = out or _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=stderr, transient=True, disable=as_json or not stderr.is_terminal,
@@ -82,33 +113,37 @@ def convert(
     task = progress.add_task("converting", total=None)
     started = []
 
-    def start_bar(src: object, plans: list[BundlePlan]) -> None:
-        progress.update(task, total=sum(plan.total_bytes for plan in plans))
+    def start_bar(src: object, outputs: list) -> None:
+        progress.update(task, total=sum(u.nbytes for u in src.checkpoint.tensors.values()))  # type: ignore[attr-defined]
         progress.start()
         started.append(True)
 
     try:
-        summary = run_convert(
-            source, target, destination, overwrite=overwrite, max_shard_size=max_shard_size, fuse=fuse, tp=tp,
-            rescale=rescale, on_plan=start_bar,
+        result = run_convert(
+            source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
+            resume=resume, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, on_plan=start_bar,
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
         if started:  # stopping a bar never started prints a stray blank line (rich 15)
             progress.stop()
+    summaries = result if isinstance(result, list) else [result]
     if as_json:
-        print(json.dumps({**asdict(summary), "out": str(summary.out)}, indent=2))
+        rows = [{**asdict(s), "out": str(s.out)} for s in summaries]
+        print(json.dumps(rows if isinstance(result, list) else rows[0], indent=2))
         return
-    for prefix, error in summary.rescaled.items():
-        stdout.print(f"rescaled {show(prefix)}: partition scales folded into block scales, "
-                     f"added relative L2 weight error {error:.3g}", highlight=False)
-    ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
-    table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}{ranks}")
-    for column in ("quantized layers", "passthrough tensors", "bytes in", "bytes out", "time"):
-        table.add_column(column, justify="right")
-    table.add_row(str(summary.layers), str(summary.passthrough), _human(summary.bytes_in),
-                  _human(summary.bytes_out), f"{summary.seconds:.2f} s")
-    stdout.print(table)
+    for summary in summaries:
+        for prefix, error in summary.rescaled.items():
+            stdout.print(f"rescaled {show(prefix)}: partition scales folded into block scales, "
+                         f"added relative L2 weight error {error:.3g}", highlight=False)
+        ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
+        kept = f", {summary.kept_shards} shards kept from the interrupted run" if summary.kept_shards else ""
+        table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}{ranks}{kept}")
+        for column in ("quantized layers", "passthrough tensors", "bytes in", "bytes out", "time"):
+            table.add_column(column, justify="right")
+        table.add_row(str(summary.layers), str(summary.passthrough), _human(summary.bytes_in),
+                      _human(summary.bytes_out), f"{summary.seconds:.2f} s")
+        stdout.print(table)
 
 
 def _inspect_bundle(path: Path, as_json: bool) -> None:
@@ -254,40 +289,81 @@ class DeviceChoice(str, Enum):
     cuda = "cuda"
 
 
+class NumericsChoice(str, Enum):
+    auto = "auto"
+    all = "all"
+    sample = "sample"
+
+
+FAILURES_SHOWN = 5  # per check kind; the rest are counted (all of them are in --json / --report)
+
+
 def verify(
     bundle: Annotated[Path, typer.Argument(help="The bundle folder to check.")],
     source: Annotated[
-        Optional[Path],
-        typer.Option(help="Source checkpoint (default: the path recorded in the manifest, if it exists)."),
+        Optional[str],
+        typer.Option(help="The source checkpoint, a folder or Hub repo id (default: the folder recorded in the "
+                          "manifest, if it exists)."),
     ] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision of a repo-id --source.")] = None,
+    no_source: Annotated[
+        bool, _flag("Check integrity and numerics only, when the source is not at hand.", "--no-source")
+    ] = False,
     device: Annotated[DeviceChoice, typer.Option(help="Where the runtime GEMM runs.")] = DeviceChoice.cpu,
-    json_report: Annotated[Optional[Path], typer.Option("--json", help="Also write a JSON report to this file.")] = None,
+    numerics: Annotated[
+        NumericsChoice,
+        typer.Option(help="Layers whose numerics run: all, or a sample (each layer shape once, and one more); "
+                          "auto: all on a GPU, a sample on the CPU (exactness always covers every layer)."),
+    ] = NumericsChoice.auto,
+    as_json: JsonOpt = False,
+    report_file: Annotated[
+        Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")
+    ] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed for the random activations (default: fresh each run).")] = None,
 ) -> int:
     """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
 
     A ``--tp`` output folder: every rank, and each source layer reassembled from the ranks' outputs.
-    Exits 0 only when every check passes.
+    Exits 0 only when every check passes. The source must be the checkpoint the bundle was built from (by
+    sha256); without one, verify fails unless --no-source is given.
 
     Examples:
       nvfp4-repack verify sample-sm100
-      nvfp4-repack verify llama-sm90 --source ./Llama-3.1-8B-NVFP4 --device cuda --json report.json
+      nvfp4-repack verify llama-sm90 --source ./Llama-3.1-8B-NVFP4 --device cuda --report report.json
+      nvfp4-repack verify llama-sm100 --no-source --json
     """
     from ..bundle.reader import open_bundle
-    from ..verify import rank_bundles, verify_output
+    from ..verify import rank_bundles, resolve_source, verify_output
 
-    manifests = [open_bundle(b).manifest for b in rank_bundles(bundle) or [bundle]]
-    total = sum(len(m.layers) + len(m.passthrough) for m in manifests)
+    if no_source and source is not None:
+        raise typer.BadParameter("give either --source or --no-source")
+    opened = [open_bundle(b) for b in rank_bundles(bundle) or [bundle]]
+    src = None if no_source else resolve_source(opened[0], source, revision)
+    if src is None and not no_source:
+        raise RepackError(f"{opened[0].manifest.source.path}: the bundle's source is not there; pass --source MODEL, "
+                          "or --no-source to check integrity and numerics only")
+    total = sum(len(b.manifest.layers) + len(b.manifest.passthrough) for b in opened)
     with Progress(TextColumn("[bold]verifying"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.description}"), console=stderr, transient=True,
-                  disable=not stderr.is_terminal) as progress:
+                  disable=as_json or not stderr.is_terminal) as progress:
         task = progress.add_task("", total=total)
         report = verify_output(
-            bundle, source=source, device=device.value, seed=seed,
+            bundle, source=src, device=device.value, seed=seed, numerics=numerics.value,
             progress=lambda name: progress.update(task, advance=1, description=show(name[-48:])),
         )
+    data = report.to_dict()
+    if report_file is not None:
+        report_file.write_text(json.dumps(data, indent=2) + "\n")
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return 0 if report.passed else 1
+    _print_verify(bundle, report)
+    return 0 if report.passed else 1
+
+
+def _print_verify(bundle: Path, report) -> None:
     table = Table(title=f"{show(bundle)} ({report.target}, {report.backend} backend on {report.device}; "
-                        f"source: {show(report.source or 'not available, numerics use the bundle decode')})")
+                        f"source: {show(report.source or 'not checked (--no-source), numerics use the bundle decode')})")
     for column in ("layer", "status", "max rel. error", "problems"):
         table.add_column(column)
     for check in report.layers:
@@ -295,25 +371,38 @@ def verify(
         style = "green" if check.status == "ok" else "red"
         table.add_row(show(check.name), f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
     stdout.print(table)
-    for check in report.failures:
-        for message in check.errors:
-            stdout.print(f"[red]FAIL[/] {show(message)}", soft_wrap=True, highlight=False)
-    if json_report is not None:
-        json_report.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
-                 "integrity and numerics against the bundle's own decode; no source found, so exactness was NOT "
-                 "checked (pass --source)")
+                 "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")
         matrices = f", {len(report.transforms)} transform matrices" if report.transforms else ""
         stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors"
-                     f"{matrices}, {len(report.files)} files; relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
-        return 0
-    stdout.print(f"[red]FAIL[/]: {len(report.failures)} check(s) failed (activation seed {report.seed})", soft_wrap=True)
-    return 1
+                     f"{matrices}, {len(report.files)} files; numerics on {report.numerics_layers} of {len(report.layers)} layers, "
+                     f"relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
+        return
+    summary = report.summary()
+    for kind, messages in summary.items():
+        stdout.print(f"[red]FAIL[/] {kind}: {len(messages)} problem(s)", highlight=False)
+        for message in messages[:FAILURES_SHOWN]:
+            stdout.print(f"  {show(message)}", soft_wrap=True, highlight=False)
+        if len(messages) > FAILURES_SHOWN:
+            stdout.print(f"  ... and {len(messages) - FAILURES_SHOWN} more (all of them: --report FILE)", highlight=False)
+    counts = ", ".join(f"{kind} {len(messages)}" for kind, messages in summary.items())
+    stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed})", soft_wrap=True, highlight=False)
+
+
+def _interruptible(command: Callable) -> Callable:
+    """Ctrl-C as :class:`Interrupted`, which reaches the CLI's handler (Typer would exit 130 without a word)."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Interrupted() from None
+
+    return run
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(convert)
-    app.command()(inspect)
-    app.command()(targets)
-    app.command()(verify)
+    for command in (convert, inspect, targets, verify):
+        app.command()(_interruptible(command))

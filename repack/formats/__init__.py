@@ -10,9 +10,10 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .source import QuantizedLayer, SourceModel
 
 
-def read_source(model: str | Path) -> SourceModel:
-    """Open ``model`` and return it as a validated :class:`SourceModel` (headers only, no weights read)."""
-    checkpoint = open_checkpoint(model)
+def read_source(model: str | Path, revision: str | None = None) -> SourceModel:
+    """Open ``model`` (a folder, or a Hub repo id at ``revision``) as a validated :class:`SourceModel`
+    (headers only, no weights read)."""
+    checkpoint = open_checkpoint(model, revision)
     qc = compressed_tensors.quantization_config(checkpoint)  # config.json's own quant_method wins over a stray
     if qc is not None:  # hf_quant_config.json
         return compressed_tensors.read(checkpoint, qc)

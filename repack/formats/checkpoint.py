@@ -1,7 +1,7 @@
 """A Hugging Face-style checkpoint folder, treated as untrusted: config, shards, tensor index.
 
-Resolution of a model reference to a local folder is one function (``resolve_model_dir``) so that Hub
-repo ids slot in there. Nothing here executes checkpoint code: JSON and safetensors only, never pickle,
+Resolution of a model reference (a folder, or a Hub repo id) to a local folder is one function
+(``resolve_model_dir``). Nothing here executes checkpoint code: JSON and safetensors only, never pickle,
 never ``trust_remote_code``.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import RepackError
+from .hub import Origin, cache_repo_folder, is_repo_id, snapshot
 from .safetensors_io import TensorEntry, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -40,10 +41,10 @@ def load_json(path: Path) -> dict:
     return data
 
 
-def contained_file(root: Path, relative: str) -> Path:
-    """``root/relative``, refusing paths (or symlinks) that escape ``root``."""
+def contained_file(root: Path, relative: str, boundary: Path | None = None) -> Path:
+    """``root/relative``, refusing paths (or symlinks) that escape ``boundary`` (default ``root``)."""
     path = root / relative
-    resolved_root = root.resolve()
+    resolved_root = (boundary or root).resolve()
     try:
         resolved = path.resolve(strict=True)
     except FileNotFoundError:
@@ -57,14 +58,26 @@ def contained_file(root: Path, relative: str) -> Path:
     return path
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """The local folder holding ``model``'s files."""
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise RepackError(f"{model}: no such file or directory")
-    if not path.is_dir():
-        raise RepackError(f"{model}: not a directory (expected a model folder with config.json)")
-    return path
+def resolve_model_dir(model: str | Path, revision: str | None = None) -> tuple[Path, Origin]:
+    """The local folder holding ``model``'s files, and where it came from.
+
+    A folder that exists always wins; otherwise an ``org/name`` string is a Hub repo id (at ``revision``)."""
+    if not Path(model).expanduser().exists() and isinstance(model, str) and is_repo_id(model):
+        return snapshot(model, revision)
+    if revision is not None:
+        raise RepackError(f"{model}: a revision applies to Hub repo ids, not to a local folder")
+    path = local_dir(model)
+    return path, Origin(boundary=cache_repo_folder(path) or path)
+
+
+def local_dir(path: str | Path) -> Path:
+    """``path`` as an existing local folder."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise RepackError(f"{path}: no such file or directory")
+    if not folder.is_dir():
+        raise RepackError(f"{path}: not a directory (expected a model folder with config.json)")
+    return folder
 
 
 @dataclass
@@ -75,6 +88,15 @@ class Checkpoint:
     config: dict
     shard_files: list[str]
     tensors: dict[str, TensorEntry] = field(repr=False)
+    origin: Origin | None = None
+
+    def __post_init__(self) -> None:
+        self.origin = self.origin or Origin(boundary=self.root)
+
+    def contained(self, name: str) -> Path:
+        """The folder's file ``name``, refused if it resolves outside the folder (or the Hub repo's cache)."""
+        assert self.origin is not None
+        return contained_file(self.root, name, self.origin.boundary)
 
     def entry(self, name: str) -> TensorEntry:
         try:
@@ -98,11 +120,11 @@ class Checkpoint:
         )
 
 
-def _weight_map(root: Path) -> dict | None:
+def _weight_map(root: Path, boundary: Path) -> dict | None:
     """The index's tensor -> shard map, or None for a folder without an index."""
     if not (root / INDEX_NAME).exists() and not (root / INDEX_NAME).is_symlink():
         return None
-    index = load_json(contained_file(root, INDEX_NAME))
+    index = load_json(contained_file(root, INDEX_NAME, boundary))
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise RepackError(f"{INDEX_NAME}: missing or empty 'weight_map'")
@@ -152,19 +174,19 @@ def _refuse_bundle(root: Path, config: dict) -> None:
         )
 
 
-def open_checkpoint(model: str | Path) -> Checkpoint:
-    """Open and validate a model folder: config.json, shard list, every shard's header."""
-    root = resolve_model_dir(model)
+def open_checkpoint(model: str | Path, revision: str | None = None) -> Checkpoint:
+    """Open and validate a model folder (or Hub repo id): config.json, shard list, every shard's header."""
+    root, origin = resolve_model_dir(model, revision)
     config_path = root / "config.json"
     if not config_path.exists():
         raise RepackError(f"{root}: no config.json (not a Hugging Face model folder)")
-    config = load_json(contained_file(root, "config.json"))
+    config = load_json(contained_file(root, "config.json", origin.boundary))
     _refuse_bundle(root, config)
-    weight_map = _weight_map(root)
+    weight_map = _weight_map(root, origin.boundary)
     shard_files = _shard_names(root, weight_map)
     tensors: dict[str, TensorEntry] = {}
     for shard in shard_files:
-        for name, entry in read_header(contained_file(root, shard)).items():
+        for name, entry in read_header(contained_file(root, shard, origin.boundary)).items():
             if name in tensors:
                 raise RepackError(f"tensor {name!r} appears in both {tensors[name].file.name} and {shard}")
             tensors[name] = entry
@@ -176,4 +198,4 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
                 f"{INDEX_NAME}: names tensor {name!r} in {str(shard)!r}, but no weight file holds it "
                 "(incomplete download?)"
             )
-    return Checkpoint(root=root, config=config, shard_files=shard_files, tensors=tensors)
+    return Checkpoint(root=root, config=config, shard_files=shard_files, tensors=tensors, origin=origin)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import RepackError
-from .checkpoint import Checkpoint, contained_file, load_json
+from .checkpoint import Checkpoint, load_json
 from .source import NamingScheme, SourceModel, collect_layers
 
 FORMAT = "modelopt"
@@ -27,7 +27,7 @@ def quant_algo(checkpoint: Checkpoint) -> str | None:
     """The ModelOpt algo named by hf_quant_config.json or config.json, or None if not ModelOpt."""
     qc = checkpoint.config.get("quantization_config")
     if (checkpoint.root / "hf_quant_config.json").exists():
-        hf = load_json(contained_file(checkpoint.root, "hf_quant_config.json"))
+        hf = load_json(checkpoint.contained("hf_quant_config.json"))
         quant = hf.get("quantization")
         if not isinstance(quant, dict):
             raise RepackError("hf_quant_config.json: missing 'quantization' object")

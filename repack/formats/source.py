@@ -16,6 +16,7 @@ from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .checkpoint import Checkpoint
 from .transforms import SourceTransforms
+from .safetensors_io import TensorEntry, read_tensor
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ class SourceModel:
     passthrough: list[str]
     transforms: SourceTransforms = field(default_factory=SourceTransforms)
 
-    def load_layer(self, layer: QuantizedLayer) -> NVFP4Weight:
-        """Read one layer's tensors and return its validated canonical form."""
-        codes, scales, global_scale = (self.checkpoint.read(name) for name in layer.tensor_names)
+    def load_layer(self, layer: QuantizedLayer, read: Callable[[TensorEntry], torch.Tensor] = read_tensor) -> NVFP4Weight:
+        """Read one layer's tensors (with ``read``, e.g. one that also hashes) and return its validated canonical form."""
+        codes, scales, global_scale = (read(self.checkpoint.entry(name)) for name in layer.tensor_names)
         return NVFP4Weight(
             codes=codes,
             block_scales=scales,

@@ -86,7 +86,7 @@ def load_bundle(path: str | Path | Bundle, device: str | torch.device = "cpu", b
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RepackError("--device cuda requested but CUDA is not available on this machine")
+        raise RepackError("device cuda requested but CUDA is not available on this machine")
     chosen = choose_backend(bundle.target, device)
     return LoadedBundle(bundle, device, backend or chosen)
 

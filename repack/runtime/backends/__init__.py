@@ -63,6 +63,6 @@ def choose_backend(target: Target, device: torch.device) -> str:
         have = f"sm{capability[0]}{capability[1]}"
         raise RepackError(
             f"this bundle is for {target.name} ({', '.join(f'sm{a}{b}' for a, b in target.compute_capabilities)}) "
-            f"but the device is {have}; convert the source with --target {have}, or use --device cpu"
+            f"but the device is {have}; convert the source for {have}, or run on the CPU"
         )
     return target.backend

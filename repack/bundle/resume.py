@@ -1,0 +1,139 @@
+"""The resume journal: which shards of an interrupted convert are complete, so a resume can keep them.
+
+A convert writes ``.nvfp4-repack-resume.json`` into its staging folder each time a shard is complete and on
+disk, replacing it atomically: after a kill it names only finished shards. It records the plan's fingerprint
+(every shard's tensors, dtypes and shapes, and the layout) and the source's identity, and for each shard its
+sha256, tensor digests and layers' global scales, which is all the manifest needs of it. A resume keeps a
+shard only if the plan and the source are the same and the file still hashes as recorded; anything else is
+written again. The journal is deleted before the bundle is installed, so it is never part of a bundle.
+
+The source's identity is each shard file's size, modification time and header (hashed): convert computes the
+files' sha256 from its one read of the source, so a full hash is known only at the end, too late for a
+journal that must survive a kill. A file rewritten in place with its size, time and header kept would go
+unnoticed; anything else (another download, a re-quantized model, an edited file) starts afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from .. import __version__
+from ..formats.checkpoint import Checkpoint
+from ..formats.safetensors_io import file_sha256
+from .plan import BundlePlan
+from .writer import staging_folders
+
+JOURNAL_NAME = ".nvfp4-repack-resume.json"
+JOURNAL_KIND = "nvfp4-repack-resume"
+
+
+@dataclass(frozen=True)
+class KeptShard:
+    sha256: str
+    tensors: dict[str, str]
+    global_scales: dict[str, float]
+
+
+def plan_fingerprint(plan: BundlePlan) -> str:
+    """sha256 of everything the plan fixes about the bytes: tool version, layout, and every shard's header."""
+    shape = {file: [[t.name, t.dtype_name, list(t.shape)] for t in tensors] for file, tensors in plan.shards.items()}
+    text = json.dumps([__version__, plan.target.layout_id, shape], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class Journal:
+    """The journal of one staging folder. ``kept``: shards a resume keeps; ``record`` adds finished ones."""
+
+    folder: Path
+    fingerprint: str
+    source: dict[str, list]
+    kept: dict[str, KeptShard] = field(default_factory=dict)
+    _done: dict[str, KeptShard] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, folder: Path, plan: BundlePlan, source: dict[str, list]) -> "Journal":
+        return cls(folder, plan_fingerprint(plan), source)
+
+    def kept_now(self) -> dict[str, KeptShard]:
+        """Shards complete on disk: those kept by the resume plus those finished since."""
+        return {**self.kept, **self._done}
+
+    def record(self, file: str, sha256: str, tensors: dict[str, str], global_scales: dict[str, float]) -> None:
+        """Note a shard as complete (it is already fsynced) and rewrite the journal."""
+        self._done[file] = KeptShard(sha256, dict(tensors), dict(global_scales))
+        self.save()
+
+    def save(self) -> None:
+        """Rewrite the journal atomically (a kill leaves the old one or the new one)."""
+        if not self.kept_now():
+            return
+        data = {
+            "kind": JOURNAL_KIND,
+            "plan": self.fingerprint,
+            "source": self.source,
+            "shards": {name: vars(shard) for name, shard in self.kept_now().items()},
+        }
+        temporary = self.folder / f"{JOURNAL_NAME}.tmp"
+        with open(temporary, "w") as handle:
+            json.dump(data, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        temporary.replace(self.folder / JOURNAL_NAME)
+
+    def discard(self) -> None:
+        (self.folder / JOURNAL_NAME).unlink(missing_ok=True)
+        (self.folder / f"{JOURNAL_NAME}.tmp").unlink(missing_ok=True)
+
+
+def _read(folder: Path) -> dict | None:
+    try:
+        data = json.loads((folder / JOURNAL_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("kind") == JOURNAL_KIND else None
+
+
+def _kept_shards(folder: Path, data: dict, plan: BundlePlan) -> dict[str, KeptShard]:
+    """The journal's shards whose files still hash as recorded (a malformed entry is simply not kept)."""
+    kept = {}
+    shards = data.get("shards")
+    for file, entry in (shards if isinstance(shards, dict) else {}).items():
+        try:
+            shard = KeptShard(str(entry["sha256"]), dict(entry["tensors"]), dict(entry["global_scales"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+        names = {t.name for t in plan.shards.get(file, [])}
+        path = folder / file
+        if names and set(shard.tensors) == names and path.is_file() and not path.is_symlink():
+            if file_sha256(path) == shard.sha256:
+                kept[file] = shard
+    return kept
+
+
+def source_identity(checkpoint: Checkpoint) -> dict[str, list]:
+    """``{shard file: [size, modification time (ns), sha256 of its header]}``: what a resume compares."""
+    identity = {}
+    for name in checkpoint.shard_files:
+        path = checkpoint.contained(name)
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            head += handle.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+        stat = path.stat()
+        identity[name] = [stat.st_size, stat.st_mtime_ns, hashlib.sha256(head).hexdigest()]
+    return identity
+
+
+def find_resumable(out: Path, plan: BundlePlan, source: dict[str, list]) -> Journal | None:
+    """The newest staging folder of ``out`` whose journal matches ``plan`` and the source, with the shards it
+    can keep; None when there is none (the convert then starts afresh)."""
+    fingerprint = plan_fingerprint(plan)
+    for folder in staging_folders(out):
+        data = _read(folder)
+        if data is None or data.get("plan") != fingerprint or data.get("source") != source:
+            continue
+        return Journal(folder, fingerprint, source, kept=_kept_shards(folder, data, plan))
+    return None

@@ -1,0 +1,293 @@
+"""convert and verify as a CI step: several targets in one pass, Hub repo ids from an offline cache, verify as a
+gate, and the CLI's conventions. Checkpoints are fresh random ones (their seeds are printed by make_model's
+callers here, or fixed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from repack.cli import main
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.formats import SourceModel
+from repack.targets import TARGETS
+
+from .test_convert import check_bundle_against_source
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fresh_seed() -> int:
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed {seed}")
+    return seed
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# --- several targets in one pass ------------------------------------------------------------------------------------
+
+
+def test_all_targets_in_one_pass_read_each_layer_once(make_model, tmp_path, monkeypatch):
+    model = make_model("modelopt", shards=2, seed=fresh_seed())
+    reads = []
+    real = SourceModel.load_layer
+    monkeypatch.setattr(SourceModel, "load_layer",
+                        lambda self, layer, *read: reads.append(layer.prefix) or real(self, layer, *read))
+    summaries = convert(model.path, "all", tmp_path / "out")
+    assert sorted(reads) == sorted(model.layers), "each source layer is read exactly once for all targets"
+    assert [s.target for s in summaries] == [t.name for t in TARGETS]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(t.name for t in TARGETS)
+    for target in TARGETS:
+        check_bundle_against_source(model.path, tmp_path / "out" / target.name, target)
+        # Byte-identical to a bundle converted for that target alone.
+        convert(model.path, target.name, tmp_path / f"alone-{target.name}")
+        assert tree_bytes(tmp_path / "out" / target.name) == tree_bytes(tmp_path / f"alone-{target.name}")
+
+
+def test_repeated_target_flags_on_the_cli(make_model, tmp_path, capsys):
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()  # the printed seed stays in the test log, not in the CLI's output
+    out = tmp_path / "out"
+    assert main(["convert", str(model.path), "-t", "sm100", "--target", "sm121", "-t", "sm100", "-o", str(out),
+                 "--json", "--max-shard-size", "2KB"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["target"] for r in rows] == ["sm100", "sm120"]  # an alias names its family; duplicates once
+    assert sorted(p.name for p in out.iterdir()) == ["sm100", "sm120"]
+    for target in TARGETS[:2]:
+        check_bundle_against_source(model.path, out / target.name, target)
+
+
+def test_one_target_failing_midway_leaves_no_bundle_at_all(make_model, tmp_path):
+    model = make_model(shapes=[(16, 32), (32, 64)], seed=fresh_seed())
+    from repack.formats.checkpoint import open_checkpoint
+
+    entry = open_checkpoint(model.path).tensors["model.layers.1.mlp.proj.weight_scale"]
+    data = bytearray((model.path / "model.safetensors").read_bytes())
+    data[entry.begin] = 0x7F  # NaN, found only once writing has begun
+    (model.path / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RepackError, match="block scales contain NaN"):
+        convert(model.path, ["sm100", "sm120"], tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_several_targets_refuse_to_write_into_a_bundle(make_model, tmp_path):
+    model = make_model(seed=fresh_seed())
+    convert(model.path, "sm100", tmp_path / "b")
+    with pytest.raises(RepackError, match="is a bundle"):
+        convert(model.path, ["sm100", "sm120"], tmp_path / "b")
+
+
+# --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------
+
+
+def make_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str = "0123456789abcdef" * 2 + "01234567") -> Path:
+    """``cache/models--org--name``: the model's files as blobs, the snapshot as symlinks, refs/main."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for file in sorted(model_dir.iterdir()):
+        import hashlib
+
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)  # "org/name" must not exist as a local folder
+    return cache
+
+
+def test_convert_a_hub_repo_id_from_the_cache(make_model, tmp_path, offline_hub):
+    model = make_model("modelopt", shards=2, seed=fresh_seed())
+    snapshot = make_hub_cache(offline_hub, "acme/tiny-fp4", model.path)
+    summary = convert("acme/tiny-fp4", "sm120", tmp_path / "out")
+    assert summary.layers == len(model.layers)
+    manifest = check_bundle_against_source(snapshot, tmp_path / "out", TARGETS[1])
+    assert (manifest.source.repo_id, manifest.source.revision) == ("acme/tiny-fp4", snapshot.name)
+    convert(model.path, "sm120", tmp_path / "local")  # same bytes as from the folder the cache was made of
+    hub_files, local_files = tree_bytes(tmp_path / "out"), tree_bytes(tmp_path / "local")
+    assert hub_files.keys() == local_files.keys()
+    assert all(hub_files[name] == local_files[name] for name in hub_files if name != "manifest.json")
+    report = __import__("repack.verify", fromlist=["verify_bundle"]).verify_bundle(
+        tmp_path / "out", source="acme/tiny-fp4")
+    assert report.passed and report.source is not None
+
+
+def test_hub_symlinks_may_not_leave_the_repo_cache_folder(make_model, tmp_path, offline_hub):
+    model = make_model(seed=fresh_seed())
+    snapshot = make_hub_cache(offline_hub, "acme/evil", model.path)
+    outside = tmp_path / "secret.json"
+    outside.write_text("{}")
+    (snapshot / "tokenizer_config.json").unlink()
+    (snapshot / "tokenizer_config.json").symlink_to(outside)
+    with pytest.raises(RepackError, match="points outside the model folder"):
+        convert("acme/evil", "sm100", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_errors_are_one_line(tmp_path, offline_hub, capsys):
+    assert main(["convert", "acme/not-cached", "-t", "sm100", "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not in the local Hugging Face cache" in err
+
+
+def test_a_local_folder_wins_over_a_hub_id(make_model, tmp_path, offline_hub):
+    model = make_model(seed=fresh_seed())
+    (tmp_path / "acme").mkdir()
+    shutil.copytree(model.path, tmp_path / "acme" / "tiny")  # also present in no cache at all
+    summary = convert("acme/tiny", "sm100", tmp_path / "out")
+    assert summary.layers == len(model.layers)
+    assert __import__("repack.bundle.manifest", fromlist=["x"]).read_manifest(tmp_path / "out").source.repo_id is None
+
+
+def test_cli_hub_id_with_revision_in_a_fresh_process(make_model, tmp_path):
+    """The real CLI with HF_HUB_CACHE / HF_HUB_OFFLINE from the environment, as a CI job runs it."""
+    model = make_model("compressed-tensors", seed=fresh_seed())
+    snapshot = make_hub_cache(tmp_path / "cache", "acme/tiny-ct", model.path)
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "-m", "repack.cli", "convert", "acme/tiny-ct", "--revision", snapshot.name,
+                          "-t", "sm100", "-o", "out", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["source"]["repo_id"] == "acme/tiny-ct" and manifest["source"]["revision"] == snapshot.name
+    run = subprocess.run([sys.executable, "-m", "repack.cli", "convert", "acme/tiny-ct", "--revision", "v9",
+                          "-t", "sm100", "-o", "out2"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and "acme/tiny-ct@v9" in run.stderr
+
+
+# --- verify as a gate -----------------------------------------------------------------------------------------------
+
+
+def test_verify_refuses_a_source_the_bundle_was_not_built_from(make_model, tmp_path, capsys):
+    seed = fresh_seed()
+    model = make_model(shapes=[(64, 128), (32, 64)], seed=seed)
+    other = make_model(shapes=[(64, 128), (32, 64)], seed=seed + 1)  # same names and shapes, other values
+    wrong_shapes = make_model(shapes=[(48, 128), (32, 80)], seed=seed + 2)
+    capsys.readouterr()
+    convert(model.path, "sm100", tmp_path / "b")
+    for source in (other.path, wrong_shapes.path):
+        assert main(["verify", str(tmp_path / "b"), "--source", str(source)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not the source the bundle was built from" in err, err
+
+
+def test_verify_summarises_failures_per_check_kind(make_model, tmp_path, capsys):
+    model = make_model(shapes=[(64, 128)] * 12, seed=fresh_seed())
+    capsys.readouterr()  # the printed seed stays in the test log, not in the CLI's output
+    out = tmp_path / "b"
+    convert(model.path, "sm100", out)
+    shard = out / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")  # the file hash and the last tensor fail
+    manifest = json.loads((out / "manifest.json").read_text())
+    for layer in manifest["layers"].values():  # every layer's digest wrong: 12 integrity failures
+        layer["tensors"]["weight"]["digest"] = "0" * 32
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify", str(out), "--report", str(tmp_path / "r.json")]) == 1
+    text = capsys.readouterr().out
+    assert "FAIL integrity" in text and "... and" in text and text.count("digest differs") <= 5
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["failures_by_kind"]["integrity"] >= 13 and not report["passed"]
+
+
+def test_verify_json_goes_to_stdout(make_model, tmp_path, capsys):
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()  # the printed seed stays in the test log, not in the CLI's output
+    convert(model.path, "sm120", tmp_path / "b")
+    assert main(["verify", str(tmp_path / "b"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["source"] == str(model.path)
+
+
+# --- CLI conventions ------------------------------------------------------------------------------------------------
+
+
+def test_version_and_short_help(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == "nvfp4-repack 0.1.0"
+    for argv in (["-h"], ["convert", "-h"], ["verify", "-h"], ["inspect", "-h"], ["targets", "-h"]):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "Usage" in text and "<bool>" not in text, argv
+
+
+@pytest.mark.parametrize("size", ["5", "500", "1.5"])
+def test_a_shard_size_without_unit_is_refused(make_model, tmp_path, capsys, size):
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()  # the printed seed stays in the test log, not in the CLI's output
+    assert main(["convert", str(model.path), "-t", "sm100", "-o", str(tmp_path / "o"), "--max-shard-size", size]) == 1
+    err = capsys.readouterr().err
+    assert "--max-shard-size" in err and "unit" in err and not (tmp_path / "o").exists()
+
+
+def test_overwrite_hint_only_where_overwrite_would_work(make_model, tmp_path, capsys):
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()  # the printed seed stays in the test log, not in the CLI's output
+    bundle, plain = tmp_path / "bundle", tmp_path / "plain"
+    convert(model.path, "sm100", bundle)
+    plain.mkdir()
+    (plain / "notes.txt").write_text("x")
+    assert main(["convert", str(model.path), "-t", "sm100", "-o", str(bundle)]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["convert", str(model.path), "-t", "sm100", "-o", str(plain)]) == 1
+    assert "--overwrite" not in capsys.readouterr().err
+
+
+def test_library_errors_do_not_name_cli_flags(make_model, tmp_path):
+    model = make_model(seed=fresh_seed())
+    convert(model.path, "sm100", tmp_path / "b")
+    for call in (lambda: convert(model.path, "sm100", tmp_path / "b"),
+                 lambda: convert(model.path, "sm100", tmp_path / "c", max_shard_size="5"),
+                 lambda: convert(model.path, "sm100", model.path, overwrite=True)):
+        with pytest.raises(RepackError) as caught:
+            call()
+        assert "--" not in str(caught.value), caught.value
+
+
+def test_numerics_sample_covers_every_layer_shape(make_model, tmp_path, capsys):
+    model = make_model(shapes=[(64, 128)] * 5 + [(48, 80)] * 3 + [(16, 1008)], seed=fresh_seed())
+    capsys.readouterr()
+    convert(model.path, "sm120", tmp_path / "b")
+    assert main(["verify", str(tmp_path / "b"), "--json"]) == 0  # auto: a sample on the CPU
+    report = json.loads(capsys.readouterr().out)
+    sampled = {c["name"] for c in report["layers"] if c["max_rel_error"] is not None}
+    shapes = {(l.shape[0], l.shape[1] * 2) for l in (model.layers[name].codes for name in sampled)}
+    assert shapes == {(64, 128), (48, 80), (16, 1008)}
+    assert report["numerics_layers"] == len(sampled) and len(sampled) in (3, 4)
+    assert main(["verify", str(tmp_path / "b"), "--json", "--numerics", "all"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["numerics_layers"] == 9 and all(c["max_rel_error"] < 1e-2 for c in report["layers"])
+
+
+def test_online_transforms_in_a_several_target_pass(tmp_path):
+    """Transform matrices are units of the pass too: every bundle holds them and verifies against the source."""
+    from repack.verify import verify_bundle
+
+    from .conftest import PRODUCERS
+
+    source = PRODUCERS / "ct_quip_vu_had32_nvfp4"
+    convert(source, ["sm100", "sm120"], tmp_path / "out")
+    for target in ("sm100", "sm120"):
+        report = verify_bundle(tmp_path / "out" / target, source=source, seed=0)
+        assert report.passed and report.transforms, [e for c in report.failures for e in c.errors]

@@ -1,0 +1,158 @@
+"""--resume: after Ctrl-C or kill -9, the finished shards are kept, the rest is redone, and the bundle is
+byte-identical to one from an uninterrupted convert."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import repack.convert
+from repack.cli import main
+from repack.convert import convert
+from repack.errors import Interrupted
+from repack.formats import SourceModel
+from repack.sample.synthetic import random_nvfp4, write_checkpoint
+
+from .test_atomicity import tree_digest
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPES = [(256, 512)] * 8
+
+
+def make_checkpoint(root: Path, seed: int, shapes=SHAPES) -> Path:
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    layers = {f"model.layers.{i}.mlp.proj": random_nvfp4(n, k, gen) for i, (n, k) in enumerate(shapes)}
+    plain = {"model.embed_tokens.weight": torch.randn(64, 16, generator=gen).to(torch.bfloat16)}
+    write_checkpoint(root, layers, plain, fmt="modelopt", shards=2, config={"model_type": "llama"})
+    return root
+
+
+@pytest.fixture
+def source(tmp_path):
+    return make_checkpoint(tmp_path / "model", seed=int(torch.randint(0, 2**31, ())))
+
+
+def interrupt_after(monkeypatch, layers: int) -> None:
+    """Ctrl-C on the converting thread once ``layers`` layers have been handed to the writers."""
+    real = repack.convert._Writing.take_layer
+    seen = []
+
+    def take(self, layer, weight):
+        if len(seen) == layers:
+            raise KeyboardInterrupt
+        seen.append(layer.prefix)
+        real(self, layer, weight)
+
+    monkeypatch.setattr(repack.convert._Writing, "take_layer", take)
+
+
+def staging(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.partial-*"))
+
+
+@pytest.mark.parametrize("targets", ["sm120", ["sm100", "sm90"]], ids=["one", "two"])
+def test_ctrl_c_then_resume_keeps_finished_shards_and_matches_a_clean_run(source, tmp_path, monkeypatch, targets):
+    reference = tmp_path / "reference"
+    convert(source, targets, reference, max_shard_size="200KB")
+    out = tmp_path / "out"
+    interrupt_after(monkeypatch, layers=5)
+    with pytest.raises(Interrupted) as caught:
+        convert(source, targets, out, max_shard_size="200KB")
+    kept = [done for _, _, done, _ in caught.value.kept]
+    assert all(done >= 1 for done in kept), caught.value.kept
+    bundles = [out] if isinstance(targets, str) else [out / t for t in targets]
+    assert all(not b.exists() and len(staging(b)) == 1 for b in bundles), "no OUT yet, one staging folder each"
+    monkeypatch.undo()
+    finished = {p: p.stat().st_mtime_ns for b in bundles for p in staging(b)[0].glob("*.safetensors")}
+    reads = []
+    real = SourceModel.load_layer
+    monkeypatch.setattr(SourceModel, "load_layer",
+                        lambda self, layer, *read: reads.append(layer.prefix) or real(self, layer, *read))
+    result = convert(source, targets, out, max_shard_size="200KB", resume=True)
+    summaries = result if isinstance(result, list) else [result]
+    assert [s.kept_shards for s in summaries] == kept
+    assert len(reads) < len(SHAPES), "layers of kept shards are not read again"
+    for bundle in bundles:
+        assert tree_digest(bundle) == tree_digest(reference / bundle.name if bundle != out else reference)
+        assert staging(bundle) == []
+    assert sum(1 for b in bundles for p in b.glob("*.safetensors")
+               if finished.get(next(iter(staging(b)), b) / p.name) is not None) == 0  # staging renamed into place
+
+
+def test_resume_keeps_nothing_when_the_source_changed(tmp_path, monkeypatch):
+    first = make_checkpoint(tmp_path / "model", seed=11)
+    out = tmp_path / "out"
+    interrupt_after(monkeypatch, layers=6)
+    with pytest.raises(Interrupted):
+        convert(first, "sm100", out, max_shard_size="200KB")
+    monkeypatch.undo()
+    changed = make_checkpoint(tmp_path / "model-changed", seed=12)
+    for file in changed.iterdir():  # the same folder, new contents
+        (first / file.name).write_bytes(file.read_bytes())
+    summary = convert(first, "sm100", out, max_shard_size="200KB", resume=True)
+    assert summary.kept_shards == 0
+    convert(changed, "sm100", tmp_path / "reference", max_shard_size="200KB")
+    digests = tree_digest(out)
+    reference = tree_digest(tmp_path / "reference")
+    assert {k: v for k, v in digests.items() if k != "manifest.json"} == \
+        {k: v for k, v in reference.items() if k != "manifest.json"}
+
+
+def test_a_damaged_kept_shard_is_written_again(source, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    interrupt_after(monkeypatch, layers=6)
+    with pytest.raises(Interrupted) as caught:
+        convert(source, "sm100", out, max_shard_size="200KB")
+    monkeypatch.undo()
+    folder = caught.value.kept[0][1]
+    shards = sorted(folder.glob("*.safetensors"))
+    data = bytearray(shards[0].read_bytes())
+    data[-1] ^= 0xFF
+    shards[0].write_bytes(bytes(data))
+    summary = convert(source, "sm100", out, max_shard_size="200KB", resume=True)
+    assert summary.kept_shards == caught.value.kept[0][2] - 1
+    convert(source, "sm100", tmp_path / "reference", max_shard_size="200KB")
+    assert tree_digest(out) == tree_digest(tmp_path / "reference")
+
+
+def run_cli_process(argv, cwd):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "repack.cli", *map(str, argv)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_a_finished_shard(out: Path, process, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if any((p / ".nvfp4-repack-resume.json").exists() for p in staging(out)):
+            return
+        time.sleep(0.002)
+    raise AssertionError("the convert finished no shard before the deadline")
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_real_interrupt_then_resume_on_the_cli(tmp_path, how):
+    source = make_checkpoint(tmp_path / "model", seed=5, shapes=[(1024, 2048)] * 24)
+    argv = ["convert", source, "-t", "sm120", "-o", tmp_path / "out", "--max-shard-size", "1MB"]
+    process = run_cli_process(argv, tmp_path)
+    wait_for_a_finished_shard(tmp_path / "out", process)
+    process.send_signal(how)
+    _, err = process.communicate(timeout=60)
+    if how == signal.SIGINT:
+        assert process.returncode == 130
+        assert err.count("\n") == 1 and err.startswith("Interrupted: ") and "--resume" in err, err
+        assert "shards of" in err and "kept" in err
+    else:
+        assert process.returncode == -signal.SIGKILL
+    assert not (tmp_path / "out").exists()
+    assert main([str(a) for a in argv + ["--resume"]]) == 0
+    convert(source, "sm120", tmp_path / "reference", max_shard_size="1MB")
+    assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "reference")
