@@ -41,6 +41,7 @@ from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, read_tenso
 from .formats.transforms import load_matrix, runtime_matrix
 from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from .runtime import load_bundle
+from .runtime.transforms import block_transform
 from .targets import RuntimeLayer
 
 NUMERIC_TOLERANCE = 1e-2
@@ -177,7 +178,8 @@ def _reference_products(weight: NVFP4Weight | torch.Tensor, xs: list[torch.Tenso
 
 
 def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
-    return value if matrix is None else (value.unflatten(-1, (-1, matrix.shape[0])) @ matrix).flatten(-2)
+    """The float64 reference's online transform: the runtime's own ``block_transform``, in float64 here."""
+    return value if matrix is None else block_transform(value, matrix)
 
 
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
