@@ -260,6 +260,19 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
     )
 
 
+def _kept(writings: list[_Writing]) -> list[tuple[Path, Path | None, int, int]]:
+    """Per destination: ``(out, staging folder kept for --resume, shards kept, shards planned)``; a --tp
+    conversion's ranks are one destination with nothing kept (its staging is removed: --resume does not cover it)."""
+    kept: dict[Path, tuple[Path, Path | None, int, int]] = {}
+    for w in writings:
+        out, done, total = w.output.out, len(w.journal.kept_now()), len(w.output.plan.shards)
+        if w.output.folder:
+            kept[out] = (out, None, 0, total + (kept[out][3] if out in kept else 0))
+        else:
+            kept[out] = (out, w.staging, done, total)
+    return list(kept.values())
+
+
 def rank_folder(rank: int) -> str:
     """Where rank ``rank`` of a ``--tp`` conversion lives inside OUT."""
     return f"rank-{rank}"
@@ -279,6 +292,15 @@ def _finish(source: SourceModel, writing: _Writing, source_files: dict[str, str]
     writing.files["config.json"] = write_json(staging / "config.json", bundle_config(source.checkpoint.config, plan.target, plan.layers))
     writing.journal.discard()
     (staging / MANIFEST_NAME).write_text(_manifest(source, writing, source_files).to_json())
+
+
+def _serve_from_root(source: SourceModel, rank0: Path) -> None:
+    """Copy rank 0's config.json and side files (tokenizer, generation config) to the top of a ``--tp`` output,
+    byte for byte, so that ``vllm serve OUT --tensor-parallel-size N`` finds a model folder there (vLLM reads the
+    config and tokenizer from the folder it is given; each rank's loader then opens ``OUT/rank-R``). rank 0's
+    manifest hashes them; ``verify`` checks the copies against it."""
+    for name in ["config.json", *source.checkpoint.side_files()]:
+        shutil.copyfile(rank0 / name, rank0.parent / name)
 
 
 def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], report: Progress) -> None:
@@ -347,10 +369,12 @@ def convert_bundles(
         try:
             for out in destinations:
                 group = [output for output in outputs if output.out == out]
-                if resume and any(output.folder for output in group):
+                ranked = any(output.folder for output in group)
+                if resume and ranked:
                     raise RepackError(f"{out}: --resume is not supported for tensor-parallel (--tp) conversions")
                 reuse = find_resumable(out, group[0].plan, identity) if resume else None
-                root = stack.enter_context(staged_folder(out, overwrite, reuse=reuse and reuse.folder))
+                root = stack.enter_context(staged_folder(out, overwrite, reuse=reuse and reuse.folder,
+                                                         keep_interrupted=not ranked))
                 for output in group:
                     staging = root / output.folder
                     staging.mkdir(exist_ok=True)
@@ -362,13 +386,15 @@ def convert_bundles(
             source_files = reader.digests()
             for writing in writings:
                 _finish(source, writing, source_files)
+            for writing in writings:
+                if writing.output.folder == rank_folder(0):
+                    _serve_from_root(source, writing.staging)
         except KeyboardInterrupt:  # finish the writes already queued (bounded by LANE_BYTES), keep them for a resume
             for writing in writings:
                 writing.drain()
                 writing.close()
                 writing.journal.save()
-            raise Interrupted([(w.output.out, w.staging, len(w.journal.kept_now()), len(w.output.plan.shards))
-                               for w in writings]) from None
+            raise Interrupted(_kept(writings)) from None
     bytes_in = sum(e.nbytes for e in source.checkpoint.tensors.values())
     seconds = time.perf_counter() - started
     return [

@@ -496,6 +496,26 @@ def verify_output(
         merged.files.append(TensorCheck(str(path), "fail", [f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"],
                                         kinds=["integrity"]))
         return merged
+    merged.files += _check_served_root(Path(path), bundles[0])
     if src is not None:
         merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
     return merged
+
+
+def _check_served_root(root: Path, rank0: Bundle) -> list[TensorCheck]:
+    """The files at the top of a ``--tp`` output (what ``vllm serve OUT`` reads: config.json, tokenizer) are
+    rank 0's, byte for byte, as its manifest hashes them."""
+    checks = []
+    for path in sorted(p for p in root.iterdir() if p.is_file()):
+        check = TensorCheck(path.name)
+        recorded = rank0.manifest.files.get(path.name)
+        if recorded is None:
+            check.fail(f"{path.name}: not a file of rank 0's bundle (a --tp output's top holds rank 0's config and "
+                       f"side files only)")
+        elif file_sha256(path) != recorded:
+            check.fail(f"{path.name}: differs from rank 0's (sha256 mismatch with its manifest)")
+        checks.append(check)
+    if not (root / "config.json").is_file():
+        missing = f"{root}: no config.json at the top, so 'vllm serve {root}' cannot start; re-convert it"
+        checks.append(TensorCheck("config.json", "fail", [missing], ["integrity"]))
+    return checks

@@ -65,6 +65,31 @@ def test_tp_ranks_replicate_a_single_kv_head_and_split_k(tmp_path):
     assert sum(c.name.startswith("reassembled/") for c in report.layers) == 7
 
 
+def test_tp_output_top_folder_holds_rank_0s_config_and_side_files(tmp_path):
+    """What ``vllm serve OUT --tensor-parallel-size N`` reads at OUT (config, tokenizer) is rank 0's, byte for
+    byte, and verify holds it to rank 0's manifest."""
+    root = _llama(tmp_path / "m")
+    (root / "tokenizer_config.json").write_text(json.dumps({"seed": int(torch.randint(0, 2**31, ()))}))
+    (root / "generation_config.json").write_text("{}")
+    out = tmp_path / "out"
+    convert(root, "sm120", out, tp=2)
+    top = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert top == ["config.json", "generation_config.json", "tokenizer_config.json"]
+    assert all((out / name).read_bytes() == (out / "rank-0" / name).read_bytes() for name in top)
+    source_config = json.loads((root / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["architectures"] == source_config["architectures"]
+    assert verify_output(out).passed
+    (out / "tokenizer_config.json").write_text("{}")
+    (out / "stray.txt").write_text("x")
+    failed = {c.name: c.errors for c in verify_output(out).failures}
+    assert set(failed) == {"tokenizer_config.json", "stray.txt"}, failed
+    (out / "stray.txt").unlink()
+    (out / "config.json").unlink()
+    (out / "tokenizer_config.json").write_bytes((out / "rank-0" / "tokenizer_config.json").read_bytes())
+    failed = {c.name: c.errors for c in verify_output(out).failures}
+    assert list(failed) == ["config.json"] and "vllm serve" in failed["config.json"][0], failed
+
+
 def test_verify_catches_a_corrupted_rank(tmp_path):
     convert(_llama(tmp_path / "m"), "sm100", tmp_path / "out", tp=2)
     shard = tmp_path / "out" / "rank-1" / "model.safetensors"
@@ -157,7 +182,7 @@ def test_tp_reads_each_source_layer_once_and_installs_the_ranks_together(tmp_pat
     summary = convert(root, "sm100", tmp_path / "out", tp=2)
     assert sorted(reads) == sorted(set(reads))  # one read per source layer for both ranks (before rescale/verify)
     assert summary.bundles == [str(tmp_path / "out" / "rank-0"), str(tmp_path / "out" / "rank-1")]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["rank-0", "rank-1"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["rank-0", "rank-1"]
     assert not list(tmp_path.glob(".out.partial-*"))
     assert verify_output(tmp_path / "out", seed=0).passed
 

@@ -156,3 +156,19 @@ def test_real_interrupt_then_resume_on_the_cli(tmp_path, how):
     assert main([str(a) for a in argv + ["--resume"]]) == 0
     convert(source, "sm120", tmp_path / "reference", max_shard_size="1MB")
     assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "reference")
+
+
+def test_ctrl_c_during_a_tp_convert_keeps_nothing_and_says_so_once(tmp_path, monkeypatch, capsys):
+    """--resume does not cover --tp, so an interrupted --tp convert leaves no staging folder behind, and its one
+    line names OUT once (not once per rank) and offers no --resume."""
+    from repack.sample.synthetic import write_llama
+
+    root = write_llama(tmp_path / "m", "modelopt", hidden=96, heads=6, kv_heads=2, intermediate=96,
+                       generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    out = tmp_path / "out"
+    interrupt_after(monkeypatch, layers=3)
+    assert main(["convert", str(root), "-t", "sm100", "--tp", "2", "-o", str(out)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].count(str(out)) == 1 and "--resume to continue" not in err[0], err
+    assert "nothing of" in err[0]
+    assert not out.exists() and staging(out) == []

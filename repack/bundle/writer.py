@@ -243,11 +243,13 @@ def staging_folders(out: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def staged_folder(out: Path, overwrite: bool, reuse: Path | None = None) -> Iterator[Path]:
+def staged_folder(
+    out: Path, overwrite: bool, reuse: Path | None = None, keep_interrupted: bool = True
+) -> Iterator[Path]:
     """Yield a temporary folder beside ``out`` (``reuse``: one an interrupted convert left); on success it
-    atomically becomes ``out``, on failure it is removed. Ctrl-C keeps it, so that a resume can use what
-    it holds: like a kill, that leaves only a hidden folder, never a partial OUT. See the module docstring
-    for what a kill at any point leaves behind."""
+    atomically becomes ``out``, on failure it is removed. Ctrl-C keeps it (unless not ``keep_interrupted``), so
+    that a resume can use what it holds: like a kill, that leaves only a hidden folder, never a partial OUT. See
+    the module docstring for what a kill at any point leaves behind."""
     staging = reuse or out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(exist_ok=reuse is not None)
@@ -263,7 +265,7 @@ def staged_folder(out: Path, overwrite: bool, reuse: Path | None = None) -> Iter
             _install(staging, out)
         _fsync(out.parent)
     except (KeyboardInterrupt, Interrupted):
-        keep = True
+        keep = keep_interrupted
         raise
     except OSError as exc:  # disk full, permissions, a file vanishing: the user's environment, not a bug
         where = f" ({exc.filename})" if exc.filename else ""

@@ -70,9 +70,12 @@ def _quiet_flags(command, info_name: str) -> None:
 def _report_interrupt(exc: BaseException) -> int:
     """One line on stderr; for a convert, what it kept and how to resume; exit code 130."""
     line = "Interrupted."
-    if isinstance(exc, Interrupted):
-        kept = "; ".join(f"{done} of {total} shards of {out} kept" for out, _, done, total in exc.kept)
-        line = f"Interrupted: {kept}; run the same command with --resume to continue"
+    if isinstance(exc, Interrupted) and exc.kept:
+        parts = [f"{done} of {total} shards of {out} kept" if staging else
+                 f"nothing of {out} kept (--resume does not cover --tp conversions: run the command again)"
+                 for out, staging, done, total in exc.kept]
+        resume = "; run the same command with --resume to continue" if any(s for _, s, _, _ in exc.kept) else ""
+        line = f"Interrupted: {'; '.join(parts)}{resume}"
     print(printable(line, ERROR_LIMIT), file=sys.stderr)
     return 130
 

@@ -170,7 +170,7 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
             case = tmp_path / f"{fmt}-{target}"
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
             convert(source, target, case / "bundle", fuse=True, tp=2)
-            cases.append((str(source), str(case / "bundle" / "rank-0"), target))  # vLLM reads config.json there
+            cases.append((str(source), str(case / "bundle"), target))  # OUT itself, as `vllm serve OUT` is given
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
