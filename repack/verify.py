@@ -348,6 +348,7 @@ def verify_bundle(
     path: str | Path | Bundle,
     *,
     source: str | Path | SourceModel | None = None,
+    no_source: bool = False,
     device: str = "cpu",
     seed: int | None = None,
     numerics: str = "auto",
@@ -355,13 +356,13 @@ def verify_bundle(
 ) -> VerifyReport:
     """Run all three checks; never raises for problems inside the bundle, reports them instead.
 
-    ``source`` (default: the folder the manifest records, if it exists) must be the checkpoint the bundle
-    was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a ``sample`` (see
+    ``source`` (default: the folder the manifest records, if it exists; none with ``no_source``) must be the
+    checkpoint the bundle was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a ``sample`` (see
     :func:`numerics_sample`), or ``auto``: all on a GPU, a sample on the CPU, whose reference backend takes
     longer than every other check together. Files and the source are hashed on other threads meanwhile."""
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     loaded = load_bundle(bundle, device)
-    src = source if isinstance(source, SourceModel) else resolve_source(bundle, source)
+    src = None if no_source else source if isinstance(source, SourceModel) else resolve_source(bundle, source)
     if numerics not in ("auto", "all", "sample"):
         raise RepackError(f"numerics {numerics!r}: expected auto, all or sample")
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
@@ -465,6 +466,7 @@ def verify_output(
     path: str | Path,
     *,
     source: str | Path | SourceModel | None = None,
+    no_source: bool = False,
     device: str = "cpu",
     seed: int | None = None,
     numerics: str = "auto",
@@ -473,12 +475,14 @@ def verify_output(
     """Verify a bundle, or every rank of a ``--tp`` output and the layers the ranks reassemble into."""
     ranks = rank_bundles(path)
     if not ranks:
-        return verify_bundle(path, source=source, device=device, seed=seed, numerics=numerics, progress=progress)
+        return verify_bundle(path, source=source, no_source=no_source, device=device, seed=seed, numerics=numerics,
+                             progress=progress)
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
     bundles = [open_bundle(r) for r in ranks]
     sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
-    src = source if isinstance(source, SourceModel) else resolve_source(bundles[0], source)
-    reports = [verify_bundle(b, source=src, device=device, seed=seed + i, numerics=numerics, progress=progress)
+    src = None if no_source else source if isinstance(source, SourceModel) else resolve_source(bundles[0], source)
+    reports = [verify_bundle(b, source=src, no_source=src is None, device=device, seed=seed + i, numerics=numerics,
+                             progress=progress)
                for i, b in enumerate(bundles)]
     first = reports[0]
     merged = VerifyReport(

@@ -161,6 +161,15 @@ def test_verify_on_real_producer_bundle_without_source(tmp_path, capsys):
     assert verify_bundle(out).source is None
 
 
+def test_no_source_does_not_read_the_recorded_source(bundle, capsys):
+    """--no-source means no source: the folder the manifest records is not opened even where it still exists."""
+    out, model = bundle
+    assert verify_bundle(out).source is not None  # the recorded folder is there
+    code, text = run_verify(out, capsys, "--no-source", "--json")
+    assert code == 0 and json.loads(text)["source"] is None, text
+    assert verify_bundle(out, no_source=True).source is None
+
+
 def test_failure_reports_the_seed(bundle, capsys, tmp_path):
     out, _ = bundle
     flip_tensor_byte(out, f"{LAYER}.weight")

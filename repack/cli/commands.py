@@ -348,7 +348,7 @@ def verify(
                   disable=as_json or not stderr.is_terminal) as progress:
         task = progress.add_task("", total=total)
         report = verify_output(
-            bundle, source=src, device=device.value, seed=seed, numerics=numerics.value,
+            bundle, source=src, no_source=no_source, device=device.value, seed=seed, numerics=numerics.value,
             progress=lambda name: progress.update(task, advance=1, description=show(name[-48:])),
         )
     data = report.to_dict()
