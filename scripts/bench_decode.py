@@ -4,21 +4,22 @@ against the same weights dequantized to bf16, on a Hopper GPU, with transformers
 Random NVFP4 weights (e2m1 codes, block scales near 1 and a multiplier that gives the weights a standard deviation
 of about 0.01, so that activations stay finite through the layers) are written as a compressed-tensors
 checkpoint of the quantized linears only, converted with ``repack.convert.convert`` to an sm90 bundle and patched
-into one copy of the model; the other copy holds the same weights dequantized to bf16 (embeddings, norms and
-lm_head are shared bf16 in both). Each mode then runs both models in turn:
+into a copy of the model: ``nvfp4`` with q/k/v and gate/up fused at load (``patch_model``'s default),
+``nvfp4-unfused`` with ``fuse=False`` (``--fusion``); ``bf16`` holds the same weights dequantized (embeddings,
+norms and lm_head are bf16 in all). Each mode then runs the models in turn:
 
 * ``eager``: one token per step through ``model(...)`` with a static KV cache (no CUDA graphs): what Python and
   launch overhead cost, where the op's per-call CPU time shows.
 * ``graph``: the same step captured once into a CUDA graph (static cache, static input buffers) and replayed.
 * ``compiled``: ``torch.compile(model, mode="reduce-overhead")`` (inductor with CUDA graphs) on the decode step.
-* prefill: one eager forward of ``--prefill`` tokens at batch 1, no cache.
+* prefill: eager forwards of ``--prefill`` tokens at batch 1, no cache (best of ``--repeats`` windows of 5).
 
 Decode tokens/s = batch x steps / time after warm-up steps, the prompt (``--prompt`` tokens) prefilled eagerly
 first. ``--layers`` keeps the run short (a real Llama-3-8B has 32; the dense embeddings and lm_head weigh more in
 fewer layers, which pulls every ratio towards 1).
 
     PYTHONPATH=.:scripts python3 scripts/bench_decode.py [--layers 8] [--batches 1,8,32] [--modes eager,graph,compiled]
-                                                         [--repeats 3] [--json out.json]
+                                                         [--repeats 3] [--fusion on,off] [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def random_weight(n: int, k: int, gen: torch.Generator) -> NVFP4Weight:
     return NVFP4Weight(codes, scales, torch.tensor([0.005], dtype=torch.float32))
 
 
-def build_models(layers: int, work: Path) -> tuple[torch.nn.Module, torch.nn.Module, float]:
-    """(bf16 model, NVFP4-patched model, seconds the sm90 conversion took), both on the GPU, same weights."""
+def build_models(layers: int, work: Path, fusion: list[str]) -> tuple[dict[str, torch.nn.Module], float]:
+    """``{"bf16": model, "nvfp4": patched with q/k/v and gate/up fused, "nvfp4-unfused": patched with fuse=False}``
+    (the NVFP4 ones per ``fusion``: "on", "off"), all on the GPU, same weights; and the seconds the sm90
+    conversion took."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(num_hidden_layers=layers, torch_dtype="bfloat16", **LLAMA3_8B)
@@ -81,9 +84,12 @@ def build_models(layers: int, work: Path) -> tuple[torch.nn.Module, torch.nn.Mod
     started = time.perf_counter()
     convert(source, "sm90", work / "bundle")
     seconds = time.perf_counter() - started
-    patched = copy.deepcopy(dense)
-    patch_model(patched, work / "bundle", device="cuda")
-    return dense, patched, seconds
+    models = {"bf16": dense}
+    for variant in fusion:
+        patched = copy.deepcopy(dense)
+        patch_model(patched, work / "bundle", device="cuda", fuse=variant == "on")
+        models["nvfp4" if variant == "on" else "nvfp4-unfused"] = patched
+    return models, seconds
 
 
 def synced_seconds(fn: Callable[[], object], runs: int) -> float:
@@ -152,7 +158,8 @@ def decode_tokens_per_s(model, batch: int, mode: str, prompt: int, steps: int, w
     return max(batch * steps / synced_seconds(step, steps) for _ in range(repeats))
 
 
-def prefill_tokens_per_s(model, tokens: int, runs: int = 5) -> float:
+def prefill_tokens_per_s(model, tokens: int, repeats: int, runs: int = 5) -> float:
+    """The best of ``repeats`` windows of ``runs`` forwards of ``tokens`` tokens (batch 1, no cache)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
 
     def forward() -> None:
@@ -160,17 +167,21 @@ def prefill_tokens_per_s(model, tokens: int, runs: int = 5) -> float:
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
     forward()
-    return tokens * runs / synced_seconds(forward, runs)
+    return max(tokens * runs / synced_seconds(forward, runs) for _ in range(repeats))
 
 
-def check_models(dense, patched) -> float:
-    """Relative error of the patched model's logits against the bf16 model's on random tokens (same weights)."""
-    ids = torch.randint(0, dense.config.vocab_size, (2, 16), device="cuda")
+def check_models(models: dict[str, torch.nn.Module]) -> dict[str, float]:
+    """Relative error of each patched model's logits against the bf16 model's on random tokens (same weights)."""
+    ids = torch.randint(0, models["bf16"].config.vocab_size, (2, 16), device="cuda")
+    errors = {}
     with torch.no_grad():
-        ref, got = dense(ids).logits.double(), patched(ids).logits.double()
-    if not torch.isfinite(got).all():
-        raise AssertionError("patched model produced non-finite logits")
-    return float((got - ref).norm() / ref.norm())
+        ref = models["bf16"](ids).logits.double()
+        for name, model in models.items():
+            got = model(ids).logits.double()
+            if not torch.isfinite(got).all():
+                raise AssertionError(f"{name} produced non-finite logits")
+            errors[name] = float((got - ref).norm() / ref.norm())
+    return errors
 
 
 def main() -> None:
@@ -183,17 +194,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3, help="timed windows per point, best kept")
     parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--fusion", default="on,off", help="NVFP4 models: q/k/v and gate/up fused (on), unfused (off)")
     parser.add_argument("--json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        dense, patched, convert_s = build_models(args.layers, Path(tmp))
-    err = check_models(dense, patched)
-    print(f"{args.layers} Llama-3-8B layers; sm90 conversion {convert_s:.1f} s; patched vs bf16 logits rel. error {err:.2e}")
-    models = {"bf16": dense, "nvfp4": patched}
-    report: dict = {"layers": args.layers, "convert_s": convert_s, "logits_rel_err": err, "decode": [], "prefill": {}}
+        models, convert_s = build_models(args.layers, Path(tmp), args.fusion.split(","))
+    errors = check_models(models)
+    print(f"{args.layers} Llama-3-8B layers; sm90 conversion {convert_s:.1f} s; logits rel. error against bf16 {errors}")
+    report: dict = {"layers": args.layers, "convert_s": convert_s, "logits_rel_err": errors, "decode": [], "prefill": {}}
     for name, model in models.items():  # first: GPU-bound, and a run cut short still has it
-        report["prefill"][name] = prefill_tokens_per_s(model, args.prefill)
+        report["prefill"][name] = prefill_tokens_per_s(model, args.prefill, args.repeats)
     print(f"prefill {args.prefill} tokens, tok/s: {report['prefill']}", flush=True)
+    write_json(args.json, report)
     for mode in args.modes.split(","):
         for batch in map(int, args.batches.split(",")):
             row = {"mode": mode, "batch": batch}
@@ -206,14 +218,21 @@ def main() -> None:
             report["decode"].append(row)
             print(row, flush=True)
             write_json(args.json, report)
-    print(f"\n| mode | batch | bf16 tok/s | NVFP4 tok/s | NVFP4 / bf16 |\n| --- | --- | --- | --- | --- |")
-    for r in report["decode"]:
-        ok = all(isinstance(r[m], float) for m in models)
-        ratio = f"{r['nvfp4'] / r['bf16']:.2f}x" if ok else "-"
-        cells = [f"{r[m]:.0f}" if isinstance(r[m], float) else r[m] for m in models]
-        print(f"| {r['mode']} | {r['batch']} | {cells[0]} | {cells[1]} | {ratio} |")
-    p = report["prefill"]
-    print(f"| prefill {args.prefill} (eager) | 1 | {p['bf16']:.0f} | {p['nvfp4']:.0f} | {p['nvfp4'] / p['bf16']:.2f}x |")
+    print_table(report, list(models), args.prefill)
+
+
+def print_table(report: dict, names: list[str], prefill: int) -> None:
+    """Markdown: tok/s per model, and each NVFP4 model's ratio to bf16."""
+    quantized = names[1:]
+    head = " | ".join([f"{n} tok/s" for n in names] + [f"{n} / bf16" for n in quantized])
+    print(f"\n| mode | batch | {head} |\n|" + " --- |" * (2 + len(names) + len(quantized)))
+    rows = [(r["mode"], r["batch"], r) for r in report["decode"]]
+    rows.append((f"prefill {prefill} (eager)", 1, report["prefill"]))
+    for mode, batch, r in rows:
+        cells = [f"{r[n]:.0f}" if isinstance(r.get(n), float) else str(r.get(n, "-")) for n in names]
+        ratios = [f"{r[n] / r['bf16']:.2f}x" if all(isinstance(r.get(m), float) for m in ("bf16", n)) else "-"
+                  for n in quantized]  # fmt: skip
+        print(f"| {mode} | {batch} | " + " | ".join(cells + ratios) + " |")
 
 
 if __name__ == "__main__":

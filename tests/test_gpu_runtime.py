@@ -15,6 +15,7 @@ from repack.convert import convert
 from repack.formats import read_source
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, patch_model
+from repack.runtime.layer import FusedLinear
 from repack.targets import target_for_capability
 
 from .conftest import ODD_SHAPES, PRODUCERS
@@ -98,18 +99,25 @@ def assert_graph_replays(fn, x: torch.Tensor) -> None:
     assert torch.equal(static_y, fn(fresh))
 
 
-def test_whole_model_on_gpu(tmp_path):
+@pytest.mark.parametrize("fuse", [True, False])
+def test_whole_model_on_gpu(tmp_path, fuse):
+    """The producer's tiny Llama against float64-dequantized weights, q/k/v and gate/up fused at load where the
+    target stacks them (sm90) or not: eager, and compiled (fullgraph, the fused layers' state traced)."""
     fixture = "ct_nvfp4a16"
     out = tmp_path / "bundle"
     convert(PRODUCERS / fixture, gpu_target().name, out)
-    reference = dequantized_llama(fixture).float().cuda()
+    reference = dequantized_llama(fixture).double().cuda()
     patched = dequantized_llama(fixture).to(torch.bfloat16).cuda()
-    patch_model(patched, out, device="cuda")
+    patch_model(patched, out, device="cuda", fuse=fuse)
+    fused = [m for m in patched.modules() if isinstance(m, FusedLinear)]
+    assert bool(fused) == (fuse and gpu_target().stack_rows is not None)
     tokens = torch.randint(0, reference.config.vocab_size, (2, 11), device="cuda")
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
-        ref = reference(tokens).logits.double()
-        got = patched(tokens).logits.double()
-    assert float((got - ref).norm() / ref.norm()) < 3e-2
+        ref = reference(tokens).logits
+        for got in (patched(tokens).logits, compiled(tokens).logits):
+            assert float((got.double() - ref).norm() / ref.norm()) < 3e-2
+    assert all(m._output is None for m in fused)
 
 
 def test_cli_verify_on_cuda(tmp_path, capsys):

@@ -1,14 +1,16 @@
-"""Bundle-backed modules: ``PackedLinear``, ``load_bundle`` and ``patch_model``."""
+"""Bundle-backed modules: ``PackedLinear``, ``FusedLinear``, ``load_bundle`` and ``patch_model``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..bundle.layers import VLLM_FUSION
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
@@ -91,33 +93,152 @@ def load_bundle(path: str | Path | Bundle, device: str | torch.device = "cpu", b
     return LoadedBundle(bundle, device, backend or chosen)
 
 
-def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, device: str | torch.device = "cpu") -> list[str]:
-    """Swap ``model``'s quantized ``nn.Linear`` modules for ``PackedLinear`` and load the passthrough tensors.
+class FusedLinear(nn.Module):
+    """One ``PackedLinear`` holding several of the model's modules as its rows (q/k/v_proj, as vLLM's qkv_proj):
+    one GEMM where the model makes two or three on the same input, and one kernel launch.
 
-    Returns the names of bundle tensors the model has no place for (e.g. W4A4 activation scales, which
-    weight-only serving does not use).
+    The model keeps calling its own modules, now ``FusedSlice``s: the first member called on an input runs the
+    GEMM, the others take their columns of that output (views). A member called on another input, or twice,
+    runs the GEMM again, so any call order is right; Llama's (q, k, v on one ``hidden_states``) runs it once.
+    The output is dropped once every member has taken its columns: nothing is held between forwards.
     """
-    loaded = bundle if isinstance(bundle, LoadedBundle) else load_bundle(bundle, device)
-    manifest = loaded.bundle.manifest
-    for prefix, record in manifest.layers.items():
-        parent_name, _, child = prefix.rpartition(".")
-        try:
-            old = model.get_submodule(prefix)
-        except AttributeError:
-            raise RepackError(f"model has no module {prefix!r} for the bundle's layer") from None
-        if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (record.n, record.k):
-            raise RepackError(f"{prefix}: model module {old} does not match bundle layer [N={record.n}, K={record.k}]")
-        packed = loaded.layer(prefix, old.bias, dtype=old.weight.dtype)  # transforms in the model's dtype, as vLLM
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, packed)
+
+    def __init__(self, layer: PackedLinear, sizes: list[int]) -> None:
+        super().__init__()
+        self.layer = layer
+        ends = list(accumulate(sizes))
+        self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._waiting: tuple[int, ...] = ()
+
+    def columns(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._input or member not in self._waiting:
+            self._input, self._output, self._waiting = x, self.layer(x), tuple(range(len(self.bounds)))
+        output = self._output
+        self._waiting = tuple(i for i in self._waiting if i != member)
+        if not self._waiting:
+            self._input = self._output = None
+        start, stop = self.bounds[member]
+        return output[..., start:stop]
+
+
+class FusedSlice(nn.Module):
+    """A model module that is part of a ``FusedLinear`` (which its owner holds, as ``qkv_proj`` / ``gate_up_proj``):
+    its columns of the fused output."""
+
+    def __init__(self, fused: FusedLinear, member: int, k: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "fused", fused)  # not a submodule: the owner's, once in state_dict and .to()
+        self.member = member
+        start, stop = fused.bounds[member]
+        self.in_features, self.out_features = k, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.columns(self.member, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, member {self.member} of the fused layer"
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _model_linear(model: nn.Module, prefix: str, n: int, k: int) -> nn.Linear:
+    try:
+        old = model.get_submodule(prefix)
+    except AttributeError:
+        raise RepackError(f"model has no module {prefix!r} for the bundle's layer") from None
+    if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (n, k):
+        raise RepackError(f"{prefix}: model module {old} does not match bundle layer [N={n}, K={k}]")
+    return old
+
+
+def _stacked_bias(olds: list[nn.Linear]) -> torch.Tensor | None:
+    if all(old.bias is None for old in olds):
+        return None
+    ref = next(old.bias for old in olds if old.bias is not None)
+    return torch.cat([old.bias if old.bias is not None else ref.new_zeros(old.out_features) for old in olds])
+
+
+def _install_fused(model: nn.Module, name: str, members: list[str], layer: PackedLinear, k: int) -> None:
+    fused = FusedLinear(layer, [model.get_submodule(m).out_features for m in members])
+    _set_module(model, name, fused)
+    for i, member in enumerate(members):
+        _set_module(model, member, FusedSlice(fused, i, k))
+
+
+def _runtime_fusions(manifest) -> list[tuple[str, list[str]]]:
+    """``(fused name, members)`` for each unfused q/k/v and gate/up group of the bundle that can run as one layer:
+    same K and multiplier (vLLM's rule for its fused modules; the producers write them so), no online transform."""
+    groups = []
+    for prefix in manifest.layers:
+        for fused, parts in VLLM_FUSION.items():
+            if not prefix.endswith("." + parts[0]):
+                continue
+            owner = prefix[: -len(parts[0])]
+            members = [owner + part for part in parts]
+            records = [manifest.layers.get(m) for m in members]
+            if (all(r is not None and not r.transforms and [p.source for p in r.partitions] == [m]
+                    for r, m in zip(records, members))
+                    and len({(r.k, r.global_scale) for r in records}) == 1):  # fmt: skip
+                groups.append((owner + fused, members))
+    return groups
+
+
+def _copy_passthrough(model: nn.Module, bundle: Bundle) -> list[str]:
+    """Load the bundle's passthrough tensors into ``model``; the names it has no place for."""
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     unused = []
     with torch.no_grad():
-        for name in manifest.passthrough:
+        for name in bundle.manifest.passthrough:
             if name not in state:
                 unused.append(name)
                 continue
-            value = loaded.bundle.read(name)
+            value = bundle.read(name)
             if state[name].shape != value.shape:
                 raise RepackError(f"{name}: bundle shape {list(value.shape)} != model shape {list(state[name].shape)}")
             state[name].copy_(value)
+    return unused
+
+
+def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, device: str | torch.device = "cpu",
+                fuse: bool = True) -> list[str]:  # fmt: skip
+    """Swap ``model``'s quantized ``nn.Linear`` modules for ``PackedLinear`` and load the passthrough tensors.
+
+    q/k/v_proj and gate/up_proj run as one ``FusedLinear`` each where the bundle holds them fused
+    (``convert --fuse``) and, with ``fuse``, where the target's layout stacks unfused layers by copying
+    (``Target.stack_rows``: sm90) and they share K and multiplier and have no online transform. Returns the names
+    of bundle tensors the model has no place for (e.g. W4A4 activation scales, which weight-only serving does not
+    use).
+    """
+    loaded = bundle if isinstance(bundle, LoadedBundle) else load_bundle(bundle, device)
+    manifest, target = loaded.bundle.manifest, loaded.bundle.target
+    if manifest.tp_size > 1:
+        raise RepackError(f"patch_model runs whole models; this bundle is rank {manifest.tp_rank} of --tp {manifest.tp_size}")
+    unused = _copy_passthrough(model, loaded.bundle)  # first: biases land in the modules they belong to
+    done: set[str] = set()
+    for name, members in _runtime_fusions(manifest) if fuse and target.stack_rows is not None else []:
+        records = [manifest.layers[m] for m in members]
+        olds = [_model_linear(model, m, r.n, r.k) for m, r in zip(members, records)]
+        stacked = target.stack_rows([loaded.bundle.runtime_layer(m) for m in members], [r.n for r in records],
+                                    records[0].k)  # fmt: skip
+        if stacked is None:
+            continue
+        layer = PackedLinear(stacked, sum(r.n for r in records), records[0].k, target.name, loaded.backend,
+                             loaded.device, _stacked_bias(olds))  # fmt: skip
+        _install_fused(model, name, members, layer, records[0].k)
+        done.update(members)
+    for prefix, record in manifest.layers.items():
+        if prefix in done:
+            continue
+        members = [p.source for p in record.partitions]
+        olds = [_model_linear(model, m, p.rows[1] - p.rows[0], record.k) for m, p in zip(members, record.partitions)]
+        layer = loaded.layer(prefix, _stacked_bias(olds), dtype=olds[0].weight.dtype)  # transforms: the model's dtype
+        if members == [prefix]:
+            _set_module(model, prefix, layer)
+        else:  # fused by convert --fuse
+            _install_fused(model, prefix, members, layer, record.k)
     return unused

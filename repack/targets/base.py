@@ -75,6 +75,9 @@ class Target:
         from_runtime: ``(runtime layer, n, k)`` -> canonical weight, the exact inverse.
         runtime_specs: ``(n, k)`` -> dtype and shape of each runtime tensor.
         geometry: ``(n, k)`` -> padded shape and activation padding, recorded in manifests.
+        stack_rows: ``(runtime layers, their n, k)`` -> the runtime layer of their weights stacked along N (one
+            multiplier, the layers'), made by copying where the layout allows it, else ``None``; lets the runtime
+            fuse q/k/v and gate/up at load (``patch_model``) without running ``to_runtime`` again. ``None``: never.
     """
 
     name: str
@@ -88,6 +91,7 @@ class Target:
     from_runtime: Callable[[RuntimeLayer, int, int], NVFP4Weight]
     runtime_specs: Callable[[int, int], dict[str, TensorSpec]]
     geometry: Callable[[int, int], LayerGeometry]
+    stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

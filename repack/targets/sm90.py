@@ -149,6 +149,30 @@ def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
     )
 
 
+def stack_rows(layers: list[RuntimeLayer], ns: list[int], k: int) -> RuntimeLayer | None:
+    """The runtime layer of ``layers`` (same K and multiplier) stacked along N, by copying 16-row stripes.
+
+    Both tensors are one row per stripe and a layer's padding is whole zero stripes at its end, so when every
+    N is a multiple of the stripe its real stripes, in order, then zero stripes up to the padded total are exactly
+    what :func:`to_runtime` makes of the stacked weights. ``None`` when a stripe would straddle two layers.
+    """
+    if any(n % STRIPE for n in ns):
+        return None
+    stripes = round_up(sum(ns), ROW_ALIGN) // STRIPE
+
+    def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+        rows = [part[: n // STRIPE] for part, n in zip(parts, ns)]
+        rows.append(parts[0].new_zeros(stripes - sum(n // STRIPE for n in ns), parts[0].shape[1]))
+        return torch.cat(rows)
+
+    return RuntimeLayer(
+        weight=stack([layer.weight for layer in layers]),
+        weight_scale=stack([layer.weight_scale for layer in layers]),
+        weight_global_scale=layers[0].weight_global_scale.clone(),
+        weights_padding_cols=0,
+    )
+
+
 def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     np_, kp = padded_shape(n, k)
     return {
@@ -202,4 +226,5 @@ TARGET = Target(
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=lambda n, k: LayerGeometry(*padded_shape(n, k), weights_padding_cols=0),
+    stack_rows=stack_rows,
 )
