@@ -20,6 +20,7 @@ fewer layers, which pulls every ratio towards 1).
 
     PYTHONPATH=.:scripts python3 scripts/bench_decode.py [--layers 8] [--batches 1,8,32] [--modes eager,graph,compiled]
                                                          [--repeats 3] [--fusion on,off] [--json out.json]
+                                                         [--breakdown compiled:1,eager:1]
 """
 
 from __future__ import annotations
@@ -149,6 +150,36 @@ def decode_step(model: torch.nn.Module, batch: int, mode: str, prompt: int, tota
     return step
 
 
+# Kernel-name fragments (lower case) of each GPU-time category in --breakdown; the first match wins.
+KERNEL_GROUPS = {
+    "NVFP4 linears (this op)": ("_gemv_kernel", "_tc_kernel", "_kslot_kernel"),
+    "bf16 GEMMs (cuBLAS)": ("gemm", "nvjet", "cutlass", "xmma", "splitk"),
+    "attention": ("flash", "fmha", "attention", "sdpa", "efficient"),
+}
+
+
+def gpu_time_breakdown(model, batch: int, mode: str, prompt: int, steps: int = 32) -> dict[str, float]:
+    """GPU time per decode step (ms) by kernel group (``KERNEL_GROUPS``, the rest "other"), from a
+    ``torch.profiler`` trace of ``steps`` steps, and the step's wall time: what the step's time is spent on."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step = decode_step(model, batch, mode, prompt, prompt + 4 + steps + 1)
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = synced_seconds(step, steps)
+    totals = {name: 0.0 for name in [*KERNEL_GROUPS, "other"]}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        group = next((g for g, keys in KERNEL_GROUPS.items() if any(key in name for key in keys)), "other")
+        totals[group] += event.time_range.elapsed_us() / 1e3 / steps
+    return totals | {"GPU busy": sum(totals.values()), "step wall": wall * 1e3 / steps}
+
+
 def decode_tokens_per_s(model, batch: int, mode: str, prompt: int, steps: int, warmup: int, repeats: int) -> float:
     """The best of ``repeats`` windows of ``steps`` decode steps (the host's own load moved eager runs by up to 2x
     between runs, docs/benchmarks.md)."""
@@ -195,6 +226,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed windows per point, best kept")
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--fusion", default="on,off", help="NVFP4 models: q/k/v and gate/up fused (on), unfused (off)")
+    parser.add_argument("--breakdown", help="MODE:BATCH[,...]: instead of the tables, GPU time per step by kernel group")
     parser.add_argument("--json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -202,6 +234,17 @@ def main() -> None:
     errors = check_models(models)
     print(f"{args.layers} Llama-3-8B layers; sm90 conversion {convert_s:.1f} s; logits rel. error against bf16 {errors}")
     report: dict = {"layers": args.layers, "convert_s": convert_s, "logits_rel_err": errors, "decode": [], "prefill": {}}
+    if args.breakdown:
+        report["breakdown"] = []
+        for spec in args.breakdown.split(","):
+            mode, batch = spec.split(":")
+            for name, model in models.items():
+                row = {"mode": mode, "batch": int(batch), "model": name}
+                row |= gpu_time_breakdown(model, int(batch), mode, args.prompt)
+                report["breakdown"].append(row)
+                print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+                write_json(args.json, report)
+        return
     for name, model in models.items():  # first: GPU-bound, and a run cut short still has it
         report["prefill"][name] = prefill_tokens_per_s(model, args.prefill, args.repeats)
     print(f"prefill {args.prefill} tokens, tok/s: {report['prefill']}", flush=True)
