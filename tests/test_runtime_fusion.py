@@ -123,3 +123,44 @@ def test_tensor_parallel_rank_is_refused(tmp_path):
     convert(root, "sm90", tmp_path / "b", tp=2)
     with pytest.raises(RepackError, match="rank 1 of --tp 2"):
         patch_model(torch.nn.Module(), tmp_path / "b" / "rank-1")
+
+
+def test_biases_follow_their_members(tmp_path):
+    """q/k/v biases (attention_bias, as Qwen2 has) are passthrough tensors named after the unfused modules: they
+    land in the fused layer's stacked bias, and the model with them matches its float64 dequantized twin."""
+    import transformers
+
+    from repack.nvfp4 import dequantize
+    from repack.sample.synthetic import write_checkpoint
+
+    gen = torch.Generator().manual_seed(17)
+    layers = llama_layers(64, 4, 2, 96, gen)
+    biases = {f"model.layers.0.self_attn.{p}_proj.bias": torch.randn(n, generator=gen).to(torch.bfloat16)
+              for p, n in (("q", 64), ("k", 32), ("v", 32))}  # fmt: skip
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, num_hidden_layers=1, vocab_size=64,
+                                      attention_bias=True, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).double().eval()
+    plain = {name: t.detach().to(torch.bfloat16) for name, t in reference.state_dict().items()
+             if name.removesuffix(".weight") not in layers and name not in biases} | biases  # fmt: skip
+    root = write_checkpoint(tmp_path / "m", layers, plain, fmt="compressed-tensors", ignore=["lm_head"],
+                            config=config.to_dict() | {"architectures": ["LlamaForCausalLM"]})  # fmt: skip
+    state = reference.state_dict()
+    with torch.no_grad():
+        for name, value in plain.items():
+            state[name].copy_(value)
+        for prefix, weight in layers.items():
+            state[f"{prefix}.weight"].copy_(dequantize(weight))
+    convert(root, "sm90", tmp_path / "b")
+    convert(root, "sm90", tmp_path / "f", fuse=True)
+    tokens = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        ref = reference(tokens).logits
+    for bundle, fuse in (("b", True), ("b", False), ("f", True)):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        patch_model(model, tmp_path / bundle, fuse=fuse)
+        assert any(isinstance(m, FusedLinear) for m in model.modules()) == fuse
+        with torch.no_grad():
+            got = model(tokens).logits.double()
+        assert float((got - ref).norm() / ref.norm()) < 3e-2, (bundle, fuse)
