@@ -2,18 +2,24 @@
 
 Llama-3.1-8B layers (N x K): q_proj / o_proj 4096 x 4096 and down_proj 4096 x 14336; M = 1, 16, 128; blocks of
 16, 32, 64 and 128 (QuIP's ``transform_block_size``) and, for down_proj, the whole K (SpinQuant's R4 without a block
-size: a dense 14336 x 14336 matrix). Three formulations of the transform, each checked against float64 first:
+size: a dense 14336 x 14336 matrix, never fused). Formulations, each checked against float64 first:
 
-* ``matmul``: the runtime's ``block_transform`` (reshape, one batched matmul: cuBLAS);
+* ``fused``: what the runtime runs on sm90, ``linear(x, transform=T)``: the transform in the activation pre-pass
+  (the tensor-core kernel's k-slot pass; before the decode kernel, which launches with PDL and loads its first
+  weights while the pre-pass runs);
+* ``no-pdl`` (decode-kernel sizes only): the same pre-pass, the decode kernel in plain stream order: what the
+  overlap is worth;
+* ``matmul``: the separate ``block_transform`` (reshape, one batched matmul: cuBLAS), then the GEMM;
 * ``bcast-sum``: the same product as a broadcast multiply and a sum over the block, ``torch.compile``-d into one
   Triton kernel (any matrix);
 * ``fwht``: a fast Walsh-Hadamard transform (log2(b) butterfly stages, compiled into one kernel); it only computes
   Sylvester's Hadamard matrix (llm-compressor's ``hadamard`` type), not ``random-hadamard``'s.
 
 Times are CUDA-graph replays (bench_sm90's ``time_calls``: launch overhead excluded, as in a server's decode
-graph); ``gemm+T`` is the transform and the GEMM in one graph, ``share`` = (gemm+T - gemm) / gemm.
+graph), the GEMM alone and every formulation timed in turn, best of three (``best_of_interleaved``); ``gemm+T`` is
+the transform and the GEMM in one graph, ``share`` = (gemm+T - gemm) / gemm.
 
-    PYTHONPATH=. python3 scripts/bench_transforms.py [--json out.json]
+    PYTHONPATH=. python3 scripts/bench_transforms.py [--json out.json] [--formulations fused,matmul]
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 
 from repack.runtime.backends import triton_sm90 as backend
 from repack.runtime.transforms import block_transform
-from scripts.bench_sm90 import make_layer, time_calls, write_json
+from scripts.bench_sm90 import best_of_interleaved, make_layer, write_json
 
 SHAPES = [(4096, 4096), (4096, 14336)]
 MS = [1, 16, 128]
@@ -57,54 +63,76 @@ def sylvester(b: int, device: str) -> torch.Tensor:
     return h
 
 
-def checked(fn, x: torch.Tensor, matrix: torch.Tensor, exact: torch.Tensor) -> bool:
-    ref = (x.double().unflatten(-1, (-1, exact.shape[0])) @ exact).flatten(-2)
-    err = float((fn(x, matrix).double() - ref).norm() / ref.norm())
+def checked(name: str, y: torch.Tensor, x: torch.Tensor, exact: torch.Tensor, w64: torch.Tensor) -> None:
+    """A formulation's output ``(x @ blockdiag(T)) @ W^T`` (weight copy 0) against float64, before it is timed."""
+    ref = (x.double().unflatten(-1, (-1, exact.shape[0])) @ exact).flatten(-2) @ w64.T
+    err = float((y.double() - ref).norm() / ref.norm())
     if not err < REL_TOL:
-        raise AssertionError(f"{fn.__name__}: relative error {err:.2e}")
-    return True
+        raise AssertionError(f"{name}: relative error {err:.2e}")
+
+
+def formulation_calls(name: str, fn, layer, x: torch.Tensor, matrix: torch.Tensor, m: int):
+    """One graph's calls for ``name`` (one per weight copy, cycled against L2), or None where it does not apply."""
+    n, k = layer.n, layer.k
+    decode = backend.uses_decode_kernel(m, n, torch.cuda.get_device_properties(0).multi_processor_count)
+    if name == "fused":
+        return [lambda t=t: backend.linear(x, **t, n=n, k=k, transform=matrix) for t in layer.copies]
+    if name == "no-pdl":
+        if not decode:
+            return None
+        config = backend.gemv_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        return [lambda t=t: backend.gemv_linear(backend.transformed_activations(x, matrix), **t, n=n, k=k,
+                                                config=config) for t in layer.copies]  # fmt: skip
+    return [lambda t=t: backend.linear(fn(x, matrix), **t, n=n, k=k) for t in layer.copies]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--formulations", default="matmul,bcast-sum,fwht", help="comma-separated subset")
+    parser.add_argument("--formulations", default="fused,no-pdl,matmul", help="comma-separated subset")
+    parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
+    fused = ("fused", "no-pdl")
     candidates = {"matmul": lambda: block_transform, "bcast-sum": lambda: torch.compile(bcast_sum, dynamic=True),
-                  "fwht": lambda: torch.compile(fwht, dynamic=True)}
+                  "fwht": lambda: torch.compile(fwht, dynamic=True), **{name: lambda: None for name in fused}}
     formulations = {name: candidates[name]() for name in args.formulations.split(",")}
     rows = []
-    print(f"{props.name}; times in microseconds (CUDA-graph replays)")
-    print(f"{'N x K':>12} {'M':>4} {'block':>6} {'formulation':>11} {'gemm':>8} {'T':>8} {'gemm+T':>8} {'share':>7}")
-    for n, k in SHAPES:
+    print(f"{props.name}; times in microseconds (CUDA-graph replays, best of interleaved runs)")
+    print(f"{'N x K':>12} {'M':>4} {'block':>6} {'formulation':>11} {'gemm':>8} {'gemm+T':>8} {'share':>7}")
+    for n, k in (tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")):
         layer = make_layer(n, k, l2, seed=n + k)
+        w64 = backend.dequantize(**layer.copies[0], n=n, k=k).double()
         blocks = BLOCKS + ([k] if k == 14336 else [])
         for m in MS:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            gemm = [lambda t=t, v=x: backend.linear(v, **t, n=n, k=k) for t in layer.copies]
-            t_gemm = time_calls(gemm)
+            gemm = [lambda t=t: backend.linear(x, **t, n=n, k=k) for t in layer.copies]
             for b in blocks:
                 exact = sylvester(b, "cuda") / math.sqrt(b) if b <= 128 else None
                 matrix = (exact if exact is not None else torch.randn(b, b, device="cuda") / math.sqrt(b)).to(
                     torch.bfloat16)
+                names, calls = [], []
                 for name, fn in formulations.items():
                     if b > 128 and name != "matmul":
                         continue  # a whole-K broadcast would be M*K*K elements; butterflies need Sylvester sizes
+                    chosen = formulation_calls(name, fn, layer, x, matrix, m)
+                    if chosen is None:
+                        continue
                     if exact is not None:
-                        checked(fn, x, matrix, exact)
-                    t_t = time_calls([lambda f=fn, v=x: f(v, matrix)])
-                    t_both = time_calls([lambda t=t, f=fn, v=x: backend.linear(f(v, matrix), **t, n=n, k=k)
-                                         for t in layer.copies])
-                    share = (t_both - t_gemm) / t_gemm
+                        checked(name, chosen[0](), x, exact, w64)
+                    names.append(name)
+                    calls.append(chosen)
+                t_gemm, *t_both = best_of_interleaved([gemm, *calls])
+                for name, t in zip(names, t_both):
+                    share = (t - t_gemm) / t_gemm
                     rows.append(dict(n=n, k=k, m=m, block=b, formulation=name, gemm_us=t_gemm * 1e6,
-                                     transform_us=t_t * 1e6, both_us=t_both * 1e6, share=share))
-                    print(f"{f'{n} x {k}':>12} {m:>4} {b:>6} {name:>11} {t_gemm * 1e6:8.2f} {t_t * 1e6:8.2f} "
-                          f"{t_both * 1e6:8.2f} {share:7.1%}", flush=True)
+                                     both_us=t * 1e6, share=share))  # fmt: skip
+                    print(f"{f'{n} x {k}':>12} {m:>4} {b:>6} {name:>11} {t_gemm * 1e6:8.2f} {t * 1e6:8.2f} "
+                          f"{share:7.1%}", flush=True)
             write_json(args.json, rows)
-        del layer
+        del layer, w64
         torch.cuda.empty_cache()
 
 

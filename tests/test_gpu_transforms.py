@@ -1,5 +1,7 @@
 """Online transforms on this machine's GPU (sm90 Triton on an H200, FlashInfer on Blackwell): layers against
-float64, a whole transformed model against its float reference, torch.compile and CUDA graph capture.
+float64, a whole transformed model against its float reference, torch.compile and CUDA graph capture. On sm90
+input transforms of 16 to 128 run fused into the kernels' activation pre-pass, the others (SpinQuant's R4 over
+the whole K) as ``block_transform`` before them: both fixtures below have each kind.
 
 Skips cleanly without CUDA, or on a GPU no target runs on.
 """
@@ -24,48 +26,58 @@ from .test_transforms import MODEL_REL_TOL, TOKENS, blockdiag64, transformed_ref
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_target() is None, reason="needs a GPU that a target runs on")]
 
 FIXTURE = "ct_quip_vu_had32_nvfp4"  # input and output transforms, blocks of 32, layers without u
+WHOLE_K = "ct_spinquant_r1r2r4_rhad_nvfp4a16"  # R4 only: a random-Hadamard input transform over all of down_proj's K
+FUSED_ON_SM90 = {FIXTURE: {32}, WHOLE_K: set()}  # the input-transform block sizes the sm90 kernels apply themselves
 
 
-@pytest.fixture(scope="module")
-def gpu_bundle(tmp_path_factory):
+@pytest.fixture(scope="module", params=[FIXTURE, WHOLE_K])
+def gpu_bundle(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("transforms") / "bundle"
-    convert(PRODUCERS / FIXTURE, gpu_target().name, out)
-    return load_bundle(out, "cuda"), read_source(PRODUCERS / FIXTURE)
+    convert(PRODUCERS / request.param, gpu_target().name, out)
+    return load_bundle(out, "cuda"), read_source(PRODUCERS / request.param), request.param
 
 
 def test_transformed_layers_match_float64(gpu_bundle):
-    loaded, source = gpu_bundle
+    loaded, source, fixture = gpu_bundle
     assert loaded.backend == gpu_target().backend
+    fused = set()
     for prefix, layer in source.layers.items():
+        packed = loaded.layer(prefix)
+        if packed.fused_input_transform is not None:
+            fused.add(packed.input_transform.shape[0])
         weight = dequantize(source.load_layer(layer))
         matrices = {t.location: load_matrix(source.checkpoint, t.matrix) / t.matrix.scale
-                    for t in source.transforms.layers[prefix]}
-        for m in (1, 5, 33):
+                    for t in source.transforms.layers.get(prefix, ())}
+        for m in (1, 5, 16, 33):  # the decode kernel (after the pre-pass, with PDL), then the tensor-core kernel
             x = torch.randn(m, layer.k).to(torch.bfloat16)
             ref = x.double()
             ref = blockdiag64(ref, matrices["input"]) if "input" in matrices else ref
             ref = ref @ weight.t()
             ref = blockdiag64(ref, matrices["output"]) if "output" in matrices else ref
-            y = loaded.layer(prefix)(x.cuda()).cpu()
+            y = packed(x.cuda()).cpu()
             assert rel_error(y, ref) < BF16_REL_TOL, (prefix, m)
+    assert fused == (FUSED_ON_SM90[fixture] if loaded.backend == "triton" else set())
 
 
-def test_transformed_layer_compiles_and_captures(gpu_bundle):
-    loaded, _ = gpu_bundle
-    layer = loaded.layer("model.layers.1.self_attn.o_proj")
+def test_transformed_layer_compiles_and_captures(tmp_path):
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / FIXTURE, gpu_target().name, out)
+    layer = load_bundle(out, "cuda").layer("model.layers.1.self_attn.o_proj")
     assert layer.input_transform is not None and layer.output_transform is not None
+    assert (layer.fused_input_transform is not None) == (layer.backend == "triton")
     block = nn.Sequential(layer, nn.ReLU()).cuda()
     compiled = torch.compile(block, fullgraph=True)
-    x = torch.randn(16, layer.k, dtype=torch.bfloat16, device="cuda")
-    assert torch.equal(compiled(x), block(x))
-    assert_graph_replays(compiled, x)
+    for m in (1, 16, 40):  # the decode kernel after the pre-pass (PDL), then the tensor-core kernel
+        x = torch.randn(m, layer.k, dtype=torch.bfloat16, device="cuda")
+        assert torch.equal(compiled(x), block(x))
+        assert_graph_replays(compiled, x)
 
 
 def test_transformed_model_on_gpu(gpu_bundle):
-    loaded, _ = gpu_bundle
-    patched = dequantized_llama(FIXTURE).to(torch.bfloat16).cuda()
+    loaded, _, fixture = gpu_bundle
+    patched = dequantized_llama(fixture).to(torch.bfloat16).cuda()
     patch_model(patched, loaded, device="cuda")
     with torch.no_grad():
         got = patched(TOKENS.cuda()).logits.double().cpu()
-        ref = transformed_reference(FIXTURE)(TOKENS).logits.double()
+        ref = transformed_reference(fixture)(TOKENS).logits.double()
     assert rel_error(got, ref) < MODEL_REL_TOL

@@ -182,26 +182,21 @@ def test_cuda_graph_replay_matches_eager(m: int) -> None:
         assert torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("m", [1, 9, 40, 300])
-def test_pdl_chain_reads_each_previous_kernels_output(m: int) -> None:
-    """Three tensor-core layers, each reading the previous one's output, with a torch kernel writing the activations
-    after the first, in one CUDA graph: the kernel launches with PDL while the k-slot pass before it runs, so a read
-    of activations (or a write of outputs or counters) before its dependency wait would show here. Bitwise equal
-    to the same chain in plain stream order, and within bf16 bounds of float64."""
-    b = backend()
-    n = k = 1040
-    weights = [random_weight(n, k, seed=41 + i) for i in range(3)]
+def assert_pdl_chain(layer, weights: list[NVFP4Weight], x: torch.Tensor, transform: torch.Tensor | None = None) -> None:
+    """``layer(x, tensors, pdl)`` over three layers, each reading the previous one's output, a torch kernel writing
+    the activations after the first, in one CUDA graph: each GEMM kernel launches with PDL while the pre-pass before
+    it runs, so a read of activations (or a write of outputs or counters) before its dependency wait would show.
+    Bitwise equal to the same chain in plain stream order, and within bf16 bounds of float64 (``transform``: each
+    layer's input transform)."""
     layers = [runtime_on_gpu(w) for w in weights]
-    config = b.tc_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
 
     def chain(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
         for i, tensors in enumerate(layers):
-            x = b.tc_linear(x, **tensors, n=n, k=k, config=config, pdl=pdl)
+            x = layer(x, tensors, pdl)
             if i == 0:
                 x = x.mul_(0.5)
         return x
 
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     expected = chain(x, pdl=False)
     chain(x)  # compile the PDL launch outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -214,8 +209,20 @@ def test_pdl_chain_reads_each_previous_kernels_output(m: int) -> None:
         assert torch.equal(captured, expected)
     ref = x.double()
     for i, w in enumerate(weights):
+        ref = blockdiag64(ref, transform) if transform is not None else ref
         ref = ref @ dequantize(w).cuda().T * (0.5 if i == 0 else 1.0)
     assert rel_err(captured, ref) < 3 * REL_TOL
+
+
+@pytest.mark.parametrize("m", [1, 9, 40, 300])
+def test_pdl_chain_reads_each_previous_kernels_output(m: int) -> None:
+    """Three tensor-core layers (``assert_pdl_chain``): each launches with PDL while its k-slot pass runs."""
+    b = backend()
+    n = k = 1040
+    config = b.tc_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    weights = [random_weight(n, k, seed=41 + i) for i in range(3)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    assert_pdl_chain(lambda v, tensors, pdl: b.tc_linear(v, **tensors, n=n, k=k, config=config, pdl=pdl), weights, x)
 
 
 def test_rejects_wrong_operands() -> None:
@@ -224,3 +231,77 @@ def test_rejects_wrong_operands() -> None:
     x = torch.randn(3, k, dtype=torch.float16, device="cuda")
     with pytest.raises(ValueError, match="bf16"):
         backend().linear(x, **tensors, n=n, k=k)
+
+
+def random_orthogonal(b: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A dense random orthogonal ``[b, b]`` (no Hadamard structure for the kernels to lean on), rounded to ``dtype``."""
+    q, _ = torch.linalg.qr(torch.randn(b, b, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+    return q.to(dtype).contiguous().cuda()  # QR's Q is column-major
+
+
+def blockdiag64(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x @ blockdiag(matrix, ...)`` in float64 via torch.block_diag (not the kernels' or the runtime's reshape)."""
+    return x.double() @ torch.block_diag(*[matrix.double()] * (x.shape[1] // matrix.shape[0]))
+
+
+# (N, K): narrow (the decode kernel to M = 16), K not a multiple of 64 (1040) or of 256 (2112); wide (the
+# tensor-core kernel from M = 9)
+TRANSFORM_SHAPES = [(208, 1040, 16), (1040, 2112, 64), (4096, 2048, 16), (4096, 2048, 32), (8192, 2048, 128),
+                    (1040, 4096, 128)]  # fmt: skip
+
+
+@pytest.mark.parametrize("n,k,block", TRANSFORM_SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 128])
+def test_fused_input_transform_matches_float64(n: int, k: int, block: int, m: int) -> None:
+    """``linear(x, transform=T)`` = ``(x @ blockdiag(T)) @ W^T`` for a dense random orthogonal T on every path
+    (the pre-pass then the PDL decode kernel, or the tensor-core kernel's k-slot pass), every output written."""
+    tensors, w64 = random_runtime(n, k, seed=n + k + block + m)
+    t = random_orthogonal(block, seed=block + m, dtype=torch.float32 if m == 5 else torch.bfloat16)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    poison_allocator(m * n)
+    y = backend().linear(x, **tensors, n=n, k=k, transform=t)
+    assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite output"
+    err = rel_err(y, blockdiag64(x, t.to(torch.bfloat16)) @ w64.T)  # the kernels round T to bf16
+    assert err < REL_TOL, f"relative error {err:.3e}"
+
+
+def test_prepass_transform_and_kslot_order() -> None:
+    """The pre-pass alone: ``x @ blockdiag(T)`` within bf16 rounding of float64 (each block size, K not a multiple
+    of 256), and the k-slot variant exactly its k-slot permutation, zeroing the counters too."""
+    b = backend()
+    for m, k, block in ((1, 4096, 16), (37, 336, 16), (300, 2112, 64), (8, 1152, 128), (3, 2048, 32)):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        t = random_orthogonal(block, seed=m + k)
+        got = b.transformed_activations(x, t)
+        assert rel_err(got, blockdiag64(x, t)) < 4e-3
+        counters = torch.full((700,), 7, dtype=torch.int32, device="cuda")
+        kp = sm90.padded_shape(16, k)[1]
+        assert torch.equal(b.kslot_activations(x, kp, counters, t), b.kslot_order(got, kp))
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_pdl_decode_chain_reads_each_previous_kernels_output(m: int) -> None:
+    """Three transformed decode-kernel layers (``assert_pdl_chain``): each launches with PDL while its transform
+    pre-pass runs, loading its first weights meanwhile."""
+    b = backend()
+    n = k = 2048
+    config = b.gemv_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    weights = [random_weight(n, k, seed=61 + i) for i in range(3)]
+    t = random_orthogonal(64, seed=m)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+
+    def layer(v: torch.Tensor, tensors: dict[str, torch.Tensor], pdl: bool) -> torch.Tensor:
+        return b.gemv_linear(b.transformed_activations(v, t), **tensors, n=n, k=k, config=config, pdl=pdl)
+
+    assert_pdl_chain(layer, weights, x, t)
+
+
+def test_rejects_a_transform_it_does_not_fuse() -> None:
+    n, k = 48, 96
+    tensors = runtime_on_gpu(random_weight(n, k, seed=3))
+    x = torch.randn(2, k, dtype=torch.bfloat16, device="cuda")
+    for bad in (torch.eye(8, device="cuda"), torch.eye(96, device="cuda"), torch.eye(64, device="cuda"),
+                torch.eye(32, device="cpu")):  # fmt: skip
+        with pytest.raises(ValueError, match="transform"):
+            backend().linear(x, **tensors, n=n, k=k, transform=bad)

@@ -14,7 +14,7 @@ from ..bundle.layers import VLLM_FUSION
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
-from .backends import choose_backend, prepare_backend
+from .backends import choose_backend, fuses_input_transform, prepare_backend
 from .op import nvfp4_linear
 
 
@@ -34,13 +34,19 @@ class PackedLinear(nn.Module):
             matrix = (transforms or {}).get(location)
             self.register_buffer(f"{location}_transform", matrix.to(device) if matrix is not None else None)
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
+        self._fuses_input = fuses_input_transform(backend, self.input_transform)  # a shape fact: fixed by .to()
         self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def fused_input_transform(self) -> torch.Tensor | None:
+        """The input transform when the backend applies it inside its kernels (``fuses_input_transform``)."""
+        return self.input_transform if self._fuses_input else None
 
     def prepared(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The backend bound to this layer's tensors (checked once), for eager calls; rebuilt after ``.to()``."""
         if self._prepared is None:
             self._prepared = prepare_backend(self.backend, self.weight, self.weight_scale, self.weight_global_scale,
-                                             self.n, self.k, self.target)  # fmt: skip
+                                             self.n, self.k, self.target, self.fused_input_transform)  # fmt: skip
         return self._prepared
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors

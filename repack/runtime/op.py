@@ -5,6 +5,8 @@ A ``torch.library.custom_op`` with a fake implementation, so models using it tra
 built (from the target's capability table), never inside the traced region. Eager calls skip the op's Python
 dispatch and call the layer's prepared backend directly (``PackedLinear.prepared``): at M = 1 the wrapper alone
 cost more CPU time than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
+A layer's online input transform goes into the backend where it fuses it (``fuses_input_transform``: the sm90
+kernels' activation pre-pass), else it runs first as ``block_transform``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ def _linear(
     k: int,
     target: str,
     backend: str,
+    input_transform: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return get_backend(backend)(x, weight, weight_scale, weight_global_scale, n, k, target)
+    linear = get_backend(backend)
+    if input_transform is None:
+        return linear(x, weight, weight_scale, weight_global_scale, n, k, target)
+    return linear(x, weight, weight_scale, weight_global_scale, n, k, target, input_transform=input_transform)
 
 
 @_linear.register_fake
-def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend):
+def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend, input_transform=None):
     return x.new_empty((x.shape[0], n))
 
 
@@ -70,16 +76,17 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
     """``F.linear(x @ T_in, dequant(W), bias) @ T_out`` for ``x`` of any leading shape ``[..., K]`` and dtype.
 
     The GEMM runs in bf16 (every backend's kernel dtype); the result comes back in ``x``'s dtype. ``T_in`` /
-    ``T_out`` are the layer's online transforms (``block_transform``), when it has them.
+    ``T_out`` are the layer's online transforms (``block_transform``), when it has them; ``T_in`` goes into the
+    backend's kernels where it fuses it (``layer.fused_input_transform``), applied to the bf16 ``x``.
     """
     k = layer.k
-    x2d = _rows(x, k, layer.input_transform)
+    fused = layer.fused_input_transform
+    x2d = _rows(x, k, None if fused is not None else layer.input_transform)
     if type(x2d) is torch.Tensor and not torch.compiler.is_compiling():  # eager, no tensor subclass or fake tensor
         y = layer.prepared()(x2d)
     else:
-        y = _linear(
-            x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, k, layer.target, layer.backend
-        )
+        y = _linear(x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, k, layer.target,
+                    layer.backend, fused)  # fmt: skip
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.n)
     if y.dtype != x.dtype:

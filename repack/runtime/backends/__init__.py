@@ -1,5 +1,7 @@
 """GEMM backends. Each is ``linear(x, weight, weight_scale, weight_global_scale, n, k, target) -> y``:
-x bf16 ``[M, K]`` (logical K), the target's runtime tensors, output bf16 ``[M, N]`` (logical N).
+x bf16 ``[M, K]`` (logical K), the target's runtime tensors, output bf16 ``[M, N]`` (logical N). ``triton`` also
+takes the layer's online input transform (``input_transform=``) where ``fuses_input_transform`` says it applies it
+itself; every other transform runs before the backend, as ``block_transform``.
 
 Which backend runs where is read from the target registry's capability table
 (``Target.backend`` on the target's own GPUs; ``reference`` on CPU). ``prepare_backend`` binds one layer's tensors
@@ -28,24 +30,36 @@ def get_backend(name: str) -> Linear:
     elif name == "triton":
         from .triton_sm90 import linear as triton_linear
 
-        def linear(x, weight, weight_scale, weight_global_scale, n, k, target):  # noqa: ARG001
-            return triton_linear(x, weight, weight_scale, weight_global_scale, n, k)
+        def linear(x, weight, weight_scale, weight_global_scale, n, k, target, input_transform=None):  # noqa: ARG001
+            return triton_linear(x, weight, weight_scale, weight_global_scale, n, k, input_transform)
     else:
         raise RepackError(f"unknown backend {name!r}; known: reference, flashinfer, triton")
     return linear
 
 
+def fuses_input_transform(name: str, matrix: torch.Tensor | None) -> bool:
+    """Whether backend ``name`` applies the online input transform ``matrix`` in its own kernels: ``triton`` for
+    blocks of 16 to 128 (in its activation pre-pass; docs/benchmarks.md, "Online transforms")."""
+    if name != "triton" or matrix is None:
+        return False
+    from .triton_sm90.common import fuses_transform
+
+    return fuses_transform(matrix)
+
+
 def prepare_backend(
     name: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
-    target: str,
+    target: str, input_transform: torch.Tensor | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
-    """``x -> linear(x, <the layer's tensors>)`` for a contiguous bf16 ``x [M, K]``: triton checks the layer once
-    here and nothing per call (its per-call CPU time at M = 1 exceeds the kernel's GPU time otherwise); the other
-    backends keep their per-call path."""
+    """``x -> linear(x, <the layer's tensors>)`` for a contiguous bf16 ``x [M, K]``: triton checks the layer (and
+    the ``input_transform`` it fuses, ``fuses_input_transform``) once here and nothing per call (its per-call CPU
+    time at M = 1 exceeds the kernel's GPU time otherwise); the other backends keep their per-call path."""
     if name == "triton":
         from .triton_sm90 import prepare
 
-        return prepare(weight, weight_scale, weight_global_scale, n, k)
+        return prepare(weight, weight_scale, weight_global_scale, n, k, input_transform)
+    if input_transform is not None:
+        raise RepackError(f"backend {name!r} does not fuse online transforms; apply block_transform first")
     return partial(get_backend(name), weight=weight, weight_scale=weight_scale,
                    weight_global_scale=weight_global_scale, n=n, k=k, target=target)  # fmt: skip
 

@@ -6,7 +6,10 @@ and decode them with the same inline PTX (``ptx``); accumulation is float32 on t
 * ``decode``: ``_gemv_kernel``, the decode-bound kernel for ``M <= 8`` (16 on narrow layers): ``mma.sync`` with
   the activations read straight from global memory, no shared memory.
 * ``tensor_core``: ``_tc_kernel``, warp-specialised (a TMA loader warp, wgmma consumer warpgroups), the other
-  sizes, with the k-slot activation pass it overlaps through programmatic dependent launch, and split-K.
+  sizes, with the k-slot activation pass it overlaps through programmatic dependent launch, and split-K. That
+  pass also applies a layer's online input transform (``fuses_transform``), which before the decode kernel runs
+  alone (``transformed_activations``), the decode kernel launched with PDL and loading its first weights
+  while it runs.
 * ``dispatch``: which one runs (``linear``, ``prepare``) and with which work split, from the H200 measurements.
 * ``dequant``: bf16 weights for the benchmarks' cuBLAS baseline and the tests.
 * ``common``: the optional Triton imports, device facts and ``Launcher`` (a cached launch path, as Triton's
@@ -16,6 +19,7 @@ Every path captures into CUDA graphs and runs under ``torch.compile`` (no host s
 between calls that depends on the data), and neither kernel materialises bf16 weights.
 """
 
+from .common import fuses_transform
 from .decode import GEMV_MAX_M, GemvConfig, gemv_config_for, gemv_linear
 from .dequant import dequantize
 from .dispatch import check_layer, linear, plan, prepare, uses_decode_kernel
@@ -27,6 +31,7 @@ from .tensor_core import (
     tc_descriptors,
     tc_launch_options,
     tc_linear,
+    transformed_activations,
 )
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "TcConfig",
     "check_layer",
     "dequantize",
+    "fuses_transform",
     "gemv_config_for",
     "gemv_linear",
     "kslot_activations",
@@ -46,5 +52,6 @@ __all__ = [
     "tc_descriptors",
     "tc_launch_options",
     "tc_linear",
+    "transformed_activations",
     "uses_decode_kernel",
 ]

@@ -1,4 +1,5 @@
-"""What the sm90 kernels share: the Triton imports (optional on CPU-only installs), device facts, a cached launcher."""
+"""What the sm90 kernels share: the Triton imports (optional on CPU-only installs), device facts, a cached launcher,
+and the programmatic-dependent-launch (PDL) helpers of the kernels that follow an activation pre-pass."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ except ImportError:  # CPU-only installs: importing must work, calling must say 
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
 
 REGISTERS_PER_SM = 65536
+FUSED_TRANSFORM_BLOCKS = (16, 32, 64, 128)  # online-transform blocks the activation pre-pass applies (whole in a
+# 256-column tile, one ``tl.dot`` operand); others run as ``block_transform`` before the kernels
 MAX_WARPS_PER_SM = 64
 _MAX_KEYS = 4096  # launch keys one Launcher keeps
 
@@ -36,6 +39,12 @@ def require_triton(t: torch.Tensor) -> None:
         raise RuntimeError("the sm90 W4A16 backend needs Triton (pip install triton); it is not importable here")
     if not t.is_cuda:
         raise RuntimeError(f"the sm90 W4A16 backend runs on CUDA tensors, got a tensor on {t.device}")
+
+
+def fuses_transform(matrix: torch.Tensor) -> bool:
+    """Whether the sm90 kernels apply ``x @ blockdiag(matrix)`` in their activation pre-pass (pure shape logic, so
+    it can be asked on any machine)."""
+    return matrix.dim() == 2 and matrix.shape[0] == matrix.shape[1] and matrix.shape[0] in FUSED_TRANSFORM_BLOCKS
 
 
 @lru_cache(maxsize=None)
@@ -93,3 +102,15 @@ class Launcher:
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], g1, g2, self.stream(torch.cuda.current_device()), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *constexprs)  # fmt: skip
+
+
+if triton is not None:
+
+    @gluon.jit
+    def grid_dependency_wait():
+        """Wait until the previous kernel in the stream has finished and its writes are visible (a no-op unless
+        launched with PDL): no activation, output or workspace access may come before this."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+else:
+    grid_dependency_wait = None

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from ....targets import sm90 as layout
-from .common import MAX_WARPS_PER_SM, REGISTERS_PER_SM, Launcher, gl, gluon, require_triton, triton
+from .common import (
+    MAX_WARPS_PER_SM,
+    REGISTERS_PER_SM,
+    Launcher,
+    gl,
+    gluon,
+    grid_dependency_wait,
+    require_triton,
+    triton,
+)
 from .ptx import gemv_asm
 
 GEMV_MAX_M = 16  # the decode kernel's limit: two m16n8 B tiles per mma step
@@ -52,14 +61,15 @@ def _waves(programs: int, config: GemvConfig, sm_count: int) -> int:
     return -(-programs // (per_sm * sm_count))
 
 
-def _gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config: GemvConfig):
-    """``_gemv_kernel``'s grid, arguments and constexprs/options for one call."""
+def _gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config: GemvConfig, pdl: bool = False):
+    """``_gemv_kernel``'s grid, arguments and constexprs/options for one call (``pdl``: ``gemv_linear``'s)."""
     m = x.shape[0]
     stripes, chunks = weight.shape[0], weight.shape[1] // 128
     args = (x.view(torch.int32), weight, weight_scale.view(torch.int32), weight_global_scale, out, m, n, k, chunks)
     kwargs = {"SPT": config.spt, "C_T": config.chunks, "WK": config.num_warps, "NT": 1 if m <= 8 else 2,
               "EVEN": k == 64 * chunks and chunks % (config.chunks * config.num_warps) == 0,
-              "num_warps": config.num_warps, **({"maxnreg": config.maxnreg} if config.maxnreg else {})}  # fmt: skip
+              "PDL": pdl, "num_warps": config.num_warps, "launch_pdl": pdl,
+              **({"maxnreg": config.maxnreg} if config.maxnreg else {})}  # fmt: skip
     return (stripes // config.spt,), args, kwargs
 
 
@@ -68,8 +78,13 @@ def gemv_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names 
     n: int, k: int,
     config: GemvConfig,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """The decode kernel (``M <= 16``) with an explicit work split; ``out`` (contiguous bf16 ``[M, N]``) optional."""
+    """The decode kernel (``M <= 16``) with an explicit work split; ``out`` (contiguous bf16 ``[M, N]``) optional.
+
+    ``pdl``: launch with programmatic dependent launch while the kernel before it (the online transform's
+    pre-pass, ``transformed_activations``) runs: each program loads its first step's weights, then waits for that
+    kernel before any access to ``x`` or ``out``. False: plain stream order."""
     require_triton(x)
     m = x.shape[0]
     if m > GEMV_MAX_M:
@@ -78,20 +93,22 @@ def gemv_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names 
         out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
-    _launch_gemv(*_gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config))
+    _launch_gemv(*_gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config, pdl))
     return out
 
 
 class GemvLaunch:
     """One layer's decode-kernel call at one M, reduced to an allocation and a launch: the kernel compiled (or found
     in Triton's cache) once here for 16-byte aligned activations, every other argument fixed. The caller guarantees
-    a contiguous bf16 ``x [M, K]``, 16-byte aligned, on the current device (``dispatch.Prepared``)."""
+    a contiguous bf16 ``x [M, K]``, 16-byte aligned, on the current device (``dispatch.Prepared``); ``pdl`` as in
+    ``gemv_linear``."""
 
-    def __init__(self, weight, weight_scale, weight_global_scale, n: int, k: int, config: GemvConfig, m: int) -> None:
+    def __init__(self, weight, weight_scale, weight_global_scale, n: int, k: int, config: GemvConfig, m: int,
+                 pdl: bool = False) -> None:  # fmt: skip
         require_triton(weight)
         x = torch.empty((m, k), dtype=torch.bfloat16, device=weight.device)
         out = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
-        grid, args, kwargs = _gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config)
+        grid, args, kwargs = _gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config, pdl)
         self.compiled, constexprs = _launch_gemv.compiled_for(grid, args, kwargs)
         self.shape, self.device, self.grid = (m, n), weight.device, grid[0]
         self.before_out, self.after_out = args[1:4], (*args[5:], *constexprs)  # x and out change per call
@@ -151,10 +168,18 @@ if triton is not None:
     @gluon.jit
     def _gemv_load(w_ptr, s_ptr, x_ptr, s0, c0, KCH, M, K, SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr,
                    NT: gl.constexpr, EVEN: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr):  # fmt: skip
-        """Words ``[SPT, CK, 32, 4]`` (one 16-byte run per thread, stripe and chunk), scale words ``[SPT, CK, 32]``
-        (the int32 holding the lane's uint16 pair and its neighbour's) and x n-tiles 0 and 1 (``_x_load``) of the
-        step at chunk ``c0``, warp ``w`` taking chunks ``c0 + w C_T ..``; nothing is read past KCH or K, and unless
-        ``EVEN`` (no step partly past the end) what is not read is zero.
+        """``_w_load`` and ``_x_load``: one step's words, scale words and x n-tiles 0 and 1."""
+        words, sw = _w_load(w_ptr, s_ptr, s0, c0, KCH, SPT, C_T, WK, EVEN, L4)
+        xa, xb = _x_load(x_ptr, c0, M, K, C_T, WK, NT, EVEN, LX)
+        return words, sw, xa, xb
+
+    @gluon.jit
+    def _w_load(w_ptr, s_ptr, s0, c0, KCH, SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr,
+                EVEN: gl.constexpr, L4: gl.constexpr):  # fmt: skip
+        """Words ``[SPT, CK, 32, 4]`` (one 16-byte run per thread, stripe and chunk) and scale words ``[SPT, CK, 32]``
+        (the int32 holding the lane's uint16 pair and its neighbour's) of the step at chunk ``c0``, warp ``w``
+        taking chunks ``c0 + w C_T ..``; nothing is read past KCH, and unless ``EVEN`` (no step partly past the
+        end) what is not read is zero.
 
         Addresses are built as a per-thread pointer plus offsets that are constants per register (a rank-5 view
         with the thread's ``C_T`` chunks on their own axis), so that ptxas folds them into the loads' immediates.
@@ -176,8 +201,7 @@ if triton is not None:
             sw = gl.load(s_ptrs, mask=first_s + _idx4(C_T, 2, LS) < KCH, other=0)  # zero scales: unread words are 0
         words = gl.convert_layout(gl.reshape(words, [SPT, CK, 32, 4]), L4)
         sw = gl.convert_layout(gl.reshape(sw, [SPT, CK, 32]), gl.SliceLayout(3, L4))
-        xa, xb = _x_load(x_ptr, c0, M, K, C_T, WK, NT, EVEN, LX)
-        return words, sw, xa, xb
+        return words, sw
 
     @gluon.jit
     def _x_load(x_ptr, c0, M, K, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
@@ -269,8 +293,10 @@ if triton is not None:
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, g_ptr, y_ptr, M, N, K, KCH,
         SPT: gl.constexpr, C_T: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr,
+        PDL: gl.constexpr,
     ):  # fmt: skip
-        """``EVEN``: no padded columns (``K == 64 KCH``) and ``KCH`` a multiple of the step (``C_T * WK`` chunks)."""
+        """``EVEN``: no padded columns (``K == 64 KCH``) and ``KCH`` a multiple of the step (``C_T * WK`` chunks);
+        ``PDL``: launched with PDL after the pre-pass (``gemv_linear``'s ``pdl``)."""
         CK: gl.constexpr = C_T * WK  # chunks per loop step; warp w takes C_T of them
         L4: gl.constexpr = gl.BlockedLayout([SPT, C_T, 1, 4], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
         LX: gl.constexpr = gl.BlockedLayout([1, C_T, 1, 8], [1, 1, 32, 1], [1, WK, 1, 1], [3, 2, 1, 0])
@@ -279,7 +305,14 @@ if triton is not None:
         shift = (_idx3(32, 2, L3) % 2) * 16
         z = gl.zeros([SPT, CK, 32], gl.float32, L3)
         accs = (z, z, z, z, z, z, z, z) if NT == 2 else (z, z, z, z)
-        for c in range(0, KCH, CK):
+        start = 0
+        if PDL:  # the first step's weights stream while the pre-pass still runs; x only after it
+            words, sw = _w_load(w_ptr, s_ptr, s0, 0, KCH, SPT, C_T, WK, EVEN, L4)
+            grid_dependency_wait()
+            xa, xb = _x_load(x_ptr, 0, M, K, C_T, WK, NT, EVEN, LX)
+            accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
+            start = CK
+        for c in range(start, KCH, CK):
             words, sw, xa, xb = _gemv_load(w_ptr, s_ptr, x_ptr, s0, c, KCH, M, K, SPT, C_T, WK, NT, EVEN, L4, LX)
             accs = _gemv_chunk(words, sw, shift, xa, xb, accs, NT, L3, LX)
         _gemv_epilogue(y_ptr, g_ptr, accs, s0, M, N, SPT, NT, L3)

@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 
 from ....targets import sm90 as layout
-from .common import narrow, require_triton, sm_count
+from .common import FUSED_TRANSFORM_BLOCKS, fuses_transform, narrow, require_triton, sm_count
 from .decode import GEMV_MAX_M, GemvConfig, GemvLaunch, gemv_config_for, gemv_linear
-from .tensor_core import TcConfig, tc_config_for, tc_linear
+from .tensor_core import TcConfig, tc_config_for, tc_linear, transformed_activations
 
 
 def uses_decode_kernel(m: int, n: int, sm_count: int) -> bool:
@@ -54,6 +54,19 @@ def check_layer(weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_
             raise ValueError(f"{name} is on {t.device}, weight on {weight.device}")
 
 
+def check_transform(transform: torch.Tensor | None, weight: torch.Tensor, k: int) -> None:
+    """An online input transform the pre-pass can apply: square, a fused block size dividing K, on the device."""
+    if transform is None:
+        return
+    if not transform.is_floating_point() or not fuses_transform(transform) or k % transform.shape[0]:
+        raise ValueError(f"transform must be a float [b, b] with b in {FUSED_TRANSFORM_BLOCKS} dividing K={k}, got "
+                         f"{transform.dtype} {list(transform.shape)}")  # fmt: skip
+    if transform.device != weight.device:
+        raise ValueError(f"transform is on {transform.device}, weight on {weight.device}")
+    if not transform.is_contiguous():
+        raise ValueError("transform must be contiguous (the pre-pass reads it row-major)")
+
+
 def check_input(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(f"x must be contiguous bf16 [M, {k}], got {x.dtype} {list(x.shape)}")
@@ -61,25 +74,32 @@ def check_input(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
 
 
-def run(x, weight, weight_scale, weight_global_scale, n: int, k: int) -> torch.Tensor:
+def run(x, weight, weight_scale, weight_global_scale, n: int, k: int, transform=None) -> torch.Tensor:
     """``linear`` without its checks: the dispatch alone. Activations that are not 16-byte aligned (a view into
     another tensor) are copied first: both kernels read them as 16-byte vectors, the decode kernel through an int32
-    view, which a 2-byte offset cannot have."""
+    view, which a 2-byte offset cannot have. An online input ``transform`` runs in the activation pre-pass: the
+    tensor-core kernel's k-slot pass, or before the decode kernel, which overlaps it through PDL."""
     if x.data_ptr() % 16:
         x = x.clone()
     config = plan(x.shape[0], n, k, sm_count(x.device.index or 0))
-    kernel = gemv_linear if isinstance(config, GemvConfig) else tc_linear
-    return kernel(x, weight, weight_scale, weight_global_scale, n, k, config)
+    if isinstance(config, TcConfig):
+        return tc_linear(x, weight, weight_scale, weight_global_scale, n, k, config, transform=transform)
+    if transform is None:
+        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config)
+    x = transformed_activations(x, transform)
+    return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config, pdl=True)
 
 
 def linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names them
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
-    n: int, k: int,
+    n: int, k: int, transform: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ W^T`` for bf16 ``x [M, K]`` and the sm90 runtime tensors of ``W [N, K]``; returns bf16 ``[M, N]``."""
+    """``(x @ blockdiag(transform)) @ W^T`` for bf16 ``x [M, K]`` and the sm90 runtime tensors of ``W [N, K]``
+    (``transform``: an online input transform, ``fuses_transform``, or None); returns bf16 ``[M, N]``."""
     check_layer(weight, weight_scale, weight_global_scale, n, k)
     check_input(x, weight, k)
-    return run(x, weight, weight_scale, weight_global_scale, n, k)
+    check_transform(transform, weight, k)
+    return run(x, weight, weight_scale, weight_global_scale, n, k, transform)
 
 
 class Prepared:
@@ -89,13 +109,17 @@ class Prepared:
     handed a pointer of another device faults). At the decode kernel's sizes it keeps, per M, the compiled kernel
     and its launch arguments (``decode.gemv_launch``), so that a call is an allocation and a launch: Triton's
     generic launch and this module's dispatch cost 50-70 us of CPU time per call at M = 1 on the H200's host,
-    more than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
+    more than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call"). With an
+    online input ``transform`` a call is the pre-pass and that launch (with PDL).
     """
 
     def __init__(
-        self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
-    ) -> None:
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
+        transform: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         check_layer(weight, weight_scale, weight_global_scale, n, k)
+        check_transform(transform, weight, k)
+        self.transform = transform
         self.tensors = (weight, weight_scale, weight_global_scale)
         self.n, self.k = n, k
         self.device, self.index = weight.device, weight.get_device()
@@ -109,19 +133,20 @@ class Prepared:
         if x.get_device() != self.index:
             raise ValueError(f"weight is on {self.device}, x on {x.device}")
         if launch is not None and x.data_ptr() % 16 == 0 and torch.cuda.current_device() == self.index:
-            return launch(x)
-        return run(x, *self.tensors, self.n, self.k)
+            return launch(x if self.transform is None else transformed_activations(x, self.transform))
+        return run(x, *self.tensors, self.n, self.k, self.transform)
 
     def _launch_for(self, m: int) -> GemvLaunch | None:
         config = plan(m, self.n, self.k, sm_count(self.index))
         if not isinstance(config, GemvConfig) or m == 0:
             return None
         with torch.cuda.device(self.index):
-            return GemvLaunch(*self.tensors, self.n, self.k, config, m)
+            return GemvLaunch(*self.tensors, self.n, self.k, config, m, self.transform is not None)
 
 
 def prepare(
-    weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
+    transform: torch.Tensor | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
     """``Prepared`` for one layer (the backend registry's entry point)."""
-    return Prepared(weight, weight_scale, weight_global_scale, n, k)
+    return Prepared(weight, weight_scale, weight_global_scale, n, k, transform)

@@ -25,6 +25,7 @@ from .common import (
     TensorDescriptor,
     fence_async_shared,
     gl,
+    grid_dependency_wait,
     gluon,
     mbarrier,
     narrow,
@@ -103,12 +104,14 @@ def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names th
     split_k: int | None = None,
     out: torch.Tensor | None = None,
     pdl: bool = True,
+    transform: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The warp-specialised tensor-core kernel (any M; ``linear`` takes it wherever ``uses_decode_kernel`` is false)
     with an explicit work split (``linear`` picks one with ``tc_config_for``; benchmarks and tests sweep them);
     ``split_k`` defaults to ``_tc_split``, ``out`` (contiguous bf16 ``[M, N]``) to a new tensor. ``pdl``: launch with
     programmatic dependent launch, starting while ``kslot_activations`` (always its predecessor) runs; False: plain
-    stream order (the tests compare both)."""
+    stream order (the tests compare both). ``transform``: the online input transform, applied in that pass
+    (``fuses_transform``; the caller checks it)."""
     require_triton(x)
     m = x.shape[0]
     if out is None:
@@ -125,7 +128,8 @@ def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names th
     steps = triton.cdiv(total_steps, split_k)
     split_k = triton.cdiv(total_steps, steps)  # no empty split
     counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
-    x_desc, w_desc, s_desc = tc_descriptors(kslot_activations(x, kp, counters), weight, weight_scale, config)
+    xk = kslot_activations(x, kp, counters, transform)
+    x_desc, w_desc, s_desc = tc_descriptors(xk, weight, weight_scale, config)
     if split_k > 1:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
@@ -181,14 +185,42 @@ def _wave_fill(programs: int, slots: int) -> float:
     return programs / (-(-programs // slots) * slots)
 
 
-def kslot_activations(x: torch.Tensor, kp: int, counters: torch.Tensor) -> torch.Tensor:
+def kslot_activations(
+    x: torch.Tensor, kp: int, counters: torch.Tensor, transform: torch.Tensor | None = None
+) -> torch.Tensor:
     """``kslot_order`` in one Triton pass (the TMA then loads activation tiles that match the decoded A fragments),
-    which also zeroes the split-K ``counters``: one launch fewer than a separate memset (1.8 us on the H200)."""
+    which also zeroes the split-K ``counters`` (one launch fewer than a separate memset: 1.8 us on the H200) and
+    applies the layer's online input ``transform`` (``fuses_transform``) first, so that it costs no launch either."""
     m, k = x.shape
     out = torch.empty((m, kp), dtype=x.dtype, device=x.device)
+    if transform is not None:
+        _transform(x, out, counters, transform, kslot=True)
+        return out
     grid = (triton.cdiv(m, 32), kp // 256)
     _launch_kslot(grid, (x, out, counters, m, k, kp, counters.numel()), {"BR": 32, "num_warps": 4})
     return out
+
+
+def transformed_activations(x: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """``x @ blockdiag(transform)`` (bf16 operands, float32 accumulation, bf16 out) by the same pass without the
+    k-slot permutation: the decode kernel's predecessor, which it overlaps through PDL."""
+    out = torch.empty_like(x)
+    _transform(x, out, out, transform, kslot=False)  # no counters (COUNTERS = 0)
+    return out
+
+
+def _transform(x, out, counters, transform, kslot: bool) -> None:
+    """``_transform_kernel`` over ``out [M, KP]`` as rows of one ``TE``-wide block each, 4096 elements a program
+    (at least 64 rows: ``tl.dot`` then runs as wgmma; 8 warps for 128-wide blocks, which spill with 4). With the
+    k-slot order ``TE`` is a whole number of 64-column chunks, the permutation folded into the matrix's columns."""
+    m, k = x.shape
+    block = transform.shape[0]
+    width = max(block, 64) if kslot else block
+    rows, per_program = m * out.shape[1] // width, max(64, 4096 // width)
+    args = (x, out, counters, transform, rows, out.shape[1] // width, k, counters.numel() if kslot else 0)
+    _launch_transform((triton.cdiv(rows, per_program),), args,
+                      {"TB": block, "TE": width, "RB": per_program, "KSLOT": kslot,
+                       "num_warps": 8 if width > 64 else 4})  # fmt: skip
 
 
 def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
@@ -211,15 +243,20 @@ if triton is not None:
     _DECODE_ASM = tl.constexpr(decode_asm())
 
     @triton.jit
-    def _kslot_kernel(x_ptr, out_ptr, count_ptr, M, K, KP, COUNTERS, BR: tl.constexpr):
-        """``kslot_activations``: rows ``BR`` x 256 columns per program; program (0, 0) also zeroes the counters."""
-        tl.extra.cuda.gdc_launch_dependents()  # the tensor-core kernel (PDL) may launch and set up meanwhile
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        if pid_r == 0 and pid_c == 0:
+    def _zero_counters(count_ptr, COUNTERS):
+        """Program (0, 0) zeroes the split-K counters of the tensor-core kernel that follows."""
+        if tl.program_id(0) == 0 and tl.program_id(1) == 0:
             for start in range(0, COUNTERS, 1024):
                 offs = start + tl.arange(0, 1024)
                 tl.store(count_ptr + offs, tl.zeros([1024], tl.int32), mask=offs < COUNTERS)
+
+    @triton.jit
+    def _kslot_kernel(x_ptr, out_ptr, count_ptr, M, K, KP, COUNTERS, BR: tl.constexpr):
+        """``kslot_activations``: rows ``BR`` x 256 columns per program; program (0, 0) also zeroes the counters."""
+        tl.extra.cuda.gdc_launch_dependents()  # the tensor-core kernel (PDL) may launch and set up meanwhile
+        _zero_counters(count_ptr, COUNTERS)
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
         rows = (pid_r * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
         cols = pid_c * 256 + tl.arange(0, 256)[None, :]
         x = tl.load(x_ptr + rows * K + cols, mask=(rows < M) & (cols < K), other=0.0)
@@ -227,12 +264,29 @@ if triton is not None:
         x = tl.reshape(tl.permute(tl.reshape(x, (BR, 4, 4, 4, 2, 2)), (0, 1, 3, 4, 2, 5)), (BR, 256))
         tl.store(out_ptr + rows * KP + cols, x, mask=rows < M)
 
-    @gluon.jit
-    def _grid_dependency_wait():
-        """Wait until the previous kernel in the stream has finished and its writes are visible (a no-op unless
-        launched with PDL): no activation, output or workspace access may come before this."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
+    @triton.jit
+    def _transform_kernel(x_ptr, out_ptr, count_ptr, t_ptr, ROWS, BLOCKS, K, COUNTERS, TB: tl.constexpr,
+                          TE: tl.constexpr, RB: tl.constexpr, KSLOT: tl.constexpr):  # fmt: skip
+        """``out = x @ blockdiag(T)`` (``T``: ``TB`` square), then (``KSLOT``) in k-slot order: ``out`` read as
+        ``ROWS`` rows of one ``TE``-wide block (``BLOCKS`` to a row of ``out``, which is ``x`` zero-padded), ``RB``
+        of them per program, each times one ``TE`` square matrix: ``blockdiag(T)`` over ``TE`` columns with its
+        columns permuted into k-slot order, so that loads and stores stay contiguous. Program 0 also zeroes the
+        counters."""
+        tl.extra.cuda.gdc_launch_dependents()  # the kernel after it (PDL) may launch and set up meanwhile
+        _zero_counters(count_ptr, COUNTERS)
+        r = (tl.program_id(0) * RB + tl.arange(0, RB))[:, None]
+        i = tl.arange(0, TE)
+        col = (r % BLOCKS) * TE + i[None, :]
+        x = tl.load(x_ptr + (r // BLOCKS).to(tl.int64) * K + col, mask=(r < ROWS) & (col < K), other=0.0)
+        j = tl.arange(0, TB)
+        t = tl.load(t_ptr + j[:, None] * TB + j[None, :]).to(tl.bfloat16)
+        if TE > TB:  # blockdiag(T, T, ..) over TE columns: kron(I, T)
+            n = tl.arange(0, TE // TB)
+            eye = (n[:, None] == n[None, :]).to(tl.bfloat16)
+            t = tl.reshape(eye[:, None, :, None] * t[None, :, None, :], (TE, TE))
+        if KSLOT:  # its columns in k-slot order: column 64c + 16t + 4j + 2q + p -> k-slot 64c + 16j + 8q + 2t + p
+            t = tl.reshape(tl.permute(tl.reshape(t, (TE, TE // 64, 4, 4, 2, 2)), (0, 1, 3, 4, 2, 5)), (TE, TE))
+        tl.store(out_ptr + r.to(tl.int64) * TE + i[None, :], tl.dot(x, t).to(x.dtype), mask=r < ROWS)
 
     @gluon.jit
     def _tc_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, s0, c0, steps,
@@ -322,7 +376,7 @@ if triton is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         steps = gl.minimum(STEPS, TOTAL_STEPS - pid_k * STEPS)
-        _grid_dependency_wait()  # launched with PDL: the k-slot pass may still be writing x_desc's tensor
+        grid_dependency_wait()  # launched with PDL: the k-slot pass may still be writing x_desc's tensor
         (acc,) = gl.warp_specialize(
             [
                 (_tc_consumer, (x_smem, w_smem, s_smem, ready, empty, steps, BM, NW, CPS, STAGES)),
@@ -353,3 +407,4 @@ if triton is not None:
                 gl.store(y_ptr + y_off, (total * scale).to(gl.bfloat16), mask=mask)
 
     _launch_kslot = Launcher(_kslot_kernel)
+    _launch_transform = Launcher(_transform_kernel)
