@@ -28,8 +28,8 @@ except ImportError:  # CPU-only installs: importing must work, calling must say 
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
 
 REGISTERS_PER_SM = 65536
-FUSED_TRANSFORM_BLOCKS = (16, 32, 64, 128)  # online-transform blocks the activation pre-pass applies (whole in a
-# 256-column tile, one ``tl.dot`` operand); others run as ``block_transform`` before the kernels
+FUSED_TRANSFORM_BLOCKS = (16, 32, 64, 128)  # online-transform blocks the activation pre-pass applies (one ``tl.dot``
+# operand, whole within or made of 64-column k-slot chunks); others run as ``block_transform`` before the kernels
 MAX_WARPS_PER_SM = 64
 _MAX_KEYS = 4096  # launch keys one Launcher keeps
 
