@@ -27,6 +27,7 @@ from repack.formats.safetensors_io import file_sha256, tensor_bytes
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
+from repack.runtime.backends import fuses_input_transform, prepare_backend
 from repack.runtime.transforms import block_transform
 from repack.targets import TARGETS
 from repack.verify import verify_bundle
@@ -348,6 +349,21 @@ def test_block_transform_is_blockdiag():
     x = torch.randn(2, 3, 40, generator=gen, dtype=torch.float64)
     assert torch.allclose(block_transform(x, matrix), blockdiag64(x, matrix))
 
+
+
+def test_only_sm90_fuses_input_transforms_of_its_block_sizes(transformed_bundle):
+    """Which input transforms go into a backend's kernels (the sm90 pre-pass: blocks 16 to 128) and which run as
+    ``block_transform`` first; a backend that does not fuse refuses to be handed one."""
+    eye = torch.eye
+    assert [fuses_input_transform("triton", eye(b)) for b in (8, 16, 32, 64, 128, 176, 256)] == [
+        False, True, True, True, True, False, False]  # fmt: skip
+    assert not fuses_input_transform("triton", torch.ones(16, 32)) and not fuses_input_transform("triton", None)
+    assert not any(fuses_input_transform(name, eye(16)) for name in ("reference", "flashinfer"))
+    layer = load_bundle(transformed_bundle).layer("model.layers.1.self_attn.o_proj")
+    assert layer.backend == "reference" and layer.fused_input_transform is None
+    with pytest.raises(RepackError, match="does not fuse"):
+        prepare_backend("reference", layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, layer.k,
+                        layer.target, layer.input_transform)  # fmt: skip
 
 # --------------------------------------------------------------------------- inspect and the manifest
 def test_inspect_shows_transforms(transformed_bundle, capsys):
