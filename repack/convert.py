@@ -32,7 +32,7 @@ from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader
-from .lane import Lane
+from .lane import Lane, one_torch_thread
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .nvfp4 import NVFP4Weight
@@ -350,7 +350,8 @@ def convert_bundles(
                     staging.mkdir(exist_ok=True)
                     writings.append(_Writing(output, staging, reuse or Journal.start(staging, output.plan, identity)))
                     stack.callback(writings[-1].close)
-            _pass(source, reader, writings, report)
+            with one_torch_thread():
+                _pass(source, reader, writings, report)
             for writing in writings:
                 writing.drain()
             source_files = reader.digests()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
 
 LANE_BYTES = 16 << 20  # produced bytes a lane may queue (beyond one tensor) before the pass waits: bounds memory
 
@@ -36,3 +39,16 @@ class Lane:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch ops single-threaded meanwhile, for work that keeps every core busy with threads of its own (a
+    convert's reading, transforms, writes and hashing; verify's hashing beside its layer checks): torch's
+    intra-op workers competing with those threads spin-wait, and a transform took 3-4x longer so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -45,11 +45,16 @@ def pad_codes(codes: torch.Tensor, geometry: LayerGeometry) -> torch.Tensor:
     return pad_2d(codes, geometry.n_padded, geometry.k_padded // 2)
 
 
+def is_aligned(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether contiguous ``t`` can be viewed as ``nbytes``-wide words: its data address and its offset in its
+    storage are multiples of ``nbytes`` (a tensor mapped from a file is only as aligned as its offset there)."""
+    return t.data_ptr() % nbytes == 0 and t.storage_offset() * t.element_size() % nbytes == 0
+
+
 def aligned(t: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``t`` contiguous with its data at an address that is a multiple of ``nbytes``, so that it can be viewed as
-    wider words (a tensor mapped from a file is only as aligned as its offset there)."""
+    """``t`` contiguous and :func:`is_aligned`, copied only if it is not."""
     t = t.contiguous()
-    return t if t.data_ptr() % nbytes == 0 and t.storage_offset() * t.element_size() % nbytes == 0 else t.clone()
+    return t if is_aligned(t, nbytes) else t.clone()
 
 
 def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
