@@ -5,8 +5,14 @@
 
 Each job runs in a fresh subprocess so its peak RSS is its own; `cp -r` of the checkpoint is timed in the same
 run (page cache warm for both: the checkpoint was just written, and each job reads it once before timing is
-over anyway). A job is a target (`sm100`), several targets in one pass (`sm100+sm120+sm90`), or `verify:T`
-(verify the bundle of target T against the source). The checkpoint is made of [N, K] = [4096, 14336] layers
+over anyway), plain and with an fsync of every copied file (convert makes its bundles durable before it
+publishes them, so the disk's write speed bounds it; `cp` does not wait for the disk). Every job and copy
+starts after an `os.sync()`, so none pays for the writeback of an earlier one; `load` is the 1-minute load
+average when the job started (other work on the machine slows every row). A job is a target (`sm100`),
+several targets in one pass (`sm100+sm120+sm90`), `verify:T` (verify the bundle of target T against the
+source), or `floor`: the least a durable convert of an unchanged layout does, with no transform (each source
+byte mapped once, sha256 of the source and of the output on two threads, xxh3 and the write on a third,
+writeback started as it goes, fsync). The checkpoint is made of [N, K] = [4096, 14336] layers
 (the largest tensor of a Llama-8B MLP), so peak RSS should stay near the import baseline plus a few layers,
 whatever the model size.
 """
@@ -40,6 +46,27 @@ if job.startswith("verify:"):
     report = repack.verify.verify_bundle(out, source=model)
     assert report.passed, report.failures
     result = {"bytes_in": 0, "bytes_out": 0}
+elif job == "floor":
+    import hashlib, mmap, os, pathlib, xxhash
+    from concurrent.futures import ThreadPoolExecutor
+    from repack.bundle.writer import START_WRITEBACK  # as convert does: the disk starts at once, not at the fsync
+    pathlib.Path(out).mkdir()
+    files = sorted(pathlib.Path(model).glob("*.safetensors"))
+    with ThreadPoolExecutor(1) as source_hash, ThreadPoolExecutor(1) as output_hash:
+        for file in files:
+            size, src, dst, tensor = file.stat().st_size, hashlib.sha256(), hashlib.sha256(), xxhash.xxh3_128()
+            with open(file, "rb") as handle, open(pathlib.Path(out) / file.name, "wb", buffering=0) as target:
+                data = memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+                for offset in range(0, size, 4 << 20):
+                    chunk = data[offset : offset + (4 << 20)]
+                    source_hash.submit(src.update, chunk), output_hash.submit(dst.update, chunk)
+                    tensor.update(chunk)
+                    target.write(chunk)
+                    if START_WRITEBACK is not None:
+                        START_WRITEBACK(target.fileno(), offset, len(chunk))
+                source_hash.submit(src.hexdigest).result(), output_hash.submit(dst.hexdigest).result()
+                os.fsync(target.fileno())
+    result = {"bytes_in": sum(f.stat().st_size for f in files), "bytes_out": sum(f.stat().st_size for f in files)}
 else:
     targets = job.split("+")
     summary = repack.convert.convert(model, targets[0] if len(targets) == 1 else targets, out)
@@ -67,10 +94,17 @@ def measure(model: Path, job: str, out: Path) -> dict:
     return measure_child(CHILD, str(model), job, str(out))
 
 
-def time_copy(model: Path, destination: Path) -> float:
-    """Wall time of ``cp -r`` of the checkpoint (the copy is deleted afterwards)."""
+def time_copy(model: Path, destination: Path, durable: bool = False) -> float:
+    """Wall time of ``cp -r`` of the checkpoint (the copy is deleted afterwards); ``durable``: and of the fsync of
+    every copied file and folder, as convert does before it publishes a bundle."""
+    os.sync()  # nothing of an earlier job still being written
     started = time.perf_counter()
     subprocess.run(["cp", "-r", str(model), str(destination)], check=True)
+    if durable:
+        for path in [*destination.iterdir(), destination]:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
     seconds = time.perf_counter() - started
     shutil.rmtree(destination)
     return seconds
@@ -89,7 +123,7 @@ def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm100+sm120+sm90", "verify:sm100"])
+    parser.add_argument("--jobs", nargs="+", default=["floor", "sm100", "sm120", "sm100+sm120+sm90", "verify:sm100"])
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -98,20 +132,24 @@ def main() -> None:
         layer_bytes = make_model(model, args.gb)
         print(f"wrote {args.gb} GB checkpoint in {time.perf_counter() - t:.1f} s; largest layer {layer_bytes / 1e6:.1f} MB")
         copy = min(time_copy(model, Path(tmp) / "copy") for _ in range(3))
-        print(f"cp -r: {copy:.2f} s (best of 3)\n")
-        print("| job | bytes in | bytes out | time (s) | x cp | baseline RSS (MB) | peak RSS (MB) | peak - baseline (MB) |")
-        print("|---|---|---|---|---|---|---|---|")
+        durable = min(time_copy(model, Path(tmp) / "copy", durable=True) for _ in range(3))
+        print(f"cp -r: {copy:.2f} s (best of 3); cp -r + fsync of every file: {durable:.2f} s (best of 3)\n")
+        print("| job | bytes in | bytes out | time (s) | x cp | x (cp + fsync) | baseline RSS (MB) | peak RSS (MB) | "
+              "peak - baseline (MB) | load |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for job in args.jobs:
             name = job.split(":")[-1] if job.startswith("verify:") else job
             out = Path(tmp) / f"out-{name.replace('+', '-')}"
             if job.startswith("verify:") and not out.exists():
                 measure(model, name, out)
+            os.sync()  # each job starts with nothing of the previous one still being written
+            load = os.getloadavg()[0]
             r = measure(model, job, out)
-            if "+" in job:  # single-target bundles stay for the verify jobs
+            if "+" in job or job == "floor":  # single-target bundles stay for the verify jobs
                 shutil.rmtree(out)
             print(f"| {job} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | {r['seconds']:.2f} | "
-                  f"{r['seconds'] / copy:.2f} | {r['baseline_kb'] / 1e3:.0f} | {r['peak_kb'] / 1e3:.0f} | "
-                  f"{(r['peak_kb'] - r['baseline_kb']) / 1e3:.0f} |", flush=True)
+                  f"{r['seconds'] / copy:.2f} | {r['seconds'] / durable:.2f} | {r['baseline_kb'] / 1e3:.0f} | "
+                  f"{r['peak_kb'] / 1e3:.0f} | {(r['peak_kb'] - r['baseline_kb']) / 1e3:.0f} | {load:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

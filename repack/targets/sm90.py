@@ -101,18 +101,31 @@ def _word_tables() -> torch.Tensor:
 WORD_TABLES = _word_tables()
 
 
-def pack_words(codes: torch.Tensor) -> torch.Tensor:
-    """Packed codes uint8 ``[Np, Kp/2]`` -> int32 words ``[Np/16, 2*Kp]`` (bit placement per element, see module doc).
+def pack_words(codes: torch.Tensor, np_: int | None = None, kp: int | None = None) -> torch.Tensor:
+    """Packed codes uint8 ``[N, K/2]`` -> int32 words ``[Np/16, 2*Kp]`` (bit placement per element, see module doc),
+    zero-padded to ``[np_, kp]`` (default: the codes' own shape, which must then be aligned).
 
     Two lookups per word in :data:`WORD_TABLES` (256 KB each, cache-resident) over the codes in their stored
     order, then one permutation of whole 16-word runs: placing nibbles one by one through an 8-D byte-granular
-    view took about 20x longer."""
-    np_, k_half = codes.shape
-    stripes, chunks = np_ // STRIPE, k_half // (CHUNK // 2)
-    pairs = aligned(codes, 2).view(torch.uint16).view(stripes, 2, 8, chunks, 16)  # s, h, g, c, (t, j); each (q, p)
-    words = WORD_TABLES[0].index_select(0, pairs[:, 0].reshape(-1).to(torch.int32))
-    words |= WORD_TABLES[1].index_select(0, pairs[:, 1].reshape(-1).to(torch.int32))
-    return words.view(stripes, 8, chunks, 16).permute(0, 2, 1, 3).reshape(stripes, 4 * k_half)
+    view took about 20x longer. ``PACK_ROWS`` rows at a time, through scratch buffers allocated once: fresh
+    temporaries per block cost a page fault per 4 KB, as much as the lookups."""
+    np_, kp = np_ or codes.shape[0], kp or codes.shape[1] * 2
+    chunks = kp // CHUNK
+    words = torch.empty(np_ // STRIPE, 2 * kp, dtype=torch.int32, device=codes.device)
+    index, low, high = (torch.empty(min(np_, PACK_ROWS) * kp // 8, dtype=torch.int32, device=codes.device)
+                        for _ in range(3))
+    for first in range(0, np_, PACK_ROWS):
+        block = aligned(pad_2d(codes[first : first + PACK_ROWS], min(PACK_ROWS, np_ - first), kp // 2), 2)
+        stripes = block.shape[0] // STRIPE
+        count = stripes * 8 * chunks * 16
+        pairs = block.view(torch.uint16).view(stripes, 2, 8, chunks, 16)  # s, h, g, c, (t, j); each (q, p)
+        for h, out in ((0, low), (1, high)):
+            index[:count].view(stripes, 8, chunks, 16).copy_(pairs[:, h])
+            torch.index_select(WORD_TABLES[h], 0, index[:count], out=out[:count])
+        low[:count] |= high[:count]
+        target = words[first // STRIPE : first // STRIPE + stripes].view(stripes, chunks, 8, 16)
+        target.copy_(low[:count].view(stripes, 8, chunks, 16).permute(0, 2, 1, 3))
+    return words
 
 
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
@@ -141,13 +154,9 @@ def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
     np_, kp = padded_shape(weight.n, weight.k)
-    words = torch.empty(runtime_specs(weight.n, weight.k)["weight"].shape, dtype=torch.int32)
-    for first in range(0, np_, PACK_ROWS):  # row blocks keep the temporaries in cache and memory flat
-        rows = pad_2d(weight.codes[first : first + PACK_ROWS], min(PACK_ROWS, np_ - first), kp // 2)
-        words[first // STRIPE : (first + rows.shape[0]) // STRIPE] = pack_words(rows)
     scales = pad_2d(weight.block_scales.view(torch.uint8), np_, kp // BLOCK_SIZE).view(torch.float8_e4m3fn)
     return RuntimeLayer(
-        weight=words,
+        weight=pack_words(weight.codes, np_, kp),
         weight_scale=pack_scales(scales),
         weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
         weights_padding_cols=0,
