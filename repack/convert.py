@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -33,13 +32,13 @@ from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader
+from .lane import Lane, one_torch_thread
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .nvfp4 import NVFP4Weight
 from .targets import TARGETS, Target, resolve_target
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
-LANE_BYTES = 16 << 20  # produced bytes a lane may queue (beyond one tensor) before the pass waits: bounds memory
 
 
 @dataclass(frozen=True)
@@ -90,35 +89,6 @@ def _partitions(layer: OutputLayer) -> list[PartitionRecord]:
     return records
 
 
-class _Lane:
-    """Work run in order on a thread of its own (a bundle's transforms, or its writes). ``submit`` waits while
-    more than ``limit`` bytes are queued, so no stage gets more than that ahead of the next one."""
-
-    def __init__(self, limit: int = LANE_BYTES) -> None:
-        self._pool = ThreadPoolExecutor(1)
-        self._queue: deque[tuple[Future, int]] = deque()
-        self._queued = 0
-        self._limit = limit
-
-    def submit(self, nbytes: int, fn: Callable, *args) -> None:
-        while self._queue and self._queued + nbytes > self._limit:
-            self._wait_oldest()
-        self._queue.append((self._pool.submit(fn, *args), nbytes))
-        self._queued += nbytes
-
-    def _wait_oldest(self) -> None:
-        future, nbytes = self._queue.popleft()
-        self._queued -= nbytes
-        future.result()
-
-    def drain(self) -> None:
-        while self._queue:
-            self._wait_oldest()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 @dataclass
 class _Writing:
     """An output bundle during the pass: its staging folder, open shards, and what is known for its manifest."""
@@ -126,8 +96,8 @@ class _Writing:
     output: OutputBundle
     staging: Path
     journal: Journal
-    transformer: _Lane = field(default_factory=_Lane)  # to_runtime, then queue the writes on ``lane``
-    lane: _Lane = field(default_factory=_Lane)  # hashing and writing
+    transformer: Lane = field(default_factory=Lane)  # to_runtime, then queue the writes on ``lane``
+    lane: Lane = field(default_factory=Lane)  # hashing and writing
     writers: dict[str, ShardWriter] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
@@ -380,7 +350,8 @@ def convert_bundles(
                     staging.mkdir(exist_ok=True)
                     writings.append(_Writing(output, staging, reuse or Journal.start(staging, output.plan, identity)))
                     stack.callback(writings[-1].close)
-            _pass(source, reader, writings, report)
+            with one_torch_thread():
+                _pass(source, reader, writings, report)
             for writing in writings:
                 writing.drain()
             source_files = reader.digests()

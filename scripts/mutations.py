@@ -94,9 +94,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              "multiplier=layer.weight_global_scale.reshape(1) / 2,"),
     )),
     Mutation("128x4 swizzle atom transposed (`swizzle_128x4` and `unswizzle_128x4`)", (
-        Edit("repack/targets/layout.py", "view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 1, 4)",
-             "view(rows // 128, 4, 32, cols // 4, 4).permute(0, 3, 2, 4, 1)"),
-        Edit("repack/targets/layout.py", "linear = flat.permute(0, 3, 2, 1, 4)", "linear = flat.permute(0, 4, 2, 1, 3)"),
+        Edit("repack/targets/layout.py", "view(rows // 128, 4, 32, cols // 4).permute(0, 3, 2, 1)",
+             "view(rows // 128, 32, 4, cols // 4).permute(0, 3, 1, 2)"),
+        Edit("repack/targets/layout.py", "linear = words.permute(0, 3, 2, 1)", "linear = words.permute(0, 2, 3, 1)"),
     )),
     Mutation("sm120 S0E5M3 shift off by one (encode and decode)", (
         Edit("repack/targets/sm120.py", "return ((bits >> 7) & 0xFF).to(torch.uint8)",

@@ -234,3 +234,28 @@ def test_runtime_refuses_a_tensor_of_the_wrong_shape(make_model, tmp_path):
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(RepackError, match="is not the sm100 layout"):
         load_bundle(out).layer("model.layers.0.mlp.proj")
+
+
+def test_mapped_source_tensors_convert_as_read_ones(make_model, tmp_path, monkeypatch):
+    """Every source tensor mapped from its file (MAP_MIN_BYTES = 0), at the unaligned offsets safetensors gives
+    them, in chunks of a few KB for passthrough tensors: the bundles of all targets are byte for byte those of
+    plain reads, and decode back to the source."""
+    from repack.formats import safetensors_io
+
+    model = make_model("modelopt", shards=2)
+    offsets = {e.begin % 8 for e in read_source(model.path).checkpoint.tensors.values()}
+    assert offsets != {0}, "the fixture should hold tensors at unaligned file offsets"
+    monkeypatch.setattr(safetensors_io, "MAP_MIN_BYTES", 1 << 40)
+    convert(model.path, "all", tmp_path / "read")
+    monkeypatch.setattr(safetensors_io, "MAP_MIN_BYTES", 0)
+    chunks = safetensors_io.map_chunks
+    monkeypatch.setattr(safetensors_io, "map_chunks", lambda entry: chunks(entry, chunk=1000))
+    from repack.formats import hashing
+
+    monkeypatch.setattr(hashing, "map_chunks", safetensors_io.map_chunks)
+    convert(model.path, "all", tmp_path / "mapped")
+    for target in TARGETS:
+        check_bundle_against_source(model.path, tmp_path / "mapped" / target.name, target)
+        for file in sorted((tmp_path / "read" / target.name).iterdir()):
+            if file.name != "manifest.json":  # it records the source path, the same here, and nothing else varies
+                assert file.read_bytes() == (tmp_path / "mapped" / target.name / file.name).read_bytes(), file.name

@@ -33,6 +33,23 @@ def test_formula_decode_of_to_runtime_is_the_source(target, n, k):
     assert torch.equal(decode(target.to_runtime(weight), n, k, target.name, torch.float64), dequantize(weight))
 
 
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("multiplier", [1.7e-3, 3.1e-42, 2.9e35], ids=["normal", "subnormal-results", "overflowing"])
+def test_float32_decode_is_the_float64_decode_rounded_once(target, multiplier):
+    """decode computes float32 output in float32: it must equal the exact float64 values rounded to float32, also
+    where products fall into float32's subnormals or overflow (a random multiplier of each kind)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    n, k = 200, 272
+    weight = random_nvfp4(n, k, torch.Generator().manual_seed(seed), allow_zero_scales=True)
+    mult = torch.tensor([multiplier], dtype=torch.float32) * (1 + torch.rand(1, generator=torch.Generator().manual_seed(seed)))
+    weight = NVFP4Weight(weight.codes, weight.block_scales, mult)
+    runtime = target.to_runtime(weight)
+    exact = decode(runtime, n, k, target.name, torch.float64)
+    assert torch.equal(exact, dequantize(weight)), f"seed {seed}"
+    assert torch.equal(decode(runtime, n, k, target.name).view(torch.int32), exact.to(torch.float32).view(torch.int32)), \
+        f"seed {seed}"
+
+
 def nbytes(buffer: torch.Tensor) -> int:
     return buffer.numel() * buffer.element_size()
 

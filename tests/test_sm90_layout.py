@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.nvfp4 import NVFP4Weight, dequantize, pack_codes
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS, resolve_target, sm90, target_for_capability
 
@@ -76,7 +76,7 @@ def test_word_element_position_matches_documented_v2_formula() -> None:
     for row, col in [(0, 0), (9, 17), (31, 255), (20, 100), (13, 70)]:
         nibbles = torch.zeros((np_, kp), dtype=torch.uint8)
         nibbles[row, col] = 0x9  # sign bit and the lowest magnitude bit: both fields must land
-        words = sm90.pack_words(nibbles)
+        words = sm90.pack_words(pack_codes(nibbles))
         s, g, h = row // 16, row % 8, (row % 16) // 8
         c, t, j, q, p = col // 64, (col % 64) // 16, (col % 16) // 4, (col % 4) // 2, col % 2
         e = p + 2 * h + 4 * q

@@ -31,9 +31,10 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from ..errors import Interrupted, OutputExists, RepackError
+from ..formats.hashing import BackgroundDigest
 from .manifest import tensor_digest
 from .plan import PlannedTensor
 
@@ -54,12 +55,33 @@ def safetensors_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -
     return len(body).to_bytes(8, "little") + body
 
 
+WRITEBACK_BYTES = 32 << 20  # written bytes after which the disk is asked to start writing them
+
+
+def _start_writeback() -> Callable[[int, int, int], object] | None:
+    """Linux ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: start writing a range to disk, without
+    waiting. None elsewhere (then the final fsync writes everything)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, nbytes: function(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+START_WRITEBACK = _start_writeback()
+
+
 class ShardWriter:
     """One shard written front to back as its tensors arrive, in the plan's order.
 
     The file's sha256 and each tensor's digest are computed on the bytes on their way to the file, so
-    nothing is read back. ``write`` may be called several times per tensor (chunks); a tensor ends when
-    the next one starts or at :meth:`close`, and must then hold exactly its planned bytes.
+    nothing is read back; the sha256 on a thread of its own. ``write`` may be called several times per
+    tensor (chunks); a tensor ends when the next one starts or at :meth:`close`, and must then hold exactly
+    its planned bytes. Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the file to disk, so
+    that the fsync before the bundle is published finds little left to write, instead of all of it.
     """
 
     def __init__(self, path: Path, tensors: list[PlannedTensor]) -> None:
@@ -69,10 +91,21 @@ class ShardWriter:
         self._current: PlannedTensor | None = None
         self._digest = tensor_digest()
         self._written = 0
-        self._handle = open(path, "wb")
-        head = safetensors_header(tensors, {"format": "pt"})
-        self._file_digest = hashlib.sha256(head)
-        self._handle.write(head)
+        self._handle = open(path, "wb", buffering=0)
+        self._file_digest = BackgroundDigest(hashlib.sha256())
+        self._synced = 0  # bytes handed to START_WRITEBACK
+        self._offset = 0
+        self._put(safetensors_header(tensors, {"format": "pt"}))
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._file_digest.update(data)
+        view = memoryview(data).cast("B")
+        while view:  # a raw write may take fewer bytes than asked
+            view = view[self._handle.write(view) :]
+        self._offset += len(data)
+        if START_WRITEBACK is not None and self._offset - self._synced >= WRITEBACK_BYTES:
+            START_WRITEBACK(self._handle.fileno(), self._synced, self._offset - self._synced)
+            self._synced = self._offset
 
     def write(self, tensor: PlannedTensor, chunk: bytes | memoryview) -> None:
         if tensor is not self._current:
@@ -82,8 +115,7 @@ class ShardWriter:
                 raise AssertionError(f"{tensor.name}: written out of the planned order of {self.path.name}")
             self._digest, self._written = tensor_digest(), 0
         self._digest.update(chunk)
-        self._file_digest.update(chunk)
-        self._handle.write(chunk)
+        self._put(chunk)
         self._written += len(chunk)
 
     def _end_tensor(self) -> None:
@@ -101,8 +133,9 @@ class ShardWriter:
         missing = next(self._order, None)
         if missing is not None:
             raise AssertionError(f"{missing.name}: planned in {self.path.name} but never written")
-        self._handle.flush()
-        return self._file_digest.hexdigest()
+        digest = self._file_digest.hexdigest()
+        self._file_digest.close()
+        return digest
 
     def sync(self) -> None:
         """fsync and close: apart from :meth:`finish`, so that the next shard is written while this one syncs."""
@@ -110,6 +143,7 @@ class ShardWriter:
         self._handle.close()
 
     def abandon(self) -> None:
+        self._file_digest.close()
         self._handle.close()
 
 

@@ -10,51 +10,63 @@ and the result is each file's sha256, whatever the order of the reads.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from ..lane import Lane
 from .checkpoint import Checkpoint
-from .safetensors_io import COPY_CHUNK, TensorEntry, iter_raw_chunks, read_tensor, tensor_bytes
+from .safetensors_io import TensorEntry, map_chunks, map_tensor, tensor_bytes
 
-HASH_QUEUE_BYTES = 32 << 20  # bytes read but not yet hashed, per file, before a read waits: bounds memory
+HASH_QUEUE_BYTES = 32 << 20  # bytes handed over but not yet hashed, per digest, before the caller waits: bounds memory
+
+
+class BackgroundDigest:
+    """A digest updated in order on a thread of its own, at most ``HASH_QUEUE_BYTES`` behind its caller: sha256
+    is the costliest step of a pass, and this moves it off the thread that reads or writes the same bytes
+    (hashlib releases the GIL). Data handed to :meth:`update` must stay unchanged until it is hashed."""
+
+    def __init__(self, digest: "hashlib._Hash") -> None:
+        self._digest = digest
+        self._lane = Lane(HASH_QUEUE_BYTES)
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._lane.submit(len(data), self._digest.update, data)
+
+    def hexdigest(self) -> str:
+        self._lane.drain()
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        self._lane.close()
 
 
 @dataclass
 class _FileHash:
     path: Path
     size: int
-    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    digest: BackgroundDigest = field(default_factory=lambda: BackgroundDigest(hashlib.sha256()))
     position: int = 0
-    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
-    queued: list[tuple[Future, int]] = field(default_factory=list)
 
     def feed(self, data: bytes | memoryview) -> None:
         """Hash ``data`` (the file's next bytes) on this file's thread; ``data`` must stay unchanged meanwhile."""
-        while self.queued and sum(n for _, n in self.queued) + len(data) > HASH_QUEUE_BYTES:
-            self.queued.pop(0)[0].result()
-        self.queued.append((self.pool.submit(self.digest.update, data), len(data)))
+        self.digest.update(data)
         self.position += len(data)
 
     def hash_up_to(self, offset: int) -> None:
-        """Read and hash the bytes from the current position to ``offset``."""
-        with open(self.path, "rb") as handle:
-            handle.seek(self.position)
-            while self.position < offset:
-                chunk = handle.read(min(COPY_CHUNK, offset - self.position))
-                if not chunk:
-                    raise OSError(f"{self.path.name}: file shrank while reading")
+        """Hash the bytes from the current position to ``offset`` (mapped, as tensors are)."""
+        if offset > self.position:
+            gap = TensorEntry(self.path, "(bytes between tensors)", "U8", (offset - self.position,), self.position, offset)
+            for chunk in map_chunks(gap):
                 self.feed(chunk)
 
     def hexdigest(self) -> str:
         self.hash_up_to(self.size)
-        for future, _ in self.queued:
-            future.result()
-        self.pool.shutdown()
-        return self.digest.hexdigest()
+        digest = self.digest.hexdigest()
+        self.digest.close()
+        return digest
 
 
 class HashingReader:
@@ -76,14 +88,14 @@ class HashingReader:
 
     def read(self, entry: TensorEntry) -> torch.Tensor:
         state = self._at(entry)
-        tensor = read_tensor(entry)
+        tensor = map_tensor(entry)
         if state is not None:
             state.feed(tensor_bytes(tensor))
         return tensor
 
     def chunks(self, entry: TensorEntry) -> Iterator[bytes]:
         state = self._at(entry)
-        for chunk in iter_raw_chunks(entry):
+        for chunk in map_chunks(entry):
             if state is not None:
                 state.feed(chunk)
             yield chunk
@@ -94,4 +106,4 @@ class HashingReader:
 
     def close(self) -> None:
         for state in self._files.values():
-            state.pool.shutdown(wait=True, cancel_futures=True)
+            state.digest.close()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -209,13 +211,53 @@ def iter_raw_chunks(entry: TensorEntry) -> Iterator[bytes]:
             yield chunk
 
 
+MAP_MIN_BYTES = 1 << 20  # smaller reads are copied: a mapping's setup costs more than the copy
+
+
+def _map_range(file: Path, begin: int, nbytes: int, what: str) -> memoryview:
+    """Bytes ``[begin, begin + nbytes)`` of ``file``, mapped copy-on-write (writes never reach the file).
+
+    A mapping is released when the last view of it goes. The file must keep its size meanwhile: it is checked
+    here, and a file truncated under a live mapping ends the process with SIGBUS (a checkpoint being
+    rewritten while it is converted)."""
+    with open(file, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size < begin + nbytes:
+            raise RepackError(f"{file.name}: {what} is truncated (file changed while reading?)")
+        start = begin - begin % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(handle.fileno(), begin + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+    return memoryview(mapping)[begin - start :]
+
+
+def map_tensor(entry: TensorEntry) -> torch.Tensor:
+    """The tensor, its memory mapped from the file instead of copied (reads below ``MAP_MIN_BYTES`` are copied).
+
+    A read copies every byte from the page cache into freshly faulted memory, about as much CPU as sha256 of
+    the same bytes; a mapping costs neither. Its data is only as aligned as its offset in the file: code that
+    views it as wider words makes an aligned copy first (``targets.layout.aligned``)."""
+    if entry.nbytes < MAP_MIN_BYTES:
+        return read_tensor(entry)
+    flat = torch.frombuffer(_map_range(entry.file, entry.begin, entry.nbytes, f"tensor {entry.name!r}"),
+                            dtype=torch.uint8)
+    return flat.view(entry.dtype).reshape(entry.shape)
+
+
+def map_chunks(entry: TensorEntry, chunk: int = COPY_CHUNK) -> Iterator[memoryview | bytes]:
+    """The tensor's bytes in chunks, each mapped on its own (so memory holds only the chunks still in use)."""
+    if entry.nbytes < MAP_MIN_BYTES:
+        yield from iter_raw_chunks(entry)
+        return
+    for offset in range(0, entry.nbytes, chunk):
+        yield _map_range(entry.file, entry.begin + offset, min(chunk, entry.nbytes - offset), f"tensor {entry.name!r}")
+
+
 def file_sha256(path: Path) -> str:
+    """The file's sha256, hashed from mappings of it ``COPY_CHUNK`` at a time (no copy into the process)."""
+    size = path.stat().st_size
+    if size < MAP_MIN_BYTES:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
     digest = hashlib.sha256()
-    buffer = bytearray(COPY_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        while size := handle.readinto(buffer):
-            digest.update(view[:size])
+    for offset in range(0, size, COPY_CHUNK):
+        digest.update(_map_range(path, offset, min(COPY_CHUNK, size - offset), "the file"))
     return digest.hexdigest()
 
 

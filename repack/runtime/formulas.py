@@ -150,18 +150,23 @@ def formula_for(target: str) -> LayoutFormula:
 
 
 def decode(layer: RuntimeLayer, n: int, k: int, target: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense ``[n, k]`` weights ``e2m1 * block_scale * multiplier`` gathered from ``layer`` by ``target``'s formula."""
+    """Dense ``[n, k]`` weights ``e2m1 * block_scale * multiplier`` gathered from ``layer`` by ``target``'s formula.
+
+    One rounding to ``dtype``: the product of a code (2 significant bits) and a scale (4) is exact even in
+    float32, so float32 output is computed in float32 (half the memory traffic of float64) with one rounding,
+    at the multiplier, as the exact float64 product rounded to float32 would be."""
     formula = formula_for(target)
     device = layer.weight.device
+    compute = torch.float32 if dtype == torch.float32 else torch.float64
     cols, blocks = torch.arange(k, device=device), torch.arange(k // BLOCK_SIZE, device=device)
     values = formula.code_values(layer.weight)
-    multiplier = layer.weight_global_scale.to(torch.float64).reshape(())
+    multiplier = layer.weight_global_scale.to(compute).reshape(())
     out = torch.empty((n, k), dtype=dtype, device=device)
     step = max(1, ROW_BLOCK_ELEMENTS // k)
     for first in range(0, n, step):
         rows = torch.arange(first, min(n, first + step), device=device)
-        codes = values[formula.code_offsets(rows, cols, n, k)].to(torch.float64)
-        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k)) * multiplier
-        block = codes.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * scales.unsqueeze(-1)  # exact in float64
-        out[first : first + len(rows)] = block.view(len(rows), k)  # one rounding to ``dtype``
+        codes = values[formula.code_offsets(rows, cols, n, k)].to(compute)
+        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k)).to(compute)
+        block = codes.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * scales.unsqueeze(-1)  # exact
+        out[first : first + len(rows)] = block.view(len(rows), k) * multiplier  # the one rounding
     return out

@@ -18,10 +18,11 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from .base import RuntimeLayer, Target, TensorSpec
-from .layout import pad_2d, pad_codes, vllm_geometry
+from .layout import is_aligned, pad_2d, pad_codes, vllm_geometry
 
 # Packed-code tile (rows x cols) -> int32 order, as axes of the 8-D view of [Np, Kp/2]:
 # codes.view(NT, s, h, w, c, KT, q, r) -> (KT, NT, w, c, r, s, h, q).
+TILE_ROWS = 256  # code rows (4 tiles) packed at a time
 
 
 def pack_tiles(padded_codes: torch.Tensor) -> torch.Tensor:
@@ -29,15 +30,26 @@ def pack_tiles(padded_codes: torch.Tensor) -> torch.Tensor:
 
     The permutation of the 8-D view, done in two copies because torch's strided copy is slow on runs of two
     bytes: first whole 8-byte column groups ``(q, r)`` move into tile order as int64 words, then each 32-byte
-    ``(s, h, q, r)`` group is transposed to ``(r, s, h, q)``; about twice as fast as one byte-wise permute."""
+    ``(s, h, q, r)`` group is transposed to ``(r, s, h, q)``; about twice as fast as one byte-wise permute.
+    ``TILE_ROWS`` rows (whole tiles) at a time keep both copies' data in cache."""
+    padded_codes = padded_codes.contiguous()
     n, k_half = padded_codes.shape
-    kt, nt = k_half // 8, n // 64
-    codes = padded_codes.contiguous()
-    if codes.storage_offset() % 8:  # an int64 view needs 8-byte alignment
-        codes = codes.clone()
-    words = codes.view(torch.int64).view(nt, 2, 2, 2, 8, kt).permute(5, 0, 3, 4, 1, 2).contiguous()
-    tiles = words.view(torch.uint8).view(-1, 8, 4).transpose(1, 2)  # (s, h, q) x r -> r x (s, h, q)
-    return tiles.reshape(kt, nt * 512).view(torch.int32)
+    kt = k_half // 8
+    out = torch.empty(kt, n * 8, dtype=torch.uint8, device=padded_codes.device)
+    # One scratch buffer for every block's words, and one for blocks that must be realigned: fresh temporaries
+    # per block cost a page fault per 4 KB, as much as the copies themselves.
+    scratch = torch.empty(min(n, TILE_ROWS) * k_half, dtype=torch.uint8, device=padded_codes.device)
+    realigned = torch.empty_like(scratch)
+    for first in range(0, n, TILE_ROWS):
+        block = padded_codes[first : first + TILE_ROWS]
+        rows = block.shape[0]
+        if not is_aligned(block, 8):  # an int64 view needs 8-byte alignment
+            block = realigned[: rows * k_half].view(rows, k_half).copy_(block)
+        words = scratch[: rows * k_half].view(torch.int64).view(kt, rows // 64, 2, 8, 2, 2)
+        words.copy_(block.view(torch.int64).view(-1, 2, 2, 2, 8, kt).permute(5, 0, 3, 4, 1, 2))
+        groups = words.view(torch.uint8).view(kt, -1, 8, 4).transpose(2, 3)  # (s, h, q) x r -> r x (s, h, q)
+        out[:, first * 8 : (first + rows) * 8].view(kt, -1, 4, 8).copy_(groups)
+    return out.view(torch.int32)
 
 
 def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
@@ -60,12 +72,22 @@ def s0e5m3_to_e4m3(encoded: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16).to(torch.float8_e4m3fn)
 
 
+S0E5M3 = e4m3_to_s0e5m3(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn))  # e4m3 byte -> its S0E5M3
+
+
+def transposed_scales(scales: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn ``[Np, Kp/16]`` -> uint8 S0E5M3 ``[Kp/16, Np]``: one table lookup per byte (a third of the
+    time of converting through float16), on indices widened and transposed in one copy."""
+    index = scales.view(torch.uint8).t().to(torch.int32, memory_format=torch.contiguous_format)
+    return S0E5M3.to(scales.device).index_select(0, index.reshape(-1)).view(index.shape)
+
+
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
     geometry = vllm_geometry(weight.n, weight.k)
     scales = pad_2d(weight.block_scales.view(torch.uint8), geometry.n_padded, geometry.k_padded // BLOCK_SIZE)
     return RuntimeLayer(
         weight=pack_tiles(pad_codes(weight.codes, geometry)),
-        weight_scale=e4m3_to_s0e5m3(scales.view(torch.float8_e4m3fn).t().contiguous()),
+        weight_scale=transposed_scales(scales.view(torch.float8_e4m3fn)),
         weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
         weights_padding_cols=geometry.weights_padding_cols,
     )

@@ -40,15 +40,15 @@ from __future__ import annotations
 
 import torch
 
-from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_codes, unpack_codes
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, pack_codes
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
-from .layout import pad_2d, round_up
+from .layout import aligned, pad_2d, round_up
 
 ROW_ALIGN = 128  # the kernel's largest N tile: no masks on weight loads
 K_ALIGN = 256  # the kernel's largest K step
 STRIPE = 16  # rows of one A tile
 CHUNK = 64  # K-elements of one 16-byte word group (4 tiles of 16)
-PACK_ROWS = 512  # rows packed at a time (a multiple of ROW_ALIGN): offline memory stays flat for any layer
+PACK_ROWS = 256  # rows packed at a time (a multiple of ROW_ALIGN): temporaries stay in cache, memory flat
 
 # Element e of a word: lowest of its 3 magnitude bits, and its sign bit.
 MAG_SHIFT = (6, 22, 3, 19, 0, 16, 26, 10)
@@ -73,40 +73,69 @@ def kslot_column(kslot: torch.Tensor) -> torch.Tensor:
     return c * CHUNK + 16 * t + 4 * j + 2 * q + p
 
 
-def _element_view(nibbles: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles ``[Np, Kp]`` -> ``[Np/16, 2, 8, Kp/64, t, j, q, p]`` -> word order ``[s, c, g, t, j, q, h, p]``.
+def _element_unview(words_order: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
+    """Elements in word order ``[s, c, g, t, j, q, h, p]`` -> ``[Np, Kp]``.
 
     Row = ``16s + 8h + g``, column = ``64c + 16t + 4j + 2q + p``.
     """
-    np_, kp = nibbles.shape
-    view = nibbles.view(np_ // STRIPE, 2, 8, kp // CHUNK, 4, 4, 2, 2)  # s, h, g, c, t, j, q, p
-    return view.permute(0, 3, 2, 4, 5, 6, 1, 7)
-
-
-def _element_unview(words_order: torch.Tensor, np_: int, kp: int) -> torch.Tensor:
-    """Inverse of :func:`_element_view`: ``[s, c, g, t, j, q, h, p]`` -> ``[Np, Kp]``."""
     return words_order.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(np_, kp)
 
 
-def pack_words(nibbles: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles ``[Np, Kp]`` -> int32 words ``[Np/16, 2*Kp]`` (bit placement per element, see module doc)."""
-    np_, kp = nibbles.shape
-    elems = _element_view(nibbles).reshape(-1, 8)  # one row per word, e = p + 2h + 4q
-    word = torch.zeros(elems.shape[0], dtype=torch.int32, device=nibbles.device)
-    for e in range(8):  # eight disjoint bit fields, each a vectorized op over all words
-        code = elems[:, e].to(torch.int32)
-        word |= ((code & 7) << MAG_SHIFT[e]) | ((code >> 3) << SIGN_SHIFT[e])
-    return word.view(np_ // STRIPE, 2 * kp)
+def _word_tables() -> torch.Tensor:
+    """int32 ``[2, 65536]``: for ``h``, the word bits of the 4 codes in one little-endian uint16 of packed codes.
+
+    That uint16 (packed columns ``2q``, ``2q + 1`` of one row) holds the codes of columns ``4j .. 4j+3`` of a
+    16-column group, i.e. the elements ``e = p + 2h + 4q`` of one word for all (p, q); the word is the OR of the
+    two uint16s of rows ``g`` and ``g + 8`` (h = 0, 1) looked up here, the bit fields being disjoint."""
+    value = torch.arange(1 << 16, dtype=torch.int32)
+    tables = torch.zeros(2, 1 << 16, dtype=torch.int32)
+    for h in range(2):
+        for q in range(2):
+            for p in range(2):
+                e = p + 2 * h + 4 * q
+                code = (value >> (8 * q + 4 * p)) & 0xF
+                tables[h] |= ((code & 7) << MAG_SHIFT[e]) | ((code >> 3) << SIGN_SHIFT[e])
+    return tables
+
+
+WORD_TABLES = _word_tables()
+
+
+def pack_words(codes: torch.Tensor, np_: int | None = None, kp: int | None = None) -> torch.Tensor:
+    """Packed codes uint8 ``[N, K/2]`` -> int32 words ``[Np/16, 2*Kp]`` (bit placement per element, see module doc),
+    zero-padded to ``[np_, kp]`` (default: the codes' own shape, which must then be aligned).
+
+    Two lookups per word in :data:`WORD_TABLES` (256 KB each, cache-resident) over the codes in their stored
+    order, then one permutation of whole 16-word runs: placing nibbles one by one through an 8-D byte-granular
+    view took about 20x longer. ``PACK_ROWS`` rows at a time, through scratch buffers allocated once: fresh
+    temporaries per block cost a page fault per 4 KB, as much as the lookups."""
+    np_, kp = np_ or codes.shape[0], kp or codes.shape[1] * 2
+    chunks = kp // CHUNK
+    words = torch.empty(np_ // STRIPE, 2 * kp, dtype=torch.int32, device=codes.device)
+    index, low, high = (torch.empty(min(np_, PACK_ROWS) * kp // 8, dtype=torch.int32, device=codes.device)
+                        for _ in range(3))
+    for first in range(0, np_, PACK_ROWS):
+        block = aligned(pad_2d(codes[first : first + PACK_ROWS], min(PACK_ROWS, np_ - first), kp // 2), 2)
+        stripes = block.shape[0] // STRIPE
+        count = stripes * 8 * chunks * 16
+        pairs = block.view(torch.uint16).view(stripes, 2, 8, chunks, 16)  # s, h, g, c, (t, j); each (q, p)
+        for h, out in ((0, low), (1, high)):
+            index[:count].view(stripes, 8, chunks, 16).copy_(pairs[:, h])
+            torch.index_select(WORD_TABLES[h], 0, index[:count], out=out[:count])
+        low[:count] |= high[:count]
+        target = words[first // STRIPE : first // STRIPE + stripes].view(stripes, chunks, 8, 16)
+        target.copy_(low[:count].view(stripes, 8, chunks, 16).permute(0, 2, 1, 3))
+    return words
 
 
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """Exact inverse of :func:`pack_words`: int32 ``[Np/16, 2*Kp]`` -> uint8 nibbles ``[Np, Kp]``."""
+    """Exact inverse of :func:`pack_words`: int32 ``[Np/16, 2*Kp]`` -> packed codes uint8 ``[Np, Kp/2]``."""
     stripes, kp2 = words.shape
     np_, kp = stripes * STRIPE, kp2 // 2
     word = words.reshape(-1)
     fields = [((word >> MAG_SHIFT[e]) & 7) | (((word >> SIGN_SHIFT[e]) & 1) << 3) for e in range(8)]
     elems = torch.stack(fields, dim=1).to(torch.uint8)
-    return _element_unview(elems.view(stripes, kp // CHUNK, 8, 4, 4, 2, 2, 2), np_, kp)
+    return pack_codes(_element_unview(elems.view(stripes, kp // CHUNK, 8, 4, 4, 2, 2, 2), np_, kp))
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -125,14 +154,9 @@ def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
     np_, kp = padded_shape(weight.n, weight.k)
-    words = torch.empty(runtime_specs(weight.n, weight.k)["weight"].shape, dtype=torch.int32)
-    for first in range(0, np_, PACK_ROWS):  # row blocks bound the nibble and int32 temporaries
-        rows = weight.codes[first : first + PACK_ROWS]
-        nibbles = pad_2d(unpack_codes(rows), min(PACK_ROWS, np_ - first), kp)
-        words[first // STRIPE : (first + nibbles.shape[0]) // STRIPE] = pack_words(nibbles)
     scales = pad_2d(weight.block_scales.view(torch.uint8), np_, kp // BLOCK_SIZE).view(torch.float8_e4m3fn)
     return RuntimeLayer(
-        weight=words,
+        weight=pack_words(weight.codes, np_, kp),
         weight_scale=pack_scales(scales),
         weight_global_scale=weight.multiplier.reshape(1).to(torch.float32).clone(),
         weights_padding_cols=0,
@@ -140,10 +164,10 @@ def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
 
 
 def from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
-    nibbles = unpack_words(layer.weight)
+    codes = unpack_words(layer.weight)
     scales = unpack_scales(layer.weight_scale)
     return NVFP4Weight(
-        codes=pack_codes(nibbles[:n, :k]).contiguous(),
+        codes=codes[:n, : k // 2].contiguous(),
         block_scales=scales[:n, : k // BLOCK_SIZE].contiguous(),
         multiplier=layer.weight_global_scale.reshape(1).clone(),
     )
