@@ -32,9 +32,9 @@ from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader
-from .lane import Lane, one_torch_thread
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_bytes
 from .formats.transforms import runtime_matrix
+from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import TARGETS, Target, resolve_target
 

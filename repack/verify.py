@@ -103,10 +103,10 @@ class VerifyReport:
         return {**asdict(self), "passed": self.passed, "failures_by_kind": {k: len(v) for k, v in self.summary().items()}}
 
 
-def _check_file(bundle: Bundle, name: str, sha: str) -> TensorCheck:
+def _check_file(folder: Path, name: str, sha: str) -> TensorCheck:
     check = TensorCheck(name)
     try:
-        if file_sha256(contained_file(bundle.root, name)) != sha:
+        if file_sha256(contained_file(folder, name)) != sha:
             check.fail(f"{name}: sha256 differs from the manifest (file modified or truncated)")
     except RepackError as exc:
         check.fail(str(exc))
@@ -296,6 +296,13 @@ def resolve_source(bundle: Bundle, source: str | Path | None = None, revision: s
     return read_source(recorded) if (recorded / "config.json").exists() else None
 
 
+def _given_source(bundle: Bundle, source: str | Path | SourceModel | None, no_source: bool) -> SourceModel | None:
+    """The library's ``source`` / ``no_source`` arguments as the source to check against (see resolve_source)."""
+    if no_source:
+        return None
+    return source if isinstance(source, SourceModel) else resolve_source(bundle, source)
+
+
 def check_source_identity(bundle: Bundle, src: SourceModel, digests: dict[str, str]) -> None:
     """Refuse a source that is not the one the bundle was built from: ``digests`` (its files' sha256) must be the
     manifest's. Comparing with any other checkpoint would report every layer as wrong, or fail on shapes."""
@@ -368,12 +375,12 @@ def verify_bundle(
     """Run all three checks; never raises for problems inside the bundle, reports them instead.
 
     ``source`` (default: the folder the manifest records, if it exists; none with ``no_source``) must be the
-    checkpoint the bundle was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a ``sample`` (see
-    :func:`numerics_sample`), or ``auto``: all on a GPU, a sample on the CPU, whose reference backend takes
-    longer than every other check together. Files and the source are hashed on other threads meanwhile."""
+    checkpoint the bundle was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a
+    ``sample`` (see :func:`numerics_sample`), or ``auto``: all on a GPU, a sample on the CPU, whose reference
+    backend takes longer than every other check together. Files and the source are hashed on other threads meanwhile."""
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     loaded = load_bundle(bundle, device)
-    src = None if no_source else source if isinstance(source, SourceModel) else resolve_source(bundle, source)
+    src = _given_source(bundle, source, no_source)
     if numerics not in ("auto", "all", "sample"):
         raise RepackError(f"numerics {numerics!r}: expected auto, all or sample")
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
@@ -384,7 +391,7 @@ def verify_bundle(
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, one_torch_thread():
         source_files = src.checkpoint.shard_files if src is not None else []
         hashing = {name: pool.submit(file_sha256, src.checkpoint.contained(name)) for name in source_files}
-        files = [pool.submit(_check_file, bundle, name, sha) for name, sha in sorted(bundle.manifest.files.items())]
+        files = [pool.submit(_check_file, bundle.root, name, sha) for name, sha in sorted(bundle.manifest.files.items())]
 
         def check_identity(wait: bool) -> None:  # a wrong source stops verify as soon as its hash is known
             if src is not None and (wait or all(f.done() for f in hashing.values())):
@@ -491,7 +498,7 @@ def verify_output(
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
     bundles = [open_bundle(r) for r in ranks]
     sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
-    src = None if no_source else source if isinstance(source, SourceModel) else resolve_source(bundles[0], source)
+    src = _given_source(bundles[0], source, no_source)
     reports = [verify_bundle(b, source=src, no_source=src is None, device=device, seed=seed + i, numerics=numerics,
                              progress=progress)
                for i, b in enumerate(bundles)]
@@ -522,14 +529,13 @@ def _check_served_root(root: Path, rank0: Bundle) -> list[TensorCheck]:
     rank 0's, byte for byte, as its manifest hashes them."""
     checks = []
     for path in sorted(p for p in root.iterdir() if p.is_file()):
-        check = TensorCheck(path.name)
         recorded = rank0.manifest.files.get(path.name)
-        if recorded is None:
-            check.fail(f"{path.name}: not a file of rank 0's bundle (a --tp output's top holds rank 0's config and "
-                       f"side files only)")
-        elif file_sha256(path) != recorded:
-            check.fail(f"{path.name}: differs from rank 0's (sha256 mismatch with its manifest)")
-        checks.append(check)
+        if recorded is not None:
+            checks.append(_check_file(root, path.name, recorded))
+        else:
+            checks.append(TensorCheck(path.name, "fail", [f"{path.name}: not a file of rank 0's bundle (a --tp "
+                                                          f"output's top holds rank 0's config and side files only)"],
+                                      ["integrity"]))
     if not (root / "config.json").is_file():
         missing = f"{root}: no config.json at the top, so 'vllm serve {root}' cannot start; re-convert it"
         checks.append(TensorCheck("config.json", "fail", [missing], ["integrity"]))
