@@ -155,15 +155,19 @@ def big(tmp_path_factory):
     convert(other, "sm120", base / "ref-old")
     oracle.add_reference(base / "ref-old", "old")
     ctx = _forkserver()
-    # Measure an uninterrupted convert the way the kills will see it: from the staging folder to the exit.
-    out = base / "timing" / "out"
-    out.parent.mkdir()
-    process = run_forked(ctx, ["convert", source, "-t", "sm120", "-o", out])
-    began = wait_for_staging(out, process)
-    process.join(60)
-    duration = time.monotonic() - began
-    assert process.exitcode == 0 and tree_digest(out) == tree_digest(base / "ref-new")
-    return {"base": base, "source": source, "oracle": oracle, "ctx": ctx, "duration": duration}
+    # Measure an uninterrupted convert the way the kills will see it: from the staging folder to the exit. The
+    # fastest of two: the first forked convert can take twice as long as the later ones (warm caches), and kills
+    # timed by it would all land after the convert ended.
+    durations = []
+    for attempt in range(2):
+        out = base / f"timing-{attempt}" / "out"
+        out.parent.mkdir()
+        process = run_forked(ctx, ["convert", source, "-t", "sm120", "-o", out])
+        began = wait_for_staging(out, process)
+        process.join(60)
+        durations.append(time.monotonic() - began)
+        assert process.exitcode == 0 and tree_digest(out) == tree_digest(base / "ref-new")
+    return {"base": base, "source": source, "oracle": oracle, "ctx": ctx, "duration": min(durations)}
 
 
 def kill_delays(duration: float, seed: int, count: int) -> list[float]:
