@@ -1,16 +1,18 @@
 """read -> plan -> transform -> write: a source checkpoint becomes runtime-layout bundles, in one pass.
 
 The pass reads each source unit (a quantized layer, or a passthrough tensor in bounded chunks) once and
-hands it to every output bundle; each output transforms it for its own plan on a thread of its own and queues
-the bytes on its writer thread (its *lane*). Reading runs on the calling thread, transforms, hashing and
-writing on the outputs' threads and the source files' threads: hashlib, file I/O and large torch ops release the GIL, so this
-uses every core. The source files' sha256 comes from the same reads (``formats.hashing``): one read of the
+hands it to every output bundle; each output transforms it for its own plan on a pool of threads shared by all
+outputs (one per core: a layer's transform is single-threaded torch, so two layers transform at once on two
+cores) and queues the bytes, in order, on its writer thread (its *lane*). Reading runs on the calling thread,
+hashing and writing on the outputs' threads and the source files' threads: hashlib, file I/O and large torch ops
+release the GIL, so this uses every core. The source files' sha256 comes from the same reads (``formats.hashing``): one read of the
 source. Each output is all-or-nothing on its own (see ``bundle.writer``); a resume keeps the
 shards a journal in the staging folder records (see ``bundle.resume``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,7 +98,8 @@ class _Writing:
     output: OutputBundle
     staging: Path
     journal: Journal
-    transformer: Lane = field(default_factory=Lane)  # to_runtime, then queue the writes on ``lane``
+    transforms: ThreadPoolExecutor  # to_runtime, shared by every output of the pass (layers transform in parallel)
+    transformer: Lane = field(default_factory=Lane)  # in order: a layer's transform's result, queued on ``lane``
     lane: Lane = field(default_factory=Lane)  # hashing and writing
     writers: dict[str, ShardWriter] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)
@@ -120,17 +123,20 @@ class _Writing:
         return any(self.output.plan.file_of[t.name] in self.remaining for t in self.output.plan.units[unit])
 
     def take_layer(self, layer: OutputLayer, weight: NVFP4Weight) -> None:
-        """Queue ``weight`` for this bundle's transform thread (each output transforms on a thread of its own)."""
+        """Start ``weight``'s transform on the shared pool and queue its writes behind what this bundle queued
+        before: the next layer's transform runs while this one's waits for the lane, so at most one layer more
+        than ``transformer``'s bound is in flight."""
         nbytes = weight.codes.nbytes + weight.block_scales.nbytes
-        self.transformer.submit(nbytes, self._transform, layer, weight)
+        transformed = self.transforms.submit(self.output.plan.target.to_runtime, weight)
+        self.transformer.submit(nbytes, self._queue_layer, layer, transformed)
 
     def take_chunk(self, tensor: PlannedTensor, chunk: bytes | memoryview, last: bool) -> None:
         """Queue passthrough bytes, behind the layers already queued (the shards' order)."""
         if self.output.plan.file_of[tensor.name] in self.remaining:
             self.transformer.submit(len(chunk), self._queue_write, tensor, chunk, last)
 
-    def _transform(self, layer: OutputLayer, weight: NVFP4Weight) -> None:
-        runtime = self.output.plan.target.to_runtime(weight)
+    def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
+        runtime = transformed.result()
         self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
         values = runtime.tensors()
         for tensor in self.output.plan.units[layer.prefix]:
@@ -335,6 +341,8 @@ def convert_bundles(
     with ExitStack() as stack:
         reader = HashingReader(source.checkpoint)
         stack.callback(reader.close)
+        transforms = ThreadPoolExecutor(min(os.cpu_count() or 1, 2 * len(outputs)))  # each output has <= 2 in flight
+        stack.callback(transforms.shutdown, wait=True, cancel_futures=True)
         writings: list[_Writing] = []
         try:
             for out in destinations:
@@ -348,7 +356,8 @@ def convert_bundles(
                 for output in group:
                     staging = root / output.folder
                     staging.mkdir(exist_ok=True)
-                    writings.append(_Writing(output, staging, reuse or Journal.start(staging, output.plan, identity)))
+                    journal = reuse or Journal.start(staging, output.plan, identity)
+                    writings.append(_Writing(output, staging, journal, transforms))
                     stack.callback(writings[-1].close)
             with one_torch_thread():
                 _pass(source, reader, writings, report)

@@ -24,7 +24,8 @@ weight or scale, or a misplaced tile, gives errors of order 1.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,8 @@ from .targets import RuntimeLayer
 from .targets.layout import is_aligned
 
 NUMERIC_TOLERANCE = 1e-2
+LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
+# the second core is otherwise idle once the file hashes end; two bound memory (a layer's numerics decode it whole)
 BATCH_SIZES = (1, 7, 32)
 REFERENCE_ROWS = 512
 
@@ -362,6 +365,19 @@ def _check_passthrough(bundle: Bundle, name: str, src: SourceModel | None) -> Te
     return check
 
 
+def layer_seed(seed: int, index: int) -> int:
+    """The seed of layer ``index``'s activations: its own generator, so that a run's draws do not depend on which
+    layer a thread checked first (``seed`` reproduces a run)."""
+    return (seed * 1_000_003 + index) % 2**63
+
+
+def _collect(checking: deque[tuple[str, Future]], tick: Callable[[str], None]) -> TensorCheck:
+    prefix, future = checking.popleft()
+    check = future.result()
+    tick(prefix)
+    return check
+
+
 def verify_bundle(
     path: str | Path | Bundle,
     *,
@@ -388,7 +404,9 @@ def verify_bundle(
     sampled = numerics == "sample" or (numerics == "auto" and loaded.backend == "reference")
     chosen = numerics_sample(bundle.manifest.layers, gen) if sampled else set(bundle.manifest.layers)
     tick = progress or (lambda name: None)
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, one_torch_thread():
+    in_flight = LAYERS_IN_FLIGHT if loaded.device.type == "cpu" else 1  # one GPU stream: no gain from threads
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, ThreadPoolExecutor(in_flight) as layers_pool, \
+            one_torch_thread():
         source_files = src.checkpoint.shard_files if src is not None else []
         hashing = {name: pool.submit(file_sha256, src.checkpoint.contained(name)) for name in source_files}
         files = [pool.submit(_check_file, bundle.root, name, sha) for name, sha in sorted(bundle.manifest.files.items())]
@@ -399,11 +417,17 @@ def verify_bundle(
 
         transform_checks, matrices = _check_transforms(bundle, src)
         bad = {c.name for c in transform_checks if c.status == "fail"}
+        checking: deque[tuple[str, Future]] = deque()
         layers, passthrough = [], []
-        for prefix in bundle.manifest.layers:
+        for index, prefix in enumerate(bundle.manifest.layers):  # layers checked in parallel, reported in order
             check_identity(wait=False)
-            layers.append(_check_layer(bundle, loaded, prefix, src, prefix in chosen, gen, matrices, bad))
-            tick(prefix)
+            while len(checking) >= in_flight:
+                layers.append(_collect(checking, tick))
+            layer_gen = torch.Generator().manual_seed(layer_seed(seed, index))
+            checking.append((prefix, layers_pool.submit(_check_layer, bundle, loaded, prefix, src, prefix in chosen,
+                                                        layer_gen, matrices, bad)))
+        while checking:
+            layers.append(_collect(checking, tick))
         for name in bundle.manifest.passthrough:
             passthrough.append(_check_passthrough(bundle, name, src))
             tick(name)

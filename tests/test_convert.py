@@ -209,6 +209,46 @@ def test_each_layer_is_converted_once_and_kept_in_one_shard(make_model, tmp_path
     check_bundle_against_source(model.path, tmp_path / "bundle", target)
 
 
+def test_layers_that_finish_transforming_out_of_order_are_written_in_order(make_model, tmp_path, monkeypatch):
+    """Layers transform in parallel (a pool shared by the pass's outputs): the first layer is held back until a
+    later one has finished, and every bundle is still byte for byte the one of an unhindered run."""
+    import dataclasses
+    import os
+    import threading
+
+    import repack.convert
+
+    model = make_model("compressed-tensors", shapes=[(128, 512), (256, 256), (128, 768)], shards=2)
+    convert(model.path, ["sm100", "sm90"], tmp_path / "plain")
+    finished, later_done = [], threading.Event()
+
+    def held_back(real):
+        def to_runtime(weight):
+            if weight.n == 128 and weight.k == 512:  # the first layer: wait (boundedly) for a later one
+                later_done.wait(timeout=10)
+            result = real(weight)
+            finished.append((weight.n, weight.k))
+            if (weight.n, weight.k) != (128, 512):
+                later_done.set()
+            return result
+        return to_runtime
+
+    resolve = repack.convert.resolve_target
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # a worker for each output's held-back layer, and more
+    monkeypatch.setattr(repack.convert, "resolve_target",
+                        lambda name: dataclasses.replace(resolve(name), to_runtime=held_back(resolve(name).to_runtime)))
+    convert(model.path, ["sm100", "sm90"], tmp_path / "held")
+    assert finished.index((128, 512)) > 0, f"the first layer finished first: {finished}"
+    for target in ("sm100", "sm90"):
+        names = sorted(f.name for f in (tmp_path / "plain" / target).iterdir())
+        assert names == sorted(f.name for f in (tmp_path / "held" / target).iterdir())
+        for name in names:
+            if name != "manifest.json":  # it records the source path, the same here, and nothing else varies
+                assert (tmp_path / "plain" / target / name).read_bytes() == \
+                       (tmp_path / "held" / target / name).read_bytes(), name
+        check_bundle_against_source(model.path, tmp_path / "held" / target, resolve(target))
+
+
 def test_a_manifest_in_the_source_folder_is_not_copied(make_model, tmp_path):
     model = make_model()
     (model.path / "manifest.json").write_text('{"unrelated": true}')
