@@ -24,6 +24,7 @@ weight or scale, or a misplaced tile, gives errors of order 1.
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -49,7 +50,8 @@ from .targets.layout import is_aligned
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
-# the second core is otherwise idle once the file hashes end; two bound memory (a layer's numerics decode it whole)
+# the second core is otherwise idle once the file hashes end
+_ONE_NUMERICS_CHECK = threading.Lock()  # numerics decode a layer whole (hundreds of MB for a large one): one at a time
 BATCH_SIZES = (1, 7, 32)
 REFERENCE_ROWS = 512
 
@@ -349,8 +351,9 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
     if any(m is None for m in transforms.values()):
         check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
     elif numerics:
-        _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
-                        loaded.backend == "reference", transforms)
+        with _ONE_NUMERICS_CHECK:
+            _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
+                            loaded.backend == "reference", transforms)
     return check
 
 

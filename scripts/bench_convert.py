@@ -63,12 +63,12 @@ print(json.dumps({"seconds": time.perf_counter() - t, "baseline_kb": base, "peak
 def measure_child(child: str, *args: str) -> dict:
     """Run the Python source ``child`` with ``args`` in a fresh process; its last line of output, as JSON.
 
-    glibc's malloc keeps freed medium-sized blocks (its mmap threshold grows up to 32 MB after each free),
-    so RSS would count memory the child no longer holds; a fixed 1 MB threshold returns every
-    tensor-sized block to the OS when freed, making peak RSS the peak of live data.
+    The child runs with glibc's malloc as a user gets it: its peak RSS includes the freed blocks malloc keeps
+    for reuse (what the machine sees). Forcing ``MALLOC_MMAP_THRESHOLD_=1MB``, as an earlier version of this
+    script did to count live data only, made every tensor a fresh mapping whose page faults cost 20-30% of a
+    convert's time (docs/benchmarks.md).
     """
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    done = subprocess.run([sys.executable, "-c", child, *args], check=True, env=env,
+    done = subprocess.run([sys.executable, "-c", child, *args], check=True,
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(done.stdout.strip().splitlines()[-1])
 

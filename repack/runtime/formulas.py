@@ -58,7 +58,7 @@ def nibble_values(weight: torch.Tensor) -> torch.Tensor:
     e2m1 = e2m1_to_float(torch.arange(16, device=weight.device), torch.bfloat16)
     byte = torch.arange(256, device=weight.device)
     pair_of_byte = torch.stack((e2m1[byte % 16], e2m1[byte // 16]), dim=-1)  # [256, 2]
-    return pair_of_byte[_bytes(weight).long()].reshape(-1)
+    return pair_of_byte.index_select(0, _bytes(weight).to(torch.int32)).reshape(-1)  # int32: half int64's memory
 
 
 def e4m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
