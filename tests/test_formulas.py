@@ -68,7 +68,7 @@ def test_formula_covers_every_position_once_and_padding_is_zero(target, n, k):
     scale_rows = torch.arange(runtime.weight_scale.numel() // (geometry.k_padded // BLOCK_SIZE))
     scales = formula.scale_offsets(scale_rows, torch.arange(geometry.k_padded // BLOCK_SIZE), n, k)
     assert torch.equal(scales.reshape(-1).sort().values, torch.arange(nbytes(runtime.weight_scale)))
-    full = formula.code_values(runtime.weight)[codes]
+    full = formula.code_values(runtime.weight, codes)
     assert not full[n:].any() and not full[:, k:].any(), "padded codes must decode to zero"
     padded_scales = formula.scales(runtime.weight_scale, scales)
     assert not padded_scales[n:].any() and not padded_scales[:, k // BLOCK_SIZE :].any(), "padded scales must be 0"

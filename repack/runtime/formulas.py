@@ -8,13 +8,14 @@ docstrings, docs/NVFP4_REFERENCE.md), where its bits live in the runtime buffers
 the values arithmetically. The reference backend, and so ``verify``'s numerics on CPU, decode with them.
 
 Every formula is a sum of a row term and a column term, so offsets are two small vectors broadcast
-together, and layers are decoded in row blocks to bound the int64 temporaries.
+together, and layers are decoded in row blocks (:func:`decode_blocks`): memory is one block's temporaries
+whatever the layer's size (the reference backend multiplies block by block).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -27,7 +28,6 @@ ROW_BLOCK_ELEMENTS = 1 << 20  # elements gathered at a time: 8 MiB of int64 offs
 WORD_BLOCK = 1 << 18  # sm90 words decoded at a time: 8 MiB of int64 bf16x2 pairs
 
 Offsets = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
-Values = Callable[[torch.Tensor], torch.Tensor]
 Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -38,13 +38,13 @@ class LayoutFormula:
     Attributes:
         code_offsets: ``(rows [R], cols [C], n, k)`` -> ``[R, C]`` code positions: nibble index
             ``2 * byte + half`` (half 1 = high nibble) for byte layouts, ``8 * word + element`` for sm90.
-        code_values: weight buffer -> the E2M1 value at every position, in position order (bf16, exact).
+        code_values: ``(weight buffer, positions)`` -> the E2M1 value at each position (bf16, exact).
         scale_offsets: ``(rows [R], blocks [B], n, k)`` -> ``[R, B]`` byte index into the scale buffer.
         scales: ``(scale buffer, byte indices)`` -> block scales as float64.
     """
 
     code_offsets: Offsets
-    code_values: Values
+    code_values: Decode
     scale_offsets: Offsets
     scales: Decode
 
@@ -53,12 +53,11 @@ def _bytes(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.contiguous().reshape(-1).view(torch.uint8)
 
 
-def nibble_values(weight: torch.Tensor) -> torch.Tensor:
+def nibble_values(weight: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Position ``2 * byte + half`` of a byte buffer: E2M1 of the low nibble for half 0, of the high for half 1."""
     e2m1 = e2m1_to_float(torch.arange(16, device=weight.device), torch.bfloat16)
-    byte = torch.arange(256, device=weight.device)
-    pair_of_byte = torch.stack((e2m1[byte % 16], e2m1[byte // 16]), dim=-1)  # [256, 2]
-    return pair_of_byte.index_select(0, _bytes(weight).to(torch.int32)).reshape(-1)  # int32: half int64's memory
+    byte = _bytes(weight)[positions >> 1].to(torch.int64)
+    return e2m1[(byte >> ((positions & 1) * 4)) & 0xF]
 
 
 def e4m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -75,17 +74,19 @@ def s0e5m3_scales(scales: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return torch.where(exponent == 0, mantissa * 2.0**-17, normal)
 
 
-def sm90_values(words: torch.Tensor) -> torch.Tensor:
+def sm90_values(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Position ``8 * word + element`` of the int32 words, decoded with the kernel's rotate-and-mask arithmetic
-    (``decode_pairs``: pair i = elements 2i, 2i+1 as bf16 bits of ``e2m1 * 2**-126``), not the packer's tables."""
+    (``decode_pairs``: pair i = elements 2i, 2i+1 as bf16 bits of ``e2m1 * 2**-126``), not the packer's tables.
+    Each word in the positions' span is decoded once (a row block's positions fill a run of whole stripes)."""
     flat = words.contiguous().reshape(-1)
-    out = torch.empty(8 * flat.numel(), dtype=torch.bfloat16, device=flat.device)
-    for first in range(0, flat.numel(), WORD_BLOCK):
-        pairs = decode_pairs(flat[first : first + WORD_BLOCK])  # [w, 4] int64
+    first, last = int(positions.min()) >> 3, (int(positions.max()) >> 3) + 1
+    span = torch.empty(8 * (last - first), dtype=torch.bfloat16, device=flat.device)
+    for start in range(first, last, WORD_BLOCK):
+        pairs = decode_pairs(flat[start : min(last, start + WORD_BLOCK)])  # [w, 4] int64
         halves = torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).reshape(-1)  # element 2i + half
         raw = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
-        out[8 * first : 8 * first + halves.numel()] = (raw * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
-    return out
+        span[8 * (start - first) : 8 * (start - first) + halves.numel()] = (raw * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
+    return span[positions - 8 * first]
 
 
 def sm100_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -149,24 +150,31 @@ def formula_for(target: str) -> LayoutFormula:
     return FORMULAS[resolve_target(target).name]
 
 
+def decode_blocks(layer: RuntimeLayer, n: int, k: int, target: str,
+                  dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, weights [rows, k])`` blocks of :func:`decode`, in row order, about ``ROW_BLOCK_ELEMENTS``
+    each (a multiple of 16 rows)."""
+    formula = formula_for(target)
+    device = layer.weight.device
+    compute = torch.float32 if dtype == torch.float32 else torch.float64
+    cols, blocks = torch.arange(k, device=device), torch.arange(k // BLOCK_SIZE, device=device)
+    multiplier = layer.weight_global_scale.to(compute).reshape(())
+    step = max(16, ROW_BLOCK_ELEMENTS // k // 16 * 16)
+    for first in range(0, n, step):
+        rows = torch.arange(first, min(n, first + step), device=device)
+        codes = formula.code_values(layer.weight, formula.code_offsets(rows, cols, n, k)).to(compute)
+        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k)).to(compute)
+        block = codes.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * scales.unsqueeze(-1)  # exact
+        yield first, (block.view(len(rows), k) * multiplier).to(dtype)  # the one rounding
+
+
 def decode(layer: RuntimeLayer, n: int, k: int, target: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense ``[n, k]`` weights ``e2m1 * block_scale * multiplier`` gathered from ``layer`` by ``target``'s formula.
 
     One rounding to ``dtype``: the product of a code (2 significant bits) and a scale (4) is exact even in
     float32, so float32 output is computed in float32 (half the memory traffic of float64) with one rounding,
     at the multiplier, as the exact float64 product rounded to float32 would be."""
-    formula = formula_for(target)
-    device = layer.weight.device
-    compute = torch.float32 if dtype == torch.float32 else torch.float64
-    cols, blocks = torch.arange(k, device=device), torch.arange(k // BLOCK_SIZE, device=device)
-    values = formula.code_values(layer.weight)
-    multiplier = layer.weight_global_scale.to(compute).reshape(())
-    out = torch.empty((n, k), dtype=dtype, device=device)
-    step = max(1, ROW_BLOCK_ELEMENTS // k)
-    for first in range(0, n, step):
-        rows = torch.arange(first, min(n, first + step), device=device)
-        codes = values[formula.code_offsets(rows, cols, n, k)].to(compute)
-        scales = formula.scales(layer.weight_scale, formula.scale_offsets(rows, blocks, n, k)).to(compute)
-        block = codes.view(len(rows), k // BLOCK_SIZE, BLOCK_SIZE) * scales.unsqueeze(-1)  # exact
-        out[first : first + len(rows)] = block.view(len(rows), k) * multiplier  # the one rounding
+    out = torch.empty((n, k), dtype=dtype, device=layer.weight.device)
+    for first, block in decode_blocks(layer, n, k, target, dtype):
+        out[first : first + len(block)] = block
     return out

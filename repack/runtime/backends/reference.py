@@ -10,9 +10,15 @@ from __future__ import annotations
 import torch
 
 from ...targets import RuntimeLayer
-from ..formulas import decode
+from ..formulas import decode_blocks
 
 
 def linear(x, weight, weight_scale, weight_global_scale, n: int, k: int, target: str) -> torch.Tensor:
+    """``x @ W.T`` in float32, ``W`` decoded a row block at a time: memory is one block, not the layer in float32
+    (4 bytes a weight: gigabytes for the largest layers)."""
     layer = RuntimeLayer(weight, weight_scale, weight_global_scale, weights_padding_cols=0)
-    return (x.to(torch.float32) @ decode(layer, n, k, target).t()).to(x.dtype)
+    x32 = x.to(torch.float32)
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32, device=x.device)
+    for first, block in decode_blocks(layer, n, k, target):
+        out[..., first : first + len(block)] = x32 @ block.t()
+    return out.to(x.dtype)
