@@ -1,7 +1,7 @@
 """Time convert and verify against a plain copy of the same checkpoint, and report each one's peak RSS.
 
     python scripts/bench_convert.py --gb 1.0
-    python scripts/bench_convert.py --gb 1.0 --jobs sm100 sm120 sm100+sm120+sm90 verify:sm100
+    python scripts/bench_convert.py --gb 1.0 --jobs sm100 sm120+sm90 verify:sm90
 
 Each job runs in a fresh subprocess so its peak RSS is its own; `cp -r` of the checkpoint is timed in the same
 run (page cache warm for both: the checkpoint was just written, and each job reads it once before timing is
@@ -124,7 +124,8 @@ def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm100+sm120+sm90", "verify:sm100"])
+    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm90", "sm100+sm120+sm90", "verify:sm100",
+                                                      "verify:sm120", "verify:sm90"])
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
