@@ -158,14 +158,15 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
     codes = torch.empty(stripes * STRIPE, kp2 // 8, dtype=torch.uint16, device=words.device)  # [Np, Kp/4]
     word, index, pairs = (torch.empty(min(stripes, per_block) * kp2, dtype=torch.int32, device=words.device)
                           for _ in range(3))
+    tables = CODE_TABLES.to(words.device)  # any device, as the other inverses
     for first in range(0, stripes, per_block):
         block = words[first : first + per_block]
         count = block.numel()
         word[:count].view(-1, 8, chunks, 16).copy_(block.view(-1, chunks, 8, 16).permute(0, 2, 1, 3))  # s, g, c, tj
         torch.bitwise_and(word[:count], 0xFFFF, out=index[:count])
-        torch.index_select(CODE_TABLES[0], 0, index[:count], out=pairs[:count])
+        torch.index_select(tables[0], 0, index[:count], out=pairs[:count])
         torch.bitwise_right_shift(word[:count], 16, out=index[:count]).bitwise_and_(0xFFFF)
-        pairs[:count] |= torch.index_select(CODE_TABLES[1], 0, index[:count], out=word[:count])
+        pairs[:count] |= torch.index_select(tables[1], 0, index[:count], out=word[:count])
         halves = pairs[:count].view(torch.uint16).view(-1, 8, chunks, 16, 2)  # s, g, c, tj, h
         target = codes[first * STRIPE : (first + block.shape[0]) * STRIPE].view(-1, 2, 8, chunks, 16)
         target.copy_(halves.permute(0, 4, 1, 2, 3))
