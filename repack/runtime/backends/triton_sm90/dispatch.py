@@ -75,18 +75,18 @@ def check_input(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
 
 
-WALSH_SMEM_BYTES = 64 * 1024  # the largest in-kernel Walsh prologue the dispatch takes (M x Kp x 2 bytes, rounded)
+WALSH_SMEM_BYTES = 64 * 1024  # the largest in-kernel Walsh transform the dispatch takes (to K = 32768 at M = 1)
 
 
 def walsh_in_kernel(walsh: WalshFactors | None, config: GemvConfig | TcConfig, m: int, n: int, k: int,
                     sm_count: int) -> bool:  # fmt: skip
     """Whether a Walsh-Hadamard input transform runs inside the decode kernel (``gemv_linear``'s ``walsh``: each
-    program transforms x into shared memory first) rather than in the pre-pass before it. Measured on the H200 at
-    M = 1 (docs/benchmarks.md, "Online transforms"): in the kernel the transform costs 0-13% of the GEMM against
-    12-24% for the pre-pass, except blocks of 128 on layers of more than two waves of programs (14336 x 4096:
-    16.5% against 11.7%: every one of the 896 programs transforms the whole x). Up to 8 rows (one n-tile) and
-    ``WALSH_SMEM_BYTES`` of shared memory (M <= 2 at K = 14336); beyond, the pre-pass."""
-    if walsh is None or not isinstance(config, GemvConfig) or m > 8:
+    program transforms x into shared memory first) rather than in the pre-pass before it. Measured on the H200
+    (docs/benchmarks.md, "Online transforms"): at M = 1 the transform costs 0-12% of the GEMM in the kernel against
+    6-25% for the pre-pass, except blocks of 128 on layers of more than two waves of programs (14336 x 4096: 14.9%
+    against 11.5%, each of the 896 programs transforming the whole x); at M = 8 it costs 36-277% in the kernel
+    (every program transforms 8 rows) against 11-28%: M = 1 only."""
+    if walsh is None or not isinstance(config, GemvConfig) or m != 1:
         return False
     if walsh.block == 128 and layout.padded_shape(n, k)[0] // layout.STRIPE > 2 * sm_count:
         return False
