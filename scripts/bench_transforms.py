@@ -1,25 +1,30 @@
 """Time an online block transform ``x @ blockdiag(T)`` against the sm90 GEMM it precedes (Hopper GPU).
 
-Llama-3.1-8B layers (N x K): q_proj / o_proj 4096 x 4096 and down_proj 4096 x 14336; M = 1, 16, 128; blocks of
-16, 32, 64 and 128 (QuIP's ``transform_block_size``) and, for down_proj, the whole K (SpinQuant's R4 without a block
-size: a dense 14336 x 14336 matrix, never fused). Formulations, each checked against float64 first:
+Llama-3.1-8B layers (N x K): q_proj / o_proj 4096 x 4096, down_proj 4096 x 14336 and gate/up 14336 x 4096; M = 1,
+8, 16, 128; blocks of 16, 32, 64 and 128 (QuIP's ``transform_block_size``) and, for down_proj, the whole K (SpinQuant's
+R4 without a block size: a dense 14336 x 14336 matrix, never fused). T is a ``random-hadamard``-type matrix,
+``diag(signs) @ H / sqrt(b)`` (Sylvester's H: what the in-kernel path takes, with its input signs, its costliest
+case). Formulations, each checked against float64 first:
 
-* ``fused``: what the runtime runs on sm90, ``linear(x, transform=T)``: the transform in the activation pre-pass
-  (the tensor-core kernel's k-slot pass; before the decode kernel, which launches with PDL and loads its first
-  weights while the pre-pass runs);
-* ``no-pdl`` (decode-kernel sizes only): the same pre-pass, the decode kernel in plain stream order: what the
-  overlap is worth;
+* ``pre-pass``: ``linear(x, transform=T)``: the transform in the activation pre-pass (the tensor-core kernel's
+  k-slot pass; before the decode kernel, which launches with PDL and loads its first weights while the pre-pass
+  runs): what the runtime runs for a general T;
+* ``in-kernel`` (M <= 8 where its shared memory fits): ``gemv_linear(x, walsh=walsh_factors(T))``: the decode
+  kernel alone, each program Walsh-transforming x once into shared memory before its loop;
+* ``dispatch``: ``linear(x, transform=T, walsh=walsh_factors(T))``, what the runtime runs for Hadamard-type T:
+  ``in-kernel`` where ``walsh_in_kernel`` says so, else ``pre-pass``;
+* ``no-pdl`` (decode-kernel sizes only): the pre-pass, the decode kernel in plain stream order;
 * ``matmul``: the separate ``block_transform`` (reshape, one batched matmul: cuBLAS), then the GEMM;
 * ``bcast-sum``: the same product as a broadcast multiply and a sum over the block, ``torch.compile``-d into one
   Triton kernel (any matrix);
-* ``fwht``: a fast Walsh-Hadamard transform (log2(b) butterfly stages, compiled into one kernel); it only computes
-  Sylvester's Hadamard matrix (llm-compressor's ``hadamard`` type), not ``random-hadamard``'s.
+* ``fwht``: a fast Walsh-Hadamard transform (log2(b) butterfly stages, compiled into one kernel; Sylvester's H
+  only, so checked against it, not T).
 
 Times are CUDA-graph replays (bench_sm90's ``time_calls``: launch overhead excluded, as in a server's decode
 graph), the GEMM alone and every formulation timed in turn, best of three (``best_of_interleaved``); ``gemm+T`` is
 the transform and the GEMM in one graph, ``share`` = (gemm+T - gemm) / gemm.
 
-    PYTHONPATH=. python3 scripts/bench_transforms.py [--json out.json] [--formulations fused,matmul]
+    PYTHONPATH=. python3 scripts/bench_transforms.py [--json out.json] [--formulations pre-pass,in-kernel]
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ import math
 import torch
 
 from repack.runtime.backends import triton_sm90 as backend
-from repack.runtime.transforms import block_transform
+from repack.runtime.transforms import block_transform, sylvester, walsh_factors
 from scripts.bench_sm90 import best_of_interleaved, make_layer, write_json
 
-SHAPES = [(4096, 4096), (4096, 14336)]
-MS = [1, 16, 128]
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+MS = [1, 8, 16, 128]
 BLOCKS = [16, 32, 64, 128]
 REL_TOL = 1e-2
 
@@ -56,13 +61,6 @@ def fwht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     return (y.flatten(-2) / math.sqrt(b)).to(x.dtype)
 
 
-def sylvester(b: int, device: str) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64, device=device)
-    while h.shape[0] < b:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h
-
-
 def checked(name: str, y: torch.Tensor, x: torch.Tensor, exact: torch.Tensor, w64: torch.Tensor) -> None:
     """A formulation's output ``(x @ blockdiag(T)) @ W^T`` (weight copy 0) against float64, before it is timed."""
     ref = (x.double().unflatten(-1, (-1, exact.shape[0])) @ exact).flatten(-2) @ w64.T
@@ -74,13 +72,21 @@ def checked(name: str, y: torch.Tensor, x: torch.Tensor, exact: torch.Tensor, w6
 def formulation_calls(name: str, fn, layer, x: torch.Tensor, matrix: torch.Tensor, m: int):
     """One graph's calls for ``name`` (one per weight copy, cycled against L2), or None where it does not apply."""
     n, k = layer.n, layer.k
-    decode = backend.uses_decode_kernel(m, n, torch.cuda.get_device_properties(0).multi_processor_count)
-    if name == "fused":
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    decode = backend.uses_decode_kernel(m, n, sms)
+    if name == "pre-pass":
         return [lambda t=t: backend.linear(x, **t, n=n, k=k, transform=matrix) for t in layer.copies]
-    if name == "no-pdl":
-        if not decode:
+    if not decode and name in ("in-kernel", "no-pdl"):
+        return None
+    config = backend.gemv_config_for(m, n, k, sms)
+    walsh = walsh_factors(matrix)
+    if name == "in-kernel":
+        if m > 8 or backend.walsh_smem_bytes(m, k, config) > backend.MAX_SMEM:
             return None
-        config = backend.gemv_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        return [lambda t=t: backend.gemv_linear(x, **t, n=n, k=k, config=config, walsh=walsh) for t in layer.copies]
+    if name == "dispatch":
+        return [lambda t=t: backend.linear(x, **t, n=n, k=k, transform=matrix, walsh=walsh) for t in layer.copies]
+    if name == "no-pdl":
         return [lambda t=t: backend.gemv_linear(backend.transformed_activations(x, matrix), **t, n=n, k=k,
                                                 config=config) for t in layer.copies]  # fmt: skip
     return [lambda t=t: backend.linear(fn(x, matrix), **t, n=n, k=k) for t in layer.copies]
@@ -89,13 +95,13 @@ def formulation_calls(name: str, fn, layer, x: torch.Tensor, matrix: torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
-    parser.add_argument("--formulations", default="fused,no-pdl,matmul", help="comma-separated subset")
+    parser.add_argument("--formulations", default="pre-pass,in-kernel", help="comma-separated subset")
     parser.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    fused = ("fused", "no-pdl")
+    fused = ("pre-pass", "in-kernel", "dispatch", "no-pdl")
     candidates = {"matmul": lambda: block_transform, "bcast-sum": lambda: torch.compile(bcast_sum, dynamic=True),
                   "fwht": lambda: torch.compile(fwht, dynamic=True), **{name: lambda: None for name in fused}}
     formulations = {name: candidates[name]() for name in args.formulations.split(",")}
@@ -105,12 +111,13 @@ def main() -> None:
     for n, k in (tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")):
         layer = make_layer(n, k, l2, seed=n + k)
         w64 = backend.dequantize(**layer.copies[0], n=n, k=k).double()
-        blocks = BLOCKS + ([k] if k == 14336 else [])
+        blocks = BLOCKS + ([k] if k == 14336 and "matmul" in formulations else [])
         for m in MS:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             gemm = [lambda t=t: backend.linear(x, **t, n=n, k=k) for t in layer.copies]
             for b in blocks:
-                exact = sylvester(b, "cuda") / math.sqrt(b) if b <= 128 else None
+                signs = torch.randint(0, 2, (b, 1), generator=torch.Generator().manual_seed(b)).double() * 2 - 1
+                exact = (signs * sylvester(b) / math.sqrt(b)).cuda() if b <= 128 else None
                 matrix = (exact if exact is not None else torch.randn(b, b, device="cuda") / math.sqrt(b)).to(
                     torch.bfloat16)
                 names, calls = [], []
@@ -120,8 +127,8 @@ def main() -> None:
                     chosen = formulation_calls(name, fn, layer, x, matrix, m)
                     if chosen is None:
                         continue
-                    if exact is not None:
-                        checked(name, chosen[0](), x, exact, w64)
+                    if exact is not None:  # fwht computes Sylvester's H alone
+                        checked(name, chosen[0](), x, exact if name != "fwht" else exact / signs.cuda(), w64)
                     names.append(name)
                     calls.append(chosen)
                 t_gemm, *t_both = best_of_interleaved([gemm, *calls])

@@ -65,9 +65,10 @@ def test_transformed_layer_compiles_and_captures(tmp_path):
     layer = load_bundle(out, "cuda").layer("model.layers.1.self_attn.o_proj")
     assert layer.input_transform is not None and layer.output_transform is not None
     assert (layer.fused_input_transform is not None) == (layer.backend == "triton")
+    assert bool(layer.input_walsh_key) == (layer.backend == "triton")  # hadamard: the decode kernel applies it itself
     block = nn.Sequential(layer, nn.ReLU()).cuda()
     compiled = torch.compile(block, fullgraph=True)
-    for m in (1, 16, 40):  # the decode kernel after the pre-pass (PDL), then the tensor-core kernel
+    for m in (1, 16, 40):  # the decode kernel (the transform inside it), then the tensor-core kernel
         x = torch.randn(m, layer.k, dtype=torch.bfloat16, device="cuda")
         assert torch.equal(compiled(x), block(x))
         assert_graph_replays(compiled, x)

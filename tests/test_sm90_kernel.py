@@ -7,6 +7,7 @@ import torch
 
 from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.sample.synthetic import random_nvfp4
+from repack.runtime.transforms import sylvester, walsh_factors
 from repack.targets import RuntimeLayer, sm90
 
 pytestmark = [
@@ -160,26 +161,33 @@ def test_dequantize_matches_reference() -> None:
     torch.testing.assert_close(w.double(), dequantize(weight).cuda(), rtol=2**-8, atol=0)
 
 
+def assert_graph_replays_eager(call, x: torch.Tensor) -> torch.Tensor:
+    """``call(x)`` captured in a CUDA graph (after a warm-up on a side stream) rewrites its eager result bit for bit
+    on every replay; returns that result."""
+    eager = call(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(x)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+    return eager
+
+
 @pytest.mark.parametrize("m", [1, 16, 64, 1024])
 def test_cuda_graph_replay_matches_eager(m: int) -> None:
     n, k = 4096, 4096
     tensors, _ = random_runtime(n, k, seed=m)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     b = backend()
-    eager = b.linear(x, **tensors, n=n, k=k)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        b.linear(x, **tensors, n=n, k=k)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = b.linear(x, **tensors, n=n, k=k)
-    for _ in range(3):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, eager)
+    assert_graph_replays_eager(lambda v: b.linear(v, **tensors, n=n, k=k), x)
 
 
 def assert_pdl_chain(layer, weights: list[NVFP4Weight], x: torch.Tensor, transform: torch.Tensor | None = None) -> None:
@@ -305,3 +313,73 @@ def test_rejects_a_transform_it_does_not_fuse() -> None:
                 torch.eye(32, device="cpu")):  # fmt: skip
         with pytest.raises(ValueError, match="transform"):
             backend().linear(x, **tensors, n=n, k=k, transform=bad)
+
+
+def walsh_matrix(block: int, kind: str, seed: int) -> torch.Tensor:
+    """A Hadamard-type T in bf16: Sylvester's H / sqrt(b) (``hadamard``), with random signs on its rows
+    (``random-hadamard``: diag(Q) H, compressed-tensors' construction) or on its columns (``inverse``: its T^T)."""
+    h = sylvester(block) / block**0.5
+    signs = torch.randint(0, 2, (block,), generator=torch.Generator().manual_seed(seed)).double() * 2 - 1
+    t = {"hadamard": h, "random-hadamard": signs[:, None] * h, "inverse": h * signs[None, :]}[kind]
+    return t.to(torch.bfloat16).cuda()
+
+
+# (block, K): K an odd multiple of the block, not of 256 (the layout pads K to 256, the kernel masks it)
+WALSH_SHAPES = [(16, 1040), (32, 1056), (64, 1088), (128, 1152), (128, 4224)]
+
+
+@pytest.mark.parametrize("block,k", WALSH_SHAPES)
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard", "inverse"])
+def test_walsh_in_the_decode_kernel_matches_float64(block: int, k: int, kind: str) -> None:
+    """``gemv_linear(x, walsh=walsh_factors(T))`` = ``(x @ blockdiag(T)) @ W^T`` in float64 for M = 1 .. 8 (its
+    limit: one n-tile) and an odd N, every output written (the last block of K ends inside a 64-column chunk for
+    blocks of 16 and 32: what lies past it must not leak in), with the 8- and the 4-warp split.
+    Tolerance: REL_TOL, as for the pre-pass; the kernel rounds x @ H to bf16 once (before the scale, which it
+    applies with the output's) where the pre-pass rounds x @ T, one bf16 rounding apart (2**-9 relative)."""
+    b = backend()
+    n = 1037
+    t = walsh_matrix(block, kind, seed=block)  # one kernel per block and kind: the shapes share it
+    walsh = walsh_factors(t)
+    assert walsh is not None and walsh.block == block
+    weight = random_weight(n, k, seed=block + k)
+    tensors, w64 = runtime_on_gpu(weight), dequantize(weight).cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m, config in [(m, b.gemv_config_for(m, n, k, sms)) for m in (1, 2, 5, 8)] + [(3, b.GemvConfig(1, 4, 4, 96))]:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        poison_allocator(m * k + 4096)
+        x = x.clone()  # into the NaN block the allocator reuses: what follows x is NaN
+        poison_allocator(m * n)
+        y = b.gemv_linear(x, **tensors, n=n, k=k, config=config, walsh=walsh)
+        assert torch.isfinite(y).all(), "unwritten (NaN-poisoned) or non-finite output"
+        err = rel_err(y, blockdiag64(x, t) @ w64.T)
+        assert err < REL_TOL, f"M={m} {config}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_walsh_dispatch_and_capture(m: int, monkeypatch) -> None:
+    """``linear`` and ``prepare`` with Walsh factors run the transform inside the decode kernel at M = 1 (the
+    pre-pass never runs) and in the pre-pass above (``walsh_in_kernel``, from the H200 measurements), within bf16
+    bounds of float64 and replaying in a CUDA graph bit for bit; a dense T with the same shape takes the pre-pass;
+    the in-kernel transform refuses more than 8 rows."""
+    b = backend()
+    n, k = 2048, 2048  # narrow: the decode kernel to M = 16
+    t = walsh_matrix(64, "random-hadamard", seed=m)
+    walsh = walsh_factors(t)
+    tensors, w64 = random_runtime(n, k, seed=m)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    ref = blockdiag64(x, t) @ w64.T
+    from repack.runtime.backends.triton_sm90 import dispatch
+
+    prepasses = []
+    prepass = dispatch.transformed_activations
+    monkeypatch.setattr(dispatch, "transformed_activations", lambda *a: prepasses.append(1) or prepass(*a))
+    prepared = b.prepare(**tensors, n=n, k=k, transform=t, walsh=walsh)
+    for call in (lambda v: b.linear(v, **tensors, n=n, k=k, transform=t, walsh=walsh), prepared):
+        assert rel_err(assert_graph_replays_eager(call, x), ref) < REL_TOL
+    assert bool(prepasses) == (m > 1)
+    prepasses.clear()
+    b.linear(x, **tensors, n=n, k=k, transform=random_orthogonal(64, seed=m))
+    assert prepasses
+    with pytest.raises(ValueError, match="M <= 8"):
+        b.gemv_linear(torch.randn(9, k, dtype=torch.bfloat16, device="cuda"), **tensors, n=n, k=k,
+                      config=b.gemv_config_for(9, n, k, 132), walsh=walsh)  # fmt: skip

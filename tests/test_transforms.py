@@ -28,7 +28,8 @@ from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
 from repack.runtime.backends import fuses_input_transform, prepare_backend
-from repack.runtime.transforms import block_transform
+from repack.runtime.transforms import WalshFactors, block_transform, walsh_factors
+from repack.runtime.transforms import sylvester as runtime_sylvester
 from repack.targets import TARGETS
 from repack.verify import verify_bundle
 
@@ -364,6 +365,57 @@ def test_only_sm90_fuses_input_transforms_of_its_block_sizes(transformed_bundle)
     with pytest.raises(RepackError, match="does not fuse"):
         prepare_backend("reference", layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, layer.k,
                         layer.target, layer.input_transform)  # fmt: skip
+
+# --------------------------------------------------------------------------- Walsh-Hadamard structure (sm90 kernels)
+def reproduce(f: WalshFactors, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * diag(d1) @ H @ diag(d2)`` with this file's own Sylvester construction, in ``dtype``."""
+    d1, d2 = torch.tensor(f.d1, dtype=torch.float64), torch.tensor(f.d2, dtype=torch.float64)
+    return (f.scale * d1[:, None] * sylvester(f.block) * d2[None, :]).to(dtype)
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_walsh_factors_of_compressed_tensors_matrices(block, dtype):
+    """compressed-tensors' own matrices, normalized as a bundle stores them: ``hadamard`` is Sylvester's H (no
+    signs); ``random-hadamard`` is diag(Q) @ H (d1 = Q up to one global sign, which goes into the scale) and its
+    transpose (``inverse``) H @ diag(Q) (d2 = Q) — except at 32, where compressed-tensors starts from Sloane's known
+    32 x 32 matrix, which is no Sylvester matrix up to signs: it is not detected (it keeps the pre-pass). The
+    factors reproduce T bit for bit."""
+    require("compressed_tensors")
+    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix, random_hadamard_matrix
+
+    det = (deterministic_hadamard_matrix(block, torch.float64) / math.sqrt(block)).to(dtype)
+    f = walsh_factors(det)
+    assert f is not None and f.block == block and set(f.d1) == set(f.d2) == {1}
+    assert f.scale == float(det[0, 0]) and torch.equal(reproduce(f, dtype), det)
+    rnd = random_hadamard_matrix(block, torch.float64, gen=torch.Generator().manual_seed(block)) / math.sqrt(block)
+    q = (rnd[:, 0] * math.sqrt(block)).round()  # Q itself: H's first column is all +1
+    assert set(q.tolist()) == {1.0, -1.0}
+    for t, inverse in ((rnd.to(dtype), False), (rnd.T.contiguous().to(dtype), True)):
+        f = walsh_factors(t)
+        if block == 32:
+            assert f is None
+            continue
+        assert f is not None and torch.equal(reproduce(f, dtype), t)
+        signs = torch.tensor(f.d2 if inverse else f.d1, dtype=torch.float64) * (1 if f.scale > 0 else -1)
+        assert torch.equal(signs, q)  # scale * d1 = Q / sqrt(b) (or scale * d2, inverse)
+        assert set(f.d1 if inverse else f.d2) == {1}
+        assert WalshFactors.from_key(f.key()) == f
+
+
+def test_walsh_factors_refuse_other_matrices():
+    """A dense orthogonal T (compressed-tensors' ``random-matrix`` kind), a Hadamard matrix with one sign flipped or
+    one entry scaled, a non-power-of-two order and a non-square matrix are no Walsh-Hadamard transforms."""
+    gen = torch.Generator().manual_seed(5)
+    q, _ = torch.linalg.qr(torch.randn(64, 64, generator=gen, dtype=torch.float64))
+    h = sylvester(32) / math.sqrt(32)
+    flipped, scaled = h.clone(), h.clone()
+    flipped[3, 5] = -flipped[3, 5]
+    scaled[7, 1] *= 1.05
+    for t in (q, flipped, scaled, torch.ones(12, 12), torch.ones(16, 32), torch.zeros(16, 16)):
+        assert walsh_factors(t.to(torch.bfloat16)) is None
+    assert torch.equal(runtime_sylvester(128), sylvester(128))
+
 
 # --------------------------------------------------------------------------- inspect and the manifest
 def test_inspect_shows_transforms(transformed_bundle, capsys):

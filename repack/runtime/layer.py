@@ -16,6 +16,7 @@ from ..errors import RepackError
 from ..targets import RuntimeLayer
 from .backends import choose_backend, fuses_input_transform, prepare_backend
 from .op import nvfp4_linear
+from .transforms import walsh_factors
 
 
 class PackedLinear(nn.Module):
@@ -35,6 +36,8 @@ class PackedLinear(nn.Module):
             self.register_buffer(f"{location}_transform", matrix.to(device) if matrix is not None else None)
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
         self._fuses_input = fuses_input_transform(backend, self.input_transform)  # a shape fact: fixed by .to()
+        # its Walsh-Hadamard factors, read once from the matrix here (never in a traced or captured call)
+        self._walsh = walsh_factors(self.input_transform) if self._fuses_input else None
         self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
@@ -42,11 +45,17 @@ class PackedLinear(nn.Module):
         """The input transform when the backend applies it inside its kernels (``fuses_input_transform``)."""
         return self.input_transform if self._fuses_input else None
 
+    @property
+    def input_walsh_key(self) -> str:
+        """The fused input transform's ``WalshFactors.key`` ("" if it has none): the custom op's ``input_walsh``."""
+        return self._walsh.key() if self._walsh is not None else ""
+
     def prepared(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The backend bound to this layer's tensors (checked once), for eager calls; rebuilt after ``.to()``."""
         if self._prepared is None:
             self._prepared = prepare_backend(self.backend, self.weight, self.weight_scale, self.weight_global_scale,
-                                             self.n, self.k, self.target, self.fused_input_transform)  # fmt: skip
+                                             self.n, self.k, self.target, self.fused_input_transform,
+                                             self._walsh)  # fmt: skip
         return self._prepared
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors

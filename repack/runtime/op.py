@@ -6,7 +6,8 @@ built (from the target's capability table), never inside the traced region. Eage
 dispatch and call the layer's prepared backend directly (``PackedLinear.prepared``): at M = 1 the wrapper alone
 cost more CPU time than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
 A layer's online input transform goes into the backend where it fuses it (``fuses_input_transform``: the sm90
-kernels' activation pre-pass), else it runs first as ``block_transform``.
+kernels' activation pre-pass, or the decode kernel itself for Walsh-Hadamard matrices, whose factors travel as
+the string ``input_walsh``, a constant of the traced graph), else it runs first as ``block_transform``.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ def _linear(
     target: str,
     backend: str,
     input_transform: torch.Tensor | None = None,
+    input_walsh: str = "",
 ) -> torch.Tensor:
     linear = get_backend(backend)
     if input_transform is None:
         return linear(x, weight, weight_scale, weight_global_scale, n, k, target)
-    return linear(x, weight, weight_scale, weight_global_scale, n, k, target, input_transform=input_transform)
+    return linear(x, weight, weight_scale, weight_global_scale, n, k, target, input_transform=input_transform,
+                  input_walsh=input_walsh)  # fmt: skip
 
 
 @_linear.register_fake
-def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend, input_transform=None):
+def _(x, weight, weight_scale, weight_global_scale, n, k, target, backend, input_transform=None, input_walsh=""):
     return x.new_empty((x.shape[0], n))
 
 
@@ -86,7 +89,7 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
         y = layer.prepared()(x2d)
     else:
         y = _linear(x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, k, layer.target,
-                    layer.backend, fused)  # fmt: skip
+                    layer.backend, fused, layer.input_walsh_key)  # fmt: skip
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.n)
     if y.dtype != x.dtype:

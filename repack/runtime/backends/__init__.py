@@ -17,6 +17,7 @@ import torch
 
 from ...errors import RepackError
 from ...targets import Target
+from ..transforms import WalshFactors, walsh_from_key
 
 Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, str], torch.Tensor]
 
@@ -30,8 +31,10 @@ def get_backend(name: str) -> Linear:
     elif name == "triton":
         from .triton_sm90 import linear as triton_linear
 
-        def linear(x, weight, weight_scale, weight_global_scale, n, k, target, input_transform=None):  # noqa: ARG001
-            return triton_linear(x, weight, weight_scale, weight_global_scale, n, k, input_transform)
+        def linear(x, weight, weight_scale, weight_global_scale, n, k, target, input_transform=None,  # noqa: ARG001
+                   input_walsh=""):  # fmt: skip
+            walsh = walsh_from_key(input_walsh) if input_walsh else None
+            return triton_linear(x, weight, weight_scale, weight_global_scale, n, k, input_transform, walsh)
     else:
         raise RepackError(f"unknown backend {name!r}; known: reference, flashinfer, triton")
     return linear
@@ -49,15 +52,16 @@ def fuses_input_transform(name: str, matrix: torch.Tensor | None) -> bool:
 
 def prepare_backend(
     name: str, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
-    target: str, input_transform: torch.Tensor | None = None,
+    target: str, input_transform: torch.Tensor | None = None, input_walsh: WalshFactors | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
     """``x -> linear(x, <the layer's tensors>)`` for a contiguous bf16 ``x [M, K]``: triton checks the layer (and
-    the ``input_transform`` it fuses, ``fuses_input_transform``) once here and nothing per call (its per-call CPU
-    time at M = 1 exceeds the kernel's GPU time otherwise); the other backends keep their per-call path."""
+    the ``input_transform`` it fuses, ``fuses_input_transform``, with its Walsh-Hadamard factors if it has them)
+    once here and nothing per call (its per-call CPU time at M = 1 exceeds the kernel's GPU time otherwise); the
+    other backends keep their per-call path."""
     if name == "triton":
         from .triton_sm90 import prepare
 
-        return prepare(weight, weight_scale, weight_global_scale, n, k, input_transform)
+        return prepare(weight, weight_scale, weight_global_scale, n, k, input_transform, input_walsh)
     if input_transform is not None:
         raise RepackError(f"backend {name!r} does not fuse online transforms; apply block_transform first")
     return partial(get_backend(name), weight=weight, weight_scale=weight_scale,

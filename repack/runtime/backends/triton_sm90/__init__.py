@@ -9,7 +9,7 @@ and decode them with the same inline PTX (``ptx``); accumulation is float32 on t
   sizes, with the k-slot activation pass it overlaps through programmatic dependent launch, and split-K. That
   pass also applies a layer's online input transform (``fuses_transform``), which before the decode kernel runs
   alone (``transformed_activations``), the decode kernel launched with PDL and loading its first weights
-  while it runs.
+  while it runs; a Walsh-Hadamard transform the decode kernel applies itself (``gemv_linear``'s ``walsh``).
 * ``dispatch``: which one runs (``linear``, ``prepare``) and with which work split, from the H200 measurements.
 * ``dequant``: bf16 weights for the benchmarks' cuBLAS baseline and the tests.
 * ``common``: the optional Triton imports, device facts and ``Launcher`` (a cached launch path, as Triton's
@@ -20,7 +20,7 @@ between calls that depends on the data), and neither kernel materialises bf16 we
 """
 
 from .common import fuses_transform
-from .decode import GEMV_MAX_M, GemvConfig, gemv_config_for, gemv_linear
+from .decode import GEMV_MAX_M, MAX_SMEM, GemvConfig, gemv_config_for, gemv_linear, walsh_smem_bytes
 from .dequant import dequantize
 from .dispatch import check_layer, linear, plan, prepare, uses_decode_kernel
 from .tensor_core import (
@@ -37,6 +37,7 @@ from .tensor_core import (
 __all__ = [
     "GEMV_MAX_M",
     "GemvConfig",
+    "MAX_SMEM",
     "TcConfig",
     "check_layer",
     "dequantize",
@@ -54,4 +55,5 @@ __all__ = [
     "tc_linear",
     "transformed_activations",
     "uses_decode_kernel",
+    "walsh_smem_bytes",
 ]

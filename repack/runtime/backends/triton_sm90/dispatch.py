@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 
 from ....targets import sm90 as layout
+from ...transforms import WalshFactors
 from .common import FUSED_TRANSFORM_BLOCKS, fuses_transform, narrow, require_triton, sm_count
-from .decode import GEMV_MAX_M, GemvConfig, GemvLaunch, gemv_config_for, gemv_linear
+from .decode import GEMV_MAX_M, GemvConfig, GemvLaunch, gemv_config_for, gemv_linear, walsh_smem_bytes
 from .tensor_core import TcConfig, tc_config_for, tc_linear, transformed_activations
 
 
@@ -74,11 +75,31 @@ def check_input(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
 
 
-def run(x, weight, weight_scale, weight_global_scale, n: int, k: int, transform=None) -> torch.Tensor:
+WALSH_SMEM_BYTES = 64 * 1024  # the largest in-kernel Walsh transform the dispatch takes (to K = 32768 at M = 1)
+
+
+def walsh_in_kernel(walsh: WalshFactors | None, config: GemvConfig | TcConfig, m: int, n: int, k: int,
+                    sm_count: int) -> bool:  # fmt: skip
+    """Whether a Walsh-Hadamard input transform runs inside the decode kernel (``gemv_linear``'s ``walsh``: each
+    program transforms x into shared memory first) rather than in the pre-pass before it. Measured on the H200
+    (docs/benchmarks.md, "Online transforms"): at M = 1 the transform costs 0-12% of the GEMM in the kernel against
+    6-25% for the pre-pass, except blocks of 128 on layers of more than two waves of programs (14336 x 4096: 14.9%
+    against 11.5%, each of the 896 programs transforming the whole x); at M = 8 it costs 36-277% in the kernel
+    (every program transforms 8 rows) against 11-28%: M = 1 only."""
+    if walsh is None or not isinstance(config, GemvConfig) or m != 1:
+        return False
+    if walsh.block == 128 and layout.padded_shape(n, k)[0] // layout.STRIPE > 2 * sm_count:
+        return False
+    return walsh_smem_bytes(m, k, config) <= WALSH_SMEM_BYTES
+
+
+def run(x, weight, weight_scale, weight_global_scale, n: int, k: int, transform=None,
+        walsh: WalshFactors | None = None) -> torch.Tensor:  # fmt: skip
     """``linear`` without its checks: the dispatch alone. Activations that are not 16-byte aligned (a view into
     another tensor) are copied first: both kernels read them as 16-byte vectors, the decode kernel through an int32
     view, which a 2-byte offset cannot have. An online input ``transform`` runs in the activation pre-pass: the
-    tensor-core kernel's k-slot pass, or before the decode kernel, which overlaps it through PDL."""
+    tensor-core kernel's k-slot pass, or before the decode kernel, which overlaps it through PDL; or, where it is
+    of Walsh-Hadamard type (``walsh``, its factors) and ``walsh_in_kernel`` says so, inside the decode kernel."""
     if x.data_ptr() % 16:
         x = x.clone()
     config = plan(x.shape[0], n, k, sm_count(x.device.index or 0))
@@ -86,20 +107,30 @@ def run(x, weight, weight_scale, weight_global_scale, n: int, k: int, transform=
         return tc_linear(x, weight, weight_scale, weight_global_scale, n, k, config, transform=transform)
     if transform is None:
         return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config)
+    if walsh_in_kernel(walsh, config, x.shape[0], n, k, sm_count(x.device.index or 0)):
+        return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config, walsh=walsh)
     x = transformed_activations(x, transform)
     return gemv_linear(x, weight, weight_scale, weight_global_scale, n, k, config, pdl=True)
 
 
 def linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names them
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor,
-    n: int, k: int, transform: torch.Tensor | None = None,
+    n: int, k: int, transform: torch.Tensor | None = None, walsh: WalshFactors | None = None,
 ) -> torch.Tensor:
     """``(x @ blockdiag(transform)) @ W^T`` for bf16 ``x [M, K]`` and the sm90 runtime tensors of ``W [N, K]``
-    (``transform``: an online input transform, ``fuses_transform``, or None); returns bf16 ``[M, N]``."""
+    (``transform``: an online input transform, ``fuses_transform``, or None; ``walsh``: its
+    ``transforms.walsh_factors``, read once by the caller, or None); returns bf16 ``[M, N]``."""
     check_layer(weight, weight_scale, weight_global_scale, n, k)
     check_input(x, weight, k)
     check_transform(transform, weight, k)
-    return run(x, weight, weight_scale, weight_global_scale, n, k, transform)
+    check_walsh(walsh, transform)
+    return run(x, weight, weight_scale, weight_global_scale, n, k, transform, walsh)
+
+
+def check_walsh(walsh: WalshFactors | None, transform: torch.Tensor | None) -> None:
+    """Factors only with their matrix, and of its block (metadata only: the caller read them from it)."""
+    if walsh is not None and (transform is None or transform.shape[0] != walsh.block):
+        raise ValueError(f"walsh factors of block {walsh.block} need their [{walsh.block}, {walsh.block}] transform")
 
 
 class Prepared:
@@ -110,20 +141,22 @@ class Prepared:
     and its launch arguments (``decode.gemv_launch``), so that a call is an allocation and a launch: Triton's
     generic launch and this module's dispatch cost 50-70 us of CPU time per call at M = 1 on the H200's host,
     more than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call"). With an
-    online input ``transform`` a call is the pre-pass and that launch (with PDL).
+    online input ``transform`` a call is the pre-pass and that launch (with PDL), or that launch alone where the
+    kernel applies it itself (``walsh``, ``walsh_in_kernel``).
     """
 
     def __init__(
         self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
-        transform: torch.Tensor | None = None,
+        transform: torch.Tensor | None = None, walsh: WalshFactors | None = None,
     ) -> None:  # fmt: skip
         check_layer(weight, weight_scale, weight_global_scale, n, k)
         check_transform(transform, weight, k)
-        self.transform = transform
+        check_walsh(walsh, transform)
+        self.transform, self.walsh = transform, walsh
         self.tensors = (weight, weight_scale, weight_global_scale)
         self.n, self.k = n, k
         self.device, self.index = weight.device, weight.get_device()
-        self.launches: dict[int, GemvLaunch | None] = {}  # M -> the decode kernel's launch, None: the generic path
+        self.launches: dict[int, tuple[GemvLaunch, bool] | None] = {}  # M -> (launch, pre-pass first), None: generic
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -133,20 +166,25 @@ class Prepared:
         if x.get_device() != self.index:
             raise ValueError(f"weight is on {self.device}, x on {x.device}")
         if launch is not None and x.data_ptr() % 16 == 0 and torch.cuda.current_device() == self.index:
-            return launch(x if self.transform is None else transformed_activations(x, self.transform))
-        return run(x, *self.tensors, self.n, self.k, self.transform)
+            kernel, prepass = launch
+            return kernel(transformed_activations(x, self.transform) if prepass else x)
+        return run(x, *self.tensors, self.n, self.k, self.transform, self.walsh)
 
-    def _launch_for(self, m: int) -> GemvLaunch | None:
+    def _launch_for(self, m: int) -> tuple[GemvLaunch, bool] | None:
         config = plan(m, self.n, self.k, sm_count(self.index))
         if not isinstance(config, GemvConfig) or m == 0:
             return None
+        in_kernel = self.transform is not None and walsh_in_kernel(self.walsh, config, m, self.n, self.k,
+                                                                   sm_count(self.index))
+        prepass = self.transform is not None and not in_kernel
         with torch.cuda.device(self.index):
-            return GemvLaunch(*self.tensors, self.n, self.k, config, m, self.transform is not None)
+            return GemvLaunch(*self.tensors, self.n, self.k, config, m, pdl=prepass,
+                              walsh=self.walsh if in_kernel else None), prepass  # fmt: skip
 
 
 def prepare(
     weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
-    transform: torch.Tensor | None = None,
+    transform: torch.Tensor | None = None, walsh: WalshFactors | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:  # fmt: skip
     """``Prepared`` for one layer (the backend registry's entry point)."""
-    return Prepared(weight, weight_scale, weight_global_scale, n, k, transform)
+    return Prepared(weight, weight_scale, weight_global_scale, n, k, transform, walsh)

@@ -108,3 +108,79 @@ def gemv_asm(nt: int) -> str:
             )
     return _asm_block(lines)
 
+
+
+def _sign_lines(reg: str, signs: tuple[int, ...], first: int, parts: int) -> list[str]:
+    """PTX: flip the bf16 signs of the pair in ``reg`` where ``signs`` (+-1 per block position) is negative, for the
+    pair at block positions ``first + 16u`` and ``+1``, ``u`` = the lane's block part (``parts`` of them: ``u`` is in
+    register ``u``, its ``prmt`` selector in ``sel``). One xor with a constant where the pair's signs do not depend
+    on the lane, else a byte select from two constants (byte ``u``: 0x80 where negative) and one masked xor."""
+    lo = [signs[first + 16 * u] < 0 for u in range(parts)]
+    hi = [signs[first + 16 * u + 1] < 0 for u in range(parts)]
+    if len(set(lo)) == 1 and len(set(hi)) == 1:
+        mask = (lo[0] << 15) | (hi[0] << 31)
+        return [f"xor.b32 {reg}, {reg}, {mask:#010x};"] if mask else []
+    a = sum(0x80 << (8 * u) for u in range(parts) if lo[u])
+    b = sum(0x80 << (8 * u) for u in range(parts) if hi[u])
+    return [f"mov.b32 ka, {a:#010x};", f"mov.b32 kb, {b:#010x};", "prmt.b32 m, ka, kb, sel;",
+            "and.b32 m, m, 0x80008000;", f"xor.b32 {reg}, {reg}, m;"]  # fmt: skip
+
+
+def walsh_asm(block: int, d1: tuple[int, ...], d2: tuple[int, ...]) -> str:
+    """One thread's ``x -> x @ diag(d1) @ H_block @ diag(d2)`` (Sylvester's H, unnormalised) on its bf16 pairs.
+
+    The thread holds 16 consecutive columns ``16u .. 16u + 15`` of a block per 64-column chunk, ``u`` = its lane's
+    low bits (lanes ``t ^ 1``, ``t ^ 2`` hold the block's other parts), and for ``block`` = 128 two consecutive
+    chunks. Operands: ``$0 ..`` the transformed words out, then the words in (8, or 16: chunk 0 then 1). The
+    butterflies run in float32 and round to bf16 once: the bits of a position inside the thread by adds, lane bits
+    by ``shfl.sync.bfly`` (the first one on the bf16 words, half the shuffles of float32 values), the chunk bit of
+    128 across the two chunks. The signs are constants folded into the code (one compile per matrix)."""
+    chunks = 2 if block == 128 else 1
+    words, parts = 8 * chunks, min(block, 64) // 16
+    lane_bits = [d for d in (1, 2) if d < parts]  # lane xor distances of the cross-lane stages
+    ins = [f"${words + i}" for i in range(words)]
+    regs = [".reg .b32 w<16>, q<16>, l, u, sel, m, ka, kb;", ".reg .f32 v<32>, p<32>, s;", ".reg .pred up;"]
+    lines = [f"mov.b32 w{i}, {ins[i]};" for i in range(words)]
+    if parts > 1:
+        lines += ["mov.u32 l, %laneid;", f"and.b32 u, l, {parts - 1};", "mad.lo.u32 sel, u, 0x1010, 0x4000;"]
+    for c in range(chunks):  # d1 on the inputs
+        for w in range(8):
+            lines += _sign_lines(f"w{8 * c + w}", d1, 64 * c + 2 * w, parts)
+
+    def unpack(src: str, dst: str, i: int) -> list[str]:  # bf16 pair -> two float32 (element 2i, 2i+1)
+        return [f"shl.b32 {dst}{2 * i}, {src}{i}, 16;", f"and.b32 {dst}{2 * i + 1}, {src}{i}, 0xffff0000;"]
+
+    def lane_sign(d: int) -> list[str]:  # s = -1 on the lane holding the upper half of the pair, else +1
+        return [f"and.b32 m, l, {d};", "setp.ne.u32 up, m, 0;", "selp.f32 s, 0fBF800000, 0f3F800000, up;"]
+
+    values = 16 * chunks
+    if lane_bits:  # the first lane stage on the bf16 words: both lanes' values are exact in float32
+        d = lane_bits[0]
+        lines += [f"shfl.sync.bfly.b32 q{i}, w{i}, {d}, 0x1f, 0xffffffff;" for i in range(words)]
+        lines += lane_sign(d)
+        for i in range(words):
+            lines += unpack("w", "v", i) + unpack("q", "p", i)
+        lines += [f"fma.rn.f32 v{i}, v{i}, s, p{i};" for i in range(values)]
+    else:
+        for i in range(words):
+            lines += unpack("w", "v", i)
+    for d in lane_bits[1:]:
+        lines += [f"shfl.sync.bfly.b32 p{i}, v{i}, {d}, 0x1f, 0xffffffff;" for i in range(values)]
+        lines += lane_sign(d)
+        lines += [f"fma.rn.f32 v{i}, v{i}, s, p{i};" for i in range(values)]
+    if chunks == 2:  # the chunk bit: value i of chunk 0 with value i of chunk 1
+        for i in range(16):
+            lines += [f"add.f32 p{i}, v{i}, v{i + 16};", f"sub.f32 v{i + 16}, v{i}, v{i + 16};", f"mov.f32 v{i}, p{i};"]
+    for h in (1, 2, 4, 8):  # the bits inside the thread's 16 columns
+        for c in range(chunks):
+            for i in range(16):
+                if not i & h:
+                    a, b = f"v{16 * c + i}", f"v{16 * c + i + h}"
+                    lines += [f"add.f32 p0, {a}, {b};", f"sub.f32 {b}, {a}, {b};", f"mov.f32 {a}, p0;"]
+    for i in range(words):
+        lines.append(f"cvt.rn.bf16x2.f32 w{i}, v{2 * i + 1}, v{2 * i};")
+    for c in range(chunks):  # d2 on the outputs
+        for w in range(8):
+            lines += _sign_lines(f"w{8 * c + w}", d2, 64 * c + 2 * w, parts)
+    lines += [f"mov.b32 ${i}, w{i};" for i in range(words)]
+    return "{\n" + "\n".join(regs + lines) + "\n}"
