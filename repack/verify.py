@@ -51,9 +51,12 @@ from .targets.layout import is_aligned
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
 # the second core is otherwise idle once the file hashes end
+PARALLEL_WEIGHT_BYTES = 128 << 20  # ... while their weights are at most this together: a layer's check holds about
+# four copies of its weights (source, bundle, decode, temporaries), so two of the largest layers (Llama-405B's MLP:
+# 436 MB each) would take gigabytes; one at a time then
 _ONE_NUMERICS_CHECK = threading.Lock()  # numerics decode a layer whole (hundreds of MB for a large one): one at a time
 BATCH_SIZES = (1, 7, 32)
-REFERENCE_ROWS = 512
+REFERENCE_ELEMENTS = 1 << 20  # weights the float64 reference dequantizes at a time (8 MB, whatever K is)
 
 
 CHECK_KINDS = ("integrity", "layout", "exactness", "numerics")  # what a failure is about, for the summary
@@ -178,7 +181,7 @@ def _check_exact(decoded: NVFP4Weight, original: NVFP4Weight, prefix: str, check
 
 
 def _reference_products(weight: NVFP4Weight | torch.Tensor, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``x @ dequant(weight).T`` in float64 for each ``x``, dequantizing ``REFERENCE_ROWS`` rows at a time:
+    """``x @ dequant(weight).T`` in float64 for each ``x``, dequantizing ``REFERENCE_ELEMENTS`` weights at a time:
     memory stays at one block, where the whole float64 matrix of a large layer took gigabytes. All ``xs`` go
     through each block in one GEMM (one pass over it). A float64 ``weight`` (a rescaled layer's source
     function) is used as it is."""
@@ -186,8 +189,9 @@ def _reference_products(weight: NVFP4Weight | torch.Tensor, xs: list[torch.Tenso
         return [x @ weight.t() for x in xs]
     x = torch.cat(xs)
     out = torch.empty(x.shape[0], weight.n, dtype=torch.float64)
-    for start in range(0, weight.n, REFERENCE_ROWS):
-        rows = slice(start, start + REFERENCE_ROWS)
+    step = max(1, REFERENCE_ELEMENTS // weight.k)
+    for start in range(0, weight.n, step):
+        rows = slice(start, start + step)
         block = dequantize(NVFP4Weight(weight.codes[rows], weight.block_scales[rows], weight.multiplier), torch.float64)
         out[:, rows] = x @ block.t()
     return list(out.split([len(x) for x in xs]))
@@ -374,8 +378,8 @@ def layer_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % 2**63
 
 
-def _collect(checking: deque[tuple[str, Future]], tick: Callable[[str], None]) -> TensorCheck:
-    prefix, future = checking.popleft()
+def _collect(checking: deque[tuple[str, Future, int]], tick: Callable[[str], None]) -> TensorCheck:
+    prefix, future, _ = checking.popleft()
     check = future.result()
     tick(prefix)
     return check
@@ -420,15 +424,18 @@ def verify_bundle(
 
         transform_checks, matrices = _check_transforms(bundle, src)
         bad = {c.name for c in transform_checks if c.status == "fail"}
-        checking: deque[tuple[str, Future]] = deque()
+        checking: deque[tuple[str, Future, int]] = deque()  # (layer, its check, its weight bytes)
         layers, passthrough = [], []
         for index, prefix in enumerate(bundle.manifest.layers):  # layers checked in parallel, reported in order
             check_identity(wait=False)
-            while len(checking) >= in_flight:
+            record = bundle.manifest.layers[prefix]
+            weight_bytes = record.n * record.k // 2
+            while checking and (len(checking) >= in_flight or
+                                sum(b for _, _, b in checking) + weight_bytes > PARALLEL_WEIGHT_BYTES):
                 layers.append(_collect(checking, tick))
             layer_gen = torch.Generator().manual_seed(layer_seed(seed, index))
             checking.append((prefix, layers_pool.submit(_check_layer, bundle, loaded, prefix, src, prefix in chosen,
-                                                        layer_gen, matrices, bad)))
+                                                        layer_gen, matrices, bad), weight_bytes))
         while checking:
             layers.append(_collect(checking, tick))
         for name in bundle.manifest.passthrough:
