@@ -109,7 +109,6 @@ def gemv_asm(nt: int) -> str:
     return _asm_block(lines)
 
 
-
 def _sign_lines(reg: str, signs: tuple[int, ...], first: int, parts: int) -> list[str]:
     """PTX: flip the bf16 signs of the pair in ``reg`` where ``signs`` (+-1 per block position) is negative, for the
     pair at block positions ``first + 16u`` and ``+1``, ``u`` = the lane's block part (``parts`` of them: ``u`` is in
