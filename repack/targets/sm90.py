@@ -38,6 +38,8 @@ weight_global_scale: the float32 ``[1]`` multiplier.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
@@ -81,7 +83,8 @@ def _element_unview(words_order: torch.Tensor, np_: int, kp: int) -> torch.Tenso
     return words_order.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(np_, kp)
 
 
-def _word_tables() -> torch.Tensor:
+@cache  # built on first use, not at import: every CLI command imports the targets
+def word_tables() -> torch.Tensor:
     """int32 ``[2, 65536]``: for ``h``, the word bits of the 4 codes in one little-endian uint16 of packed codes.
 
     That uint16 (packed columns ``2q``, ``2q + 1`` of one row) holds the codes of columns ``4j .. 4j+3`` of a
@@ -98,11 +101,9 @@ def _word_tables() -> torch.Tensor:
     return tables
 
 
-WORD_TABLES = _word_tables()
-
-
-def _code_tables() -> torch.Tensor:
-    """int32 ``[2, 65536]``, the inverse of :data:`WORD_TABLES`: for the low (0) and high (1) 16 bits of a word, the
+@cache
+def code_tables() -> torch.Tensor:
+    """int32 ``[2, 65536]``, the inverse of :func:`word_tables`: for the low (0) and high (1) 16 bits of a word, the
     bits they hold of the word's 8 codes, placed as the two uint16s of packed codes (rows ``g``, ``g + 8``) hold
     them, ``h`` in the upper half. Each code bit lives in exactly one half, so a word's codes are the OR of the
     two lookups."""
@@ -116,14 +117,11 @@ def _code_tables() -> torch.Tensor:
     return tables
 
 
-CODE_TABLES = _code_tables()
-
-
 def pack_words(codes: torch.Tensor, np_: int | None = None, kp: int | None = None) -> torch.Tensor:
     """Packed codes uint8 ``[N, K/2]`` -> int32 words ``[Np/16, 2*Kp]`` (bit placement per element, see module doc),
     zero-padded to ``[np_, kp]`` (default: the codes' own shape, which must then be aligned).
 
-    Two lookups per word in :data:`WORD_TABLES` (256 KB each, cache-resident) over the codes in their stored
+    Two lookups per word in :func:`word_tables` (256 KB each, cache-resident) over the codes in their stored
     order, then one permutation of whole 16-word runs: placing nibbles one by one through an 8-D byte-granular
     view took about 20x longer. ``PACK_ROWS`` rows at a time, through scratch buffers allocated once: fresh
     temporaries per block cost a page fault per 4 KB, as much as the lookups."""
@@ -139,7 +137,7 @@ def pack_words(codes: torch.Tensor, np_: int | None = None, kp: int | None = Non
         pairs = block.view(torch.uint16).view(stripes, 2, 8, chunks, 16)  # s, h, g, c, (t, j); each (q, p)
         for h, out in ((0, low), (1, high)):
             index[:count].view(stripes, 8, chunks, 16).copy_(pairs[:, h])
-            torch.index_select(WORD_TABLES[h], 0, index[:count], out=out[:count])
+            torch.index_select(word_tables()[h], 0, index[:count], out=out[:count])
         low[:count] |= high[:count]
         target = words[first // STRIPE : first // STRIPE + stripes].view(stripes, chunks, 8, 16)
         target.copy_(low[:count].view(stripes, 8, chunks, 16).permute(0, 2, 1, 3))
@@ -149,7 +147,7 @@ def pack_words(codes: torch.Tensor, np_: int | None = None, kp: int | None = Non
 def unpack_words(words: torch.Tensor) -> torch.Tensor:
     """Exact inverse of :func:`pack_words`: int32 ``[Np/16, 2*Kp]`` -> packed codes uint8 ``[Np, Kp/2]``.
 
-    Two lookups per word in :data:`CODE_TABLES` give the uint16 pair of packed codes it came from (rows ``g``
+    Two lookups per word in :func:`code_tables` give the uint16 pair of packed codes it came from (rows ``g``
     and ``g + 8``), then one permutation puts them back in row order: several times faster than extracting the
     8 fields of every word one by one. ``PACK_ROWS`` rows at a time through scratch buffers allocated once, as
     :func:`pack_words` does (fresh temporaries per step cost a page fault per 4 KB)."""
@@ -158,7 +156,7 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
     codes = torch.empty(stripes * STRIPE, kp2 // 8, dtype=torch.uint16, device=words.device)  # [Np, Kp/4]
     word, index, pairs = (torch.empty(min(stripes, per_block) * kp2, dtype=torch.int32, device=words.device)
                           for _ in range(3))
-    tables = CODE_TABLES.to(words.device)  # any device, as the other inverses
+    tables = code_tables().to(words.device)  # any device, as the other inverses
     for first in range(0, stripes, per_block):
         block = words[first : first + per_block]
         count = block.numel()
