@@ -24,7 +24,6 @@ weight or scale, or a misplaced tile, gives errors of order 1.
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -54,7 +53,6 @@ LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the 
 PARALLEL_WEIGHT_BYTES = 128 << 20  # ... while their weights are at most this together: a layer's check holds about
 # four copies of its weights (source, bundle, decode, temporaries), so two of the largest layers (Llama-405B's MLP:
 # 436 MB each) would take gigabytes; one at a time then
-_ONE_NUMERICS_CHECK = threading.Lock()  # numerics decode a layer whole (hundreds of MB for a large one): one at a time
 BATCH_SIZES = (1, 7, 32)
 REFERENCE_ELEMENTS = 1 << 20  # weights the float64 reference dequantizes at a time (8 MB, whatever K is)
 
@@ -355,9 +353,8 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
     if any(m is None for m in transforms.values()):
         check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
     elif numerics:
-        with _ONE_NUMERICS_CHECK:
-            _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
-                            loaded.backend == "reference", transforms)
+        _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
+                        loaded.backend == "reference", transforms)
     return check
 
 
