@@ -423,7 +423,11 @@ def verify_bundle(
         bad = {c.name for c in transform_checks if c.status == "fail"}
         checking: deque[tuple[str, Future, int]] = deque()  # (layer, its check, its weight bytes)
         layers, passthrough = [], []
-        for index, prefix in enumerate(bundle.manifest.layers):  # layers checked in parallel, reported in order
+        names = list(bundle.manifest.layers)
+        # Layers are checked in parallel, those with numerics (the longest) first so that the rest fill the cores
+        # around them rather than leaving one running alone at the end; reported in the manifest's order.
+        for index in sorted(range(len(names)), key=lambda i: names[i] not in chosen):
+            prefix = names[index]
             check_identity(wait=False)
             record = bundle.manifest.layers[prefix]
             weight_bytes = record.n * record.k // 2
@@ -435,6 +439,8 @@ def verify_bundle(
                                                         layer_gen, matrices, bad), weight_bytes))
         while checking:
             layers.append(_collect(checking, tick))
+        position = {prefix: index for index, prefix in enumerate(names)}
+        layers.sort(key=lambda check: position[check.name])
         for name in bundle.manifest.passthrough:
             passthrough.append(_check_passthrough(bundle, name, src))
             tick(name)

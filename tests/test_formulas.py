@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from repack.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
-from repack.runtime.formulas import FORMULAS, decode, formula_for
+from repack.runtime import formulas
+from repack.runtime.formulas import FORMULAS, decode, formula_for, index_dtype
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import TARGETS
 
@@ -88,3 +89,21 @@ def test_one_code_and_one_scale_land_where_the_formula_says(target):
         want = torch.zeros((n, k), dtype=torch.float64)
         want[row, col] = 6.0 * float(weight.multiplier)
         assert torch.equal(got, want), (row, col)
+
+
+def test_offsets_are_int64_once_a_buffer_has_2_to_the_31_positions():
+    """Two positions per byte (nibbles, or sm90's 8 elements per int32 word) must fit the index type."""
+    below = torch.empty(2**30 - 1, dtype=torch.uint8, device="meta")
+    assert index_dtype(below) == torch.int32
+    assert index_dtype(torch.empty(2**28, dtype=torch.int32, device="meta")) == torch.int64  # 2**30 bytes
+    assert index_dtype(torch.empty(2**30, dtype=torch.uint8, device="meta")) == torch.int64
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+def test_int64_offsets_decode_what_int32_offsets_decode(target, monkeypatch):
+    """The int64 path (layers of 1 GiB and more) is the same formula: forced on a small layer, the same values."""
+    n, k = 1040, 272
+    runtime = target.to_runtime(random_nvfp4(n, k, allow_zero_scales=True))
+    narrow = decode(runtime, n, k, target.name, torch.float64)
+    monkeypatch.setattr(formulas, "index_dtype", lambda buffer: torch.int64)
+    assert torch.equal(decode(runtime, n, k, target.name, torch.float64), narrow)
