@@ -99,6 +99,7 @@ class _Writing:
     staging: Path
     journal: Journal
     transforms: ThreadPoolExecutor  # to_runtime, shared by every output of the pass (layers transform in parallel)
+    fsync: bool
     transformer: Lane = field(default_factory=Lane)  # in order: a layer's transform's result, queued on ``lane``
     lane: Lane = field(default_factory=Lane)  # hashing and writing
     writers: dict[str, ShardWriter] = field(default_factory=dict)
@@ -155,7 +156,7 @@ class _Writing:
 
     def _write(self, file: str, tensor: PlannedTensor, chunk: bytes | memoryview) -> None:
         if file not in self.writers:
-            self.writers[file] = ShardWriter(self.staging / file, self.output.plan.shards[file])
+            self.writers[file] = ShardWriter(self.staging / file, self.output.plan.shards[file], self.fsync)
         self.writers[file].write(tensor, chunk)
 
     def _close(self, file: str) -> None:
@@ -322,6 +323,7 @@ def convert_bundles(
     *,
     overwrite: bool = False,
     resume: bool = False,
+    fsync: bool = True,
     progress: Progress | None = None,
 ) -> list[ConvertSummary]:
     """Write every bundle of ``outputs`` in one pass over ``source``; each destination is all-or-nothing on its
@@ -330,6 +332,7 @@ def convert_bundles(
     ``resume``: reuse the staging folder an interrupted convert to the same destination left, keeping the
     shards its journal records (when the source and plan are the same and each file still hashes as
     recorded); everything else is written again, so the result is byte-identical to an uninterrupted run.
+    ``fsync`` False: publish without waiting for the disk (see ``bundle/writer.py`` for what that gives up).
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
@@ -352,12 +355,12 @@ def convert_bundles(
                     raise RepackError(f"{out}: --resume is not supported for tensor-parallel (--tp) conversions")
                 reuse = find_resumable(out, group[0].plan, identity) if resume else None
                 root = stack.enter_context(staged_folder(out, overwrite, reuse=reuse and reuse.folder,
-                                                         keep_interrupted=not ranked))
+                                                         keep_interrupted=not ranked, fsync=fsync))
                 for output in group:
                     staging = root / output.folder
                     staging.mkdir(exist_ok=True)
                     journal = reuse or Journal.start(staging, output.plan, identity)
-                    writings.append(_Writing(output, staging, journal, transforms))
+                    writings.append(_Writing(output, staging, journal, transforms, fsync))
                     stack.callback(writings[-1].close)
             with one_torch_thread():
                 _pass(source, reader, writings, report)
@@ -406,6 +409,7 @@ def convert(
     revision: str | None = None,
     overwrite: bool = False,
     resume: bool = False,
+    fsync: bool = True,
     max_shard_size: int | str = "5GB",
     fuse: bool = False,
     tp: int = 1,
@@ -418,6 +422,8 @@ def convert(
     One target name: ``out`` is the bundle, and one summary is returned. A list of names (``all`` for every
     family): one pass writes ``out/<target>`` for each, and a list of summaries is returned.
 
+    ``fsync`` False: bundles are published without waiting for the disk: faster where the disk is slow, for
+    CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
     ``fuse``: vLLM's fused modules (qkv_proj, gate_up_proj); ``tp > 1``: one bundle per tensor-parallel rank in
     ``out/rank-R`` (one summary for them all); ``rescale``: fold unequal partition scales into block scales.
     These take one target, and no ``resume`` with ``tp > 1``.
@@ -448,7 +454,7 @@ def convert(
         for prefix, layer in output.plan.layers.layers.items():
             if any(piece.scale_ratio != 1.0 for piece in layer.pieces):
                 rescaled[prefix] = max(rescaled.get(prefix, 0.0), rescale_error(source, layer))
-    summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, progress=progress)
+    summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, fsync=fsync, progress=progress)
     if not single:
         return summaries
     first = summaries[0]

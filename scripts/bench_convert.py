@@ -9,8 +9,8 @@ over anyway), plain and with an fsync of every copied file (convert makes its bu
 publishes them, so the disk's write speed bounds it; `cp` does not wait for the disk). Every job and copy
 starts after an `os.sync()`, so none pays for the writeback of an earlier one; `load` is the 1-minute load
 average when the job started (other work on the machine slows every row). A job is a target (`sm100`),
-several targets in one pass (`sm100+sm120+sm90`), `verify:T` (verify the bundle of target T against the
-source). The run also measures the costs no convert avoids, on the same checkpoint: sha256 and xxh3 of every
+several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync` (convert --no-fsync: published
+without waiting for the disk), `verify:T` (verify the bundle of target T against the source). The run also measures the costs no convert avoids, on the same checkpoint: sha256 and xxh3 of every
 byte (CPU seconds, from a mapping) and the CPU of `cp -r` itself (the kernel's copy into new page-cache pages),
 and prints the bound they imply on 2 cores. The checkpoint is made of [N, K] = [4096, 14336] layers
 (the largest tensor of a Llama-8B MLP), so peak RSS should stay near the import baseline plus a few layers,
@@ -52,8 +52,10 @@ if job.startswith("verify:"):
     assert report.passed, report.failures
     result = {"bytes_in": 0, "bytes_out": 0}
 else:
-    targets = job.split("+")
-    summary = repack.convert.convert(model, targets[0] if len(targets) == 1 else targets, out)
+    targets, _, flag = job.partition(":")
+    targets = targets.split("+")
+    summary = repack.convert.convert(model, targets[0] if len(targets) == 1 else targets, out,
+                                     fsync=flag != "no-fsync")
     summaries = summary if isinstance(summary, list) else [summary]
     result = {"bytes_in": summaries[0].bytes_in, "bytes_out": sum(s.bytes_out for s in summaries)}
 print(json.dumps({"seconds": time.perf_counter() - t, "baseline_kb": base, "peak_kb": hwm(), **result}))
@@ -124,8 +126,9 @@ def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm90", "sm100+sm120+sm90", "verify:sm100",
-                                                      "verify:sm120", "verify:sm90"])
+    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync",
+                                                      "sm120:no-fsync", "sm100+sm120+sm90:no-fsync",
+                                                      "verify:sm100", "verify:sm120", "verify:sm90"])
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -148,13 +151,13 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for job in args.jobs:
             name = job.split(":")[-1] if job.startswith("verify:") else job
-            out = Path(tmp) / f"out-{name.replace('+', '-')}"
+            out = Path(tmp) / f"out-{name.replace('+', '-').replace(':', '-')}"
             if job.startswith("verify:") and not out.exists():
                 measure(model, name, out)
             os.sync()  # each job starts with nothing of the previous one still being written
             load = os.getloadavg()[0]
             r = measure(model, job, out)
-            if "+" in job:  # single-target bundles stay for the verify jobs
+            if "+" in job or ":no-fsync" in job:  # plain single-target bundles stay for the verify jobs
                 shutil.rmtree(out)
             print(f"| {job} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | {r['seconds']:.2f} | "
                   f"{r['seconds'] / copy:.2f} | {r['seconds'] / durable:.2f} | {r['baseline_kb'] / 1e3:.0f} | "

@@ -68,6 +68,38 @@ def test_repeated_target_flags_on_the_cli(make_model, tmp_path, capsys):
         check_bundle_against_source(model.path, out / target.name, target)
 
 
+def test_no_fsync_writes_the_same_bundles_without_waiting_for_the_disk(make_model, tmp_path, monkeypatch, capsys):
+    """--no-fsync skips every fsync and early writeback of the bundles (the resume journal keeps its own), and
+    changes no byte; by default every file and folder of each bundle is fsynced before it is published."""
+    import repack.bundle.writer as writer
+
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()
+    synced: list[Path] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    writebacks: list[int] = []
+    monkeypatch.setattr(writer, "WRITEBACK_BYTES", 1)  # every write would ask for writeback
+    monkeypatch.setattr(writer, "START_WRITEBACK", lambda fd, offset, nbytes: writebacks.append(nbytes))
+    runs = {}
+    for name, flags in (("durable", []), ("fast", ["--no-fsync"])):
+        synced.clear(), writebacks.clear()
+        out = tmp_path / name
+        assert main(["convert", str(model.path), "-t", "sm100", "-t", "sm90", "-o", str(out),
+                     "--max-shard-size", "2KB", *flags]) == 0
+        bundles = [out / t for t in ("sm100", "sm90")]
+        files = {f.resolve() for b in bundles for f in b.iterdir()}
+        published = {f for f in synced if not f.name.startswith(".nvfp4-repack-resume.json")}
+        runs[name] = (files, published, list(writebacks), [tree_bytes(b) for b in bundles])
+    files, published, writebacks_made, durable_bytes = runs["durable"]
+    assert len(files) > 6 and writebacks_made
+    staged = {f.name.split(".partial-")[0] for f in published if ".partial-" in f.name}  # the bundles' folders
+    assert {f.name for f in published} >= {f.name for f in files} | {"durable"} and staged == {".sm100", ".sm90"}
+    files, published, writebacks_made, fast_bytes = runs["fast"]
+    assert not published and not writebacks_made
+    assert fast_bytes == durable_bytes
+
+
 def test_one_target_failing_midway_leaves_no_bundle_at_all(make_model, tmp_path):
     model = make_model(shapes=[(16, 32), (32, 64)], seed=fresh_seed())
     from repack.formats.checkpoint import open_checkpoint

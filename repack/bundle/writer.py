@@ -17,6 +17,10 @@ bundle or the new one, never a mix, never missing both. Output goes to a hidden 
 
 A kill can leave hidden ``.OUT.partial-*`` / ``.OUT.old-*`` folders behind; they are never OUT and are safe
 to delete.
+
+Without fsync (``convert --no-fsync``, for CI jobs that rerun a failed step) a killed process still leaves OUT
+whole or absent, since the page cache outlives it; only a crash of the machine can then publish a bundle whose
+data never reached the disk, which verify's hashes detect.
 """
 
 from __future__ import annotations
@@ -81,11 +85,13 @@ class ShardWriter:
     nothing is read back; the sha256 on a thread of its own. ``write`` may be called several times per
     tensor (chunks); a tensor ends when the next one starts or at :meth:`close`, and must then hold exactly
     its planned bytes. Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the file to disk, so
-    that the fsync before the bundle is published finds little left to write, instead of all of it.
+    that the fsync before the bundle is published finds little left to write, instead of all of it (neither
+    without ``fsync``).
     """
 
-    def __init__(self, path: Path, tensors: list[PlannedTensor]) -> None:
+    def __init__(self, path: Path, tensors: list[PlannedTensor], fsync: bool = True) -> None:
         self.path = path
+        self.fsync = fsync
         self.tensor_digests: dict[str, str] = {}
         self._order = iter(tensors)
         self._current: PlannedTensor | None = None
@@ -103,7 +109,7 @@ class ShardWriter:
         while view:  # a raw write may take fewer bytes than asked
             view = view[self._handle.write(view) :]
         self._offset += len(data)
-        if START_WRITEBACK is not None and self._offset - self._synced >= WRITEBACK_BYTES:
+        if self.fsync and START_WRITEBACK is not None and self._offset - self._synced >= WRITEBACK_BYTES:
             START_WRITEBACK(self._handle.fileno(), self._synced, self._offset - self._synced)
             self._synced = self._offset
 
@@ -139,7 +145,8 @@ class ShardWriter:
 
     def sync(self) -> None:
         """fsync and close: apart from :meth:`finish`, so that the next shard is written while this one syncs."""
-        os.fsync(self._handle.fileno())
+        if self.fsync:
+            os.fsync(self._handle.fileno())
         self._handle.close()
 
     def abandon(self) -> None:
@@ -278,12 +285,12 @@ def staging_folders(out: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def staged_folder(
-    out: Path, overwrite: bool, reuse: Path | None = None, keep_interrupted: bool = True
+    out: Path, overwrite: bool, reuse: Path | None = None, keep_interrupted: bool = True, fsync: bool = True
 ) -> Iterator[Path]:
     """Yield a temporary folder beside ``out`` (``reuse``: one an interrupted convert left); on success it
     atomically becomes ``out``, on failure it is removed. Ctrl-C keeps it (unless not ``keep_interrupted``), so
     that a resume can use what it holds: like a kill, that leaves only a hidden folder, never a partial OUT. See
-    the module docstring for what a kill at any point leaves behind."""
+    the module docstring for what a kill at any point leaves behind, and what ``fsync`` False gives up."""
     staging = reuse or out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(exist_ok=reuse is not None)
@@ -292,12 +299,14 @@ def staged_folder(
     keep = False
     try:
         yield staging
-        _sync_tree(staging)
+        if fsync:
+            _sync_tree(staging)
         if overwrite and (out.exists() or out.is_symlink()):
             _replace(staging, out)
         else:
             _install(staging, out)
-        _fsync(out.parent)
+        if fsync:
+            _fsync(out.parent)
     except (KeyboardInterrupt, Interrupted):
         keep = keep_interrupted
         raise

@@ -77,6 +77,9 @@ def convert(
     resume: Annotated[
         bool, _flag("Continue an interrupted convert: keep the finished shards it left, write the rest.", "--resume")
     ] = False,
+    no_fsync: Annotated[bool, _flag(
+        "Publish without waiting for the disk (faster where it is slow; for CI jobs that rerun a failed step): "
+        "a kill still leaves OUT whole or absent, a machine crash may leave data unwritten.", "--no-fsync")] = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, with a unit: 5GB, 500MB.")] = "5GB",
     sample: Annotated[bool, _flag("Convert the built-in tiny sample checkpoint.", "--sample")] = False,
     fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
@@ -121,7 +124,7 @@ def convert(
     try:
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
-            resume=resume, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, on_plan=start_bar,
+            resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, on_plan=start_bar,
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
