@@ -116,9 +116,9 @@ def test_canonical_validation_rejects_bad_values(bad, message):
 
 
 @pytest.mark.parametrize("n,k_half", [(64, 8), (128, 40), (192, 504), (1024, 2048)])
-def test_sm120_two_stage_tile_packing_is_the_documented_permutation(n, k_half):
-    """pack_tiles (two copies, for speed) against the module docstring's single 8-D view permutation, also for
-    a view that starts at an odd byte offset (the int64 stage must not misread it)."""
+def test_sm120_tile_packing_is_the_documented_permutation(n, k_half):
+    """pack_tiles (a gather, for speed) against the module docstring's single 8-D view permutation, also for
+    a view that starts at an odd byte offset."""
     seed = int(torch.randint(0, 2**31, ()))
     gen = torch.Generator().manual_seed(seed)
     storage = torch.randint(0, 256, (n * k_half + 1,), dtype=torch.uint8, generator=gen)

@@ -51,6 +51,7 @@ K_ALIGN = 256  # the kernel's largest K step
 STRIPE = 16  # rows of one A tile
 CHUNK = 64  # K-elements of one 16-byte word group (4 tiles of 16)
 PACK_ROWS = 256  # rows packed at a time (a multiple of ROW_ALIGN): temporaries stay in cache, memory flat
+SCALE_BLOCK_BYTES = 1 << 18  # scale bytes gathered at a time (their int32 index: 1 MB)
 
 # Element e of a word: lowest of its 3 magnitude bits, and its sign bit.
 MAG_SHIFT = (6, 22, 3, 19, 0, 16, 26, 10)
@@ -172,10 +173,22 @@ def unpack_words(words: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn ``[Np, Kp/16]`` -> ``[Np/16, Kp]``: per stripe and chunk, bytes in ``(g, t, h)`` order."""
+    """float8_e4m3fn ``[Np, Kp/16]`` -> ``[Np/16, Kp]``: per stripe and chunk, bytes in ``(g, t, h)`` order.
+
+    A gather, ``SCALE_BLOCK_BYTES`` at a time, by one int32 index of a block's positions (the view permutation
+    ``(s, h, g, c, t) -> (s, c, g, t, h)`` applied to them): the permutation's innermost run is one byte, on
+    which torch's strided copy took 3x as long."""
     np_, kb = scales.shape
-    view = scales.view(torch.uint8).view(np_ // STRIPE, 2, 8, kb // 4, 4)  # s, h, g, c, t (block 4c + t)
-    return view.permute(0, 3, 2, 4, 1).reshape(np_ // STRIPE, kb * BLOCK_SIZE).view(scales.dtype)
+    stripe_bytes = STRIPE * kb
+    per_block = stripe_bytes * max(1, min(np_ // STRIPE, SCALE_BLOCK_BYTES // stripe_bytes))
+    positions = torch.arange(per_block, dtype=torch.int32, device=scales.device)
+    order = positions.view(-1, 2, 8, kb // 4, 4).permute(0, 3, 2, 4, 1).reshape(-1)  # s, h, g, c, t (block 4c + t)
+    flat = scales.contiguous().view(torch.uint8).view(-1)
+    out = torch.empty(np_ * kb, dtype=torch.uint8, device=scales.device)
+    for first in range(0, flat.numel(), per_block):  # a last, shorter block is whole stripes: a prefix of order
+        count = min(per_block, flat.numel() - first)
+        torch.index_select(flat[first : first + count], 0, order[:count], out=out[first : first + count])
+    return out.view(np_ // STRIPE, kb * BLOCK_SIZE).view(scales.dtype)
 
 
 def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
