@@ -27,7 +27,7 @@ from ..targets.layout import round_up
 from ..targets.sm90 import DECODE_BIAS_LOG2, decode_pairs
 
 ROW_BLOCK_ELEMENTS = 1 << 20  # elements gathered at a time: 4 MiB of int32 offsets
-WORD_BLOCK = 1 << 18  # sm90 words decoded at a time: 8 MiB of int64 bf16x2 pairs
+WORD_BLOCK = 1 << 18  # sm90 words decoded at a time: 4 MiB of int32 bf16x2 pairs
 
 Offsets = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,10 +97,8 @@ def sm90_values(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     first, last = int(positions.min()) >> 3, (int(positions.max()) >> 3) + 1
     span = torch.empty(8 * (last - first), dtype=torch.bfloat16, device=flat.device)
     for start in range(first, last, WORD_BLOCK):
-        pairs = decode_pairs(flat[start : min(last, start + WORD_BLOCK)])  # [w, 4] int64
-        halves = torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).reshape(-1)  # element 2i + half
-        raw = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
-        span[8 * (start - first) : 8 * (start - first) + halves.numel()] = (raw * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
+        raw = decode_pairs(flat[start : min(last, start + WORD_BLOCK)]).view(torch.bfloat16).reshape(-1)
+        span[8 * (start - first) : 8 * (start - first) + raw.numel()] = (raw.float() * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
     return _gather(span, positions - 8 * first)
 
 

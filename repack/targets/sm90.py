@@ -257,12 +257,18 @@ def _rotl(word: torch.Tensor, r: int) -> torch.Tensor:
     return ((word << r) | (word >> (32 - r))) & 0xFFFFFFFF if r else word
 
 
+def _rotl32(word: torch.Tensor, r: int) -> torch.Tensor:
+    """Rotate int32 values left by ``r`` as uint32 (torch's ``>>`` is arithmetic: the wrapped bits are masked)."""
+    return (word << r) | ((word >> (32 - r)) & ((1 << r) - 1)) if r else word
+
+
 def decode_pairs(words: torch.Tensor) -> torch.Tensor:
-    """The kernel's bit decode: int32 words ``[...]`` -> int64 bf16x2 patterns ``[..., 4]`` (pair i = elements 2i, 2i+1)."""
-    word = words.to(torch.int64) & 0xFFFFFFFF
-    pairs = [
-        (_rotl(word, rm) & PAIR_MAG_MASK) | (_rotl(word, rs) & PAIR_SIGN_MASK) for rm, rs in DECODE_ROTATIONS
-    ]
+    """The kernel's bit decode: int32 words ``[...]`` -> int32 bf16x2 patterns ``[..., 4]``: pair i holds element
+    2i in its low 16 bits and 2i+1 in its high 16 bits, so ``.view(torch.bfloat16)`` is ``[..., 8]`` in element
+    order. In int32, as the kernel computes it (int64 arithmetic took 3x as long)."""
+    word = words.to(torch.int32)
+    sign_mask = PAIR_SIGN_MASK - (1 << 32)  # 0x80008000 as an int32
+    pairs = [(_rotl32(word, rm) & PAIR_MAG_MASK) | (_rotl32(word, rs) & sign_mask) for rm, rs in DECODE_ROTATIONS]
     return torch.stack(pairs, dim=-1)
 
 
@@ -272,9 +278,7 @@ def dequantize_runtime(layer: RuntimeLayer, n: int, k: int) -> torch.Tensor:
     Uses the kernel's rotate-and-mask decode (bf16 bit patterns scaled by ``2**-126``), not the inverse
     layout transform, so it checks the bit placement against the kernel's arithmetic.
     """
-    pairs = decode_pairs(layer.weight)  # [Np/16, 2Kp, 4]
-    halves = torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).flatten(-2)  # [.., 8], e = 2i + half
-    raw = halves.to(torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float64)
+    raw = decode_pairs(layer.weight).view(torch.bfloat16).to(torch.float64)  # [Np/16, 2Kp, 8], element order
     values = raw * 2.0**-DECODE_BIAS_LOG2
     stripes, kp2 = layer.weight.shape
     np_, kp = stripes * STRIPE, kp2 // 2
