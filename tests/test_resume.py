@@ -138,10 +138,12 @@ def wait_for_a_finished_shard(out: Path, process, timeout: float = 120.0) -> Non
     raise AssertionError("the convert finished no shard before the deadline")
 
 
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
-def test_real_interrupt_then_resume_on_the_cli(tmp_path, how):
+@pytest.mark.parametrize("how,flags", [(signal.SIGINT, []), (signal.SIGKILL, []), (signal.SIGKILL, ["--no-fsync"])],
+                         ids=["ctrl-c", "kill-9", "kill-9-no-fsync"])
+def test_real_interrupt_then_resume_on_the_cli(tmp_path, how, flags, capsys):
+    """Also without fsync: a killed process's writes are in the page cache, so its finished shards are kept."""
     source = make_checkpoint(tmp_path / "model", seed=5, shapes=[(1024, 2048)] * 24)
-    argv = ["convert", source, "-t", "sm120", "-o", tmp_path / "out", "--max-shard-size", "1MB"]
+    argv = ["convert", source, "-t", "sm120", "-o", tmp_path / "out", "--max-shard-size", "1MB", *flags]
     process = run_cli_process(argv, tmp_path)
     wait_for_a_finished_shard(tmp_path / "out", process)
     process.send_signal(how)
@@ -153,7 +155,9 @@ def test_real_interrupt_then_resume_on_the_cli(tmp_path, how):
     else:
         assert process.returncode == -signal.SIGKILL
     assert not (tmp_path / "out").exists()
+    capsys.readouterr()
     assert main([str(a) for a in argv + ["--resume"]]) == 0
+    assert "shards kept from the interrupted run" in " ".join(capsys.readouterr().out.split())  # rich may wrap
     convert(source, "sm120", tmp_path / "reference", max_shard_size="1MB")
     assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "reference")
 
