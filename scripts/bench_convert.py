@@ -10,9 +10,10 @@ publishes them, so the disk's write speed bounds it; `cp` does not wait for the 
 starts after an `os.sync()`, so none pays for the writeback of an earlier one; `load` is the 1-minute load
 average when the job started (other work on the machine slows every row). A job is a target (`sm100`),
 several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync` (convert --no-fsync: published
-without waiting for the disk), `verify:T` (verify the bundle of target T against the source). The run also measures the costs no convert avoids, on the same checkpoint: sha256 and xxh3 of every
-byte (CPU seconds, from a mapping) and the CPU of `cp -r` itself (the kernel's copy into new page-cache pages),
-and prints the bound they imply on 2 cores. The checkpoint is made of [N, K] = [4096, 14336] layers
+without waiting for the disk), `verify:T` (verify the bundle of target T against the source). The run also
+measures the costs no convert avoids, on the same checkpoint: sha256 and xxh3 of every byte (CPU seconds,
+from a mapping) and the CPU of `cp -r` itself (the kernel's copy into new page-cache pages), and prints the
+bound they imply on 2 cores. The checkpoint is made of [N, K] = [4096, 14336] layers
 (the largest tensor of a Llama-8B MLP), so peak RSS should stay near the import baseline plus a few layers,
 whatever the model size.
 """

@@ -77,7 +77,8 @@ def test_no_fsync_writes_the_same_bundles_without_waiting_for_the_disk(make_mode
     capsys.readouterr()
     synced: list[Path] = []
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
+    monkeypatch.setattr(os, "fsync",
+                        lambda fd: synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))) or real_fsync(fd))
     writebacks: list[int] = []
     monkeypatch.setattr(writer, "WRITEBACK_BYTES", 1)  # every write would ask for writeback
     monkeypatch.setattr(writer, "START_WRITEBACK", lambda fd, offset, nbytes: writebacks.append(nbytes))

@@ -107,13 +107,16 @@ def test_decode_shifts_deliver_the_rotated_bits() -> None:
     """Where the decode PTX uses a plain left shift instead of a rotate, every bit it keeps is the same."""
     from repack.runtime.backends.triton_sm90 import ptx
 
-    words = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
-    words[:2] = torch.tensor([0xFFFFFFFF, 0x80000001])
+    unsigned = torch.randint(0, 2**32, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(3))
+    unsigned[:2] = torch.tensor([0xFFFFFFFF, 0x80000001])
+    words = unsigned.to(torch.int32)  # the same bits, as the int32 decode holds them
     plain = 0
     for r, mask in ptx._rotation_masks().items():
+        rotated = ((unsigned << r) | (unsigned >> (32 - r))) & 0xFFFFFFFF  # uint32 rotate, in int64
+        assert torch.equal(sm90._rotl32(words, r), rotated.to(torch.int32)), r
         line = ptx._rotate_line("w", r, mask)
-        shifted = (words << r) & 0xFFFFFFFF if line.startswith("shl") else sm90._rotl(words, r)
-        assert torch.equal(shifted & mask, sm90._rotl(words, r) & mask), line
+        shifted = (unsigned << r) & 0xFFFFFFFF if line.startswith("shl") else rotated
+        assert torch.equal(shifted & mask, rotated & mask), line
         plain += line.startswith("shl")
     assert plain == 4  # rotations 1, 2, 3 and 6 keep no wrapped bit; 12 does
 

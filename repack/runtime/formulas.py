@@ -98,7 +98,8 @@ def sm90_values(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     span = torch.empty(8 * (last - first), dtype=torch.bfloat16, device=flat.device)
     for start in range(first, last, WORD_BLOCK):
         raw = decode_pairs(flat[start : min(last, start + WORD_BLOCK)]).view(torch.bfloat16).reshape(-1)
-        span[8 * (start - first) : 8 * (start - first) + raw.numel()] = (raw.float() * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
+        at = 8 * (start - first)
+        span[at : at + raw.numel()] = (raw.float() * 2.0**-DECODE_BIAS_LOG2).to(torch.bfloat16)
     return _gather(span, positions - 8 * first)
 
 

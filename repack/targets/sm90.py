@@ -252,11 +252,6 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-def _rotl(word: torch.Tensor, r: int) -> torch.Tensor:
-    """Rotate uint32 values held in int64 left by ``r``."""
-    return ((word << r) | (word >> (32 - r))) & 0xFFFFFFFF if r else word
-
-
 def _rotl32(word: torch.Tensor, r: int) -> torch.Tensor:
     """Rotate int32 values left by ``r`` as uint32 (torch's ``>>`` is arithmetic: the wrapped bits are masked)."""
     return (word << r) | ((word >> (32 - r)) & ((1 << r) - 1)) if r else word
