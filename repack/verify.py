@@ -44,7 +44,7 @@ from .lane import one_torch_thread
 from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from .runtime import load_bundle
 from .runtime.transforms import block_transform
-from .targets import RuntimeLayer
+from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
 
 NUMERIC_TOLERANCE = 1e-2
@@ -391,13 +391,16 @@ def verify_bundle(
     seed: int | None = None,
     numerics: str = "auto",
     progress: Callable[[str], None] | None = None,
+    source_hashes: dict[str, Future[str]] | None = None,
 ) -> VerifyReport:
     """Run all three checks; never raises for problems inside the bundle, reports them instead.
 
     ``source`` (default: the folder the manifest records, if it exists; none with ``no_source``) must be the
     checkpoint the bundle was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a
     ``sample`` (see :func:`numerics_sample`), or ``auto``: all on a GPU, a sample on the CPU, whose reference
-    backend takes longer than every other check together. Files and the source are hashed on other threads meanwhile."""
+    backend takes longer than every other check together. Files and the source are hashed on other threads
+    meanwhile; ``source_hashes`` (the source files' sha256, being computed) lets several bundles of one source
+    share one hashing of it."""
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     loaded = load_bundle(bundle, device)
     src = _given_source(bundle, source, no_source)
@@ -411,12 +414,11 @@ def verify_bundle(
     in_flight = LAYERS_IN_FLIGHT if loaded.device.type == "cpu" else 1  # one GPU stream: no gain from threads
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, ThreadPoolExecutor(in_flight) as layers_pool, \
             one_torch_thread():
-        source_files = src.checkpoint.shard_files if src is not None else []
-        hashing = {name: pool.submit(file_sha256, src.checkpoint.contained(name)) for name in source_files}
+        hashing = None if src is None else source_hashes if source_hashes is not None else hash_source(src, pool)
         files = [pool.submit(_check_file, bundle.root, name, sha) for name, sha in sorted(bundle.manifest.files.items())]
 
         def check_identity(wait: bool) -> None:  # a wrong source stops verify as soon as its hash is known
-            if src is not None and (wait or all(f.done() for f in hashing.values())):
+            if hashing is not None and (wait or all(f.done() for f in hashing.values())):
                 check_source_identity(bundle, src, {name: f.result() for name, f in hashing.items()})
 
         transform_checks, matrices = _check_transforms(bundle, src)
@@ -460,6 +462,26 @@ def verify_bundle(
             report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"],
                                                   kinds=["exactness"]))
     return report
+
+
+def hash_source(src: SourceModel, pool: ThreadPoolExecutor) -> dict[str, Future[str]]:
+    """The source's shard files' sha256, each computed on ``pool``."""
+    return {name: pool.submit(file_sha256, src.checkpoint.contained(name)) for name in src.checkpoint.shard_files}
+
+
+def target_bundles(path: str | Path) -> list[Path]:
+    """The ``<target>`` bundles of a several-target ``convert`` output, in the targets' order (empty for
+    anything else)."""
+    root = Path(path)
+    if (root / MANIFEST_NAME).is_file():
+        return []
+    return [root / t.name for t in TARGETS if (root / t.name / MANIFEST_NAME).is_file()]
+
+
+def member_bundles(path: str | Path) -> list[Path]:
+    """The bundles an output folder holds: a ``--tp`` output's ranks, a several-target output's targets, or the
+    folder itself."""
+    return rank_bundles(path) or target_bundles(path) or [Path(path)]
 
 
 def rank_bundles(path: str | Path) -> list[Path]:
@@ -527,29 +549,34 @@ def verify_output(
     numerics: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
-    """Verify a bundle, or every rank of a ``--tp`` output and the layers the ranks reassemble into."""
-    ranks = rank_bundles(path)
-    if not ranks:
+    """Verify a bundle; or every bundle of a several-target output; or every rank of a ``--tp`` output and the
+    layers the ranks reassemble into. The bundles of one output share one hashing of the source."""
+    ranks, members = rank_bundles(path), member_bundles(path)
+    if members == [Path(path)]:
         return verify_bundle(path, source=source, no_source=no_source, device=device, seed=seed, numerics=numerics,
                              progress=progress)
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
-    bundles = [open_bundle(r) for r in ranks]
-    sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
+    bundles = [open_bundle(m) for m in members]
     src = _given_source(bundles[0], source, no_source)
-    reports = [verify_bundle(b, source=src, no_source=src is None, device=device, seed=seed + i, numerics=numerics,
-                             progress=progress)
-               for i, b in enumerate(bundles)]
-    first = reports[0]
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        hashes = hash_source(src, pool) if src is not None else None
+        reports = [verify_bundle(b, source=src, no_source=src is None, device=device, seed=seed + i, numerics=numerics,
+                                 progress=progress, source_hashes=hashes)
+                   for i, b in enumerate(bundles)]
     merged = VerifyReport(
-        bundle=str(path), target=first.target, device=device, backend=first.backend, source=first.source,
+        bundle=str(path), target=", ".join(dict.fromkeys(r.target for r in reports)), device=device,
+        backend=", ".join(dict.fromkeys(r.backend for r in reports)), source=reports[0].source,
         seed=seed, tolerance=NUMERIC_TOLERANCE, files=[], layers=[], passthrough=[],
         numerics_layers=sum(r.numerics_layers for r in reports),
     )
-    for rank, report in zip(ranks, reports):
-        merged.files += _prefixed(report.files, rank.name)
-        merged.layers += _prefixed(report.layers, rank.name)
-        merged.passthrough += _prefixed(report.passthrough, rank.name)
-        merged.transforms += _prefixed(report.transforms, rank.name)
+    for member, report in zip(members, reports):
+        merged.files += _prefixed(report.files, member.name)
+        merged.layers += _prefixed(report.layers, member.name)
+        merged.passthrough += _prefixed(report.passthrough, member.name)
+        merged.transforms += _prefixed(report.transforms, member.name)
+    if not ranks:
+        return merged
+    sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
     tp = bundles[0].manifest.tp_size
     if sizes != {(tp, r) for r in range(tp)}:
         merged.files.append(TensorCheck(str(path), "fail", [f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"],

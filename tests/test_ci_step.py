@@ -121,6 +121,63 @@ def test_several_targets_refuse_to_write_into_a_bundle(make_model, tmp_path):
         convert(model.path, ["sm100", "sm120"], tmp_path / "b")
 
 
+def count_source_hashes(monkeypatch, source: Path) -> list[Path]:
+    """Record every sha256 verify computes of a file of ``source``."""
+    import repack.verify as verify_module
+
+    hashed: list[Path] = []
+    real = verify_module.file_sha256
+    monkeypatch.setattr(verify_module, "file_sha256",
+                        lambda path: (hashed.append(path) if path.parent == source else None) or real(path))
+    return hashed
+
+
+def test_verify_and_inspect_take_a_several_target_output(make_model, tmp_path, monkeypatch, capsys):
+    """``verify OUT`` after ``convert -t all -o OUT``: every target's bundle, the source hashed once for them all;
+    a damaged byte in one target's shard fails verify under that target's name."""
+    model = make_model(shards=2, seed=fresh_seed())
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert main(["convert", str(model.path), "-t", "all", "-o", str(out), "--max-shard-size", "2KB"]) == 0
+    capsys.readouterr()
+    hashed = count_source_hashes(monkeypatch, model.path)
+    assert main(["verify", str(out), "--json", "--numerics", "all", "--seed", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["source"] == str(model.path)
+    assert sorted(hashed) == sorted(model.path / f for f in json.loads(
+        (out / "sm100" / "manifest.json").read_text())["source"]["files"]), "each source file hashed once"
+    assert report["target"] == ", ".join(t.name for t in TARGETS)
+    assert report["numerics_layers"] == len(TARGETS) * len(model.layers)
+    for target in TARGETS:  # every target's layers, passthrough tensors and files, under its name
+        assert {c["name"] for c in report["layers"]} >= {f"{target.name}/{prefix}" for prefix in model.layers}
+        assert {c["name"] for c in report["passthrough"]} >= {f"{target.name}/{name}" for name in model.plain}
+        files = {c["name"] for c in report["files"]}
+        assert {f"{target.name}/{f.name}" for f in (out / target.name).iterdir() if f.name != "manifest.json"} <= files
+    assert main(["inspect", str(out), "--json"]) == 0
+    assert [m["target"] for m in json.loads(capsys.readouterr().out)] == [t.name for t in TARGETS]
+    assert main(["inspect", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert [text.count(f"target {t.name} ({t.layout_id})") for t in TARGETS] == [1] * len(TARGETS)
+    shard = sorted((out / "sm120").glob("model-*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert main(["verify", str(out), "--json"]) == 1
+    failed = {c["name"] for c in json.loads(capsys.readouterr().out)["files"] if c["status"] == "fail"}
+    assert failed == {f"sm120/{shard.name}"}
+
+
+def test_a_several_target_output_is_refused_against_another_source(make_model, tmp_path, capsys):
+    seed = fresh_seed()
+    model = make_model(seed=seed)
+    other = make_model(seed=seed + 1)
+    capsys.readouterr()
+    convert(model.path, ["sm100", "sm90"], tmp_path / "out")
+    assert main(["verify", str(tmp_path / "out"), "--source", str(other.path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not the source the bundle was built from" in err, err
+
+
 # --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------
 
 

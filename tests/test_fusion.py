@@ -18,6 +18,8 @@ from repack.runtime import load_bundle
 from repack.sample.synthetic import llama_layers, write_llama
 from repack.verify import verify_output
 
+from .test_ci_step import count_source_hashes
+
 
 def _gen() -> torch.Generator:
     seed = int(torch.randint(0, 2**31, ()))
@@ -205,3 +207,11 @@ def test_fuse_resumes(tmp_path):
     again = convert(root, "sm100", tmp_path / "b", fuse=True, resume=True)  # nothing to resume: a fresh convert
     assert again.kept_shards == 0 and first.bundles == [str(tmp_path / "a")]
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_tp_ranks_share_one_hashing_of_the_source(tmp_path, monkeypatch):
+    root = _llama(tmp_path / "m")
+    convert(root, "sm100", tmp_path / "out", tp=2)
+    hashed = count_source_hashes(monkeypatch, root)
+    assert verify_output(tmp_path / "out").passed
+    assert sorted(hashed) == sorted(root.glob("*.safetensors"))

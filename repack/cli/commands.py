@@ -241,24 +241,26 @@ def inspect(
 ) -> None:
     """Describe a source checkpoint (format, layers, shapes) or a bundle (its manifest).
 
+    An output folder of several targets, or of --tp ranks: each of its bundles.
+
     Examples:
       nvfp4-repack inspect ./Llama-3.1-8B-NVFP4
       nvfp4-repack inspect sample-sm100 --json
     """
     from ..bundle.reader import is_bundle
-    from ..verify import rank_bundles
+    from ..verify import member_bundles
 
     if not path.exists():
         raise RepackError(f"{path}: no such file or directory")
-    ranks = rank_bundles(path) if path.is_dir() else []
-    if ranks and as_json:
+    members = member_bundles(path) if path.is_dir() else [path]
+    if members != [path] and as_json:
         from ..bundle.reader import open_bundle
 
-        print(json.dumps([json.loads(open_bundle(rank).manifest.to_json()) for rank in ranks], indent=2))
+        print(json.dumps([json.loads(open_bundle(member).manifest.to_json()) for member in members], indent=2))
         return
-    for rank in ranks:
-        _inspect_bundle(rank, as_json)
-    if ranks:
+    if members != [path]:
+        for member in members:
+            _inspect_bundle(member, as_json)
         return
     (_inspect_bundle if is_bundle(path) else _inspect_source)(path, as_json)
 
@@ -303,7 +305,9 @@ FAILURES_SHOWN = 5  # per check kind; the rest are counted (all of them are in -
 
 
 def verify(
-    bundle: Annotated[Path, typer.Argument(help="The bundle folder to check.")],
+    bundle: Annotated[
+        Path, typer.Argument(help="The bundle folder to check, or a convert output of several targets or --tp ranks.")
+    ],
     source: Annotated[
         Optional[str],
         typer.Option(help="The source checkpoint, a folder or Hub repo id (default: the folder recorded in the "
@@ -327,7 +331,8 @@ def verify(
 ) -> int:
     """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
 
-    A ``--tp`` output folder: every rank, and each source layer reassembled from the ranks' outputs.
+    An output folder of several targets: every target's bundle, the source hashed once. A ``--tp`` output
+    folder: every rank, and each source layer reassembled from the ranks' outputs.
     Exits 0 only when every check passes. The source must be the checkpoint the bundle was built from (by
     sha256); without one, verify fails unless --no-source is given.
 
@@ -335,13 +340,14 @@ def verify(
       nvfp4-repack verify sample-sm100
       nvfp4-repack verify llama-sm90 --source ./Llama-3.1-8B-NVFP4 --device cuda --report report.json
       nvfp4-repack verify llama-sm100 --no-source --json
+      nvfp4-repack verify llama-bundles  # the output of convert -t all -o llama-bundles
     """
     from ..bundle.reader import open_bundle
-    from ..verify import rank_bundles, resolve_source, verify_output
+    from ..verify import member_bundles, resolve_source, verify_output
 
     if no_source and source is not None:
         raise typer.BadParameter("give either --source or --no-source")
-    opened = [open_bundle(b) for b in rank_bundles(bundle) or [bundle]]
+    opened = [open_bundle(b) for b in member_bundles(bundle)]
     src = None if no_source else resolve_source(opened[0], source, revision)
     if src is None and not no_source:
         raise RepackError(f"{opened[0].manifest.source.path}: the bundle's source is not there; pass --source MODEL, "
