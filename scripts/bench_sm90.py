@@ -1,9 +1,10 @@
 """Benchmark the sm90 Triton W4A16 linear against bf16 cuBLAS and Humming on the same weights (Hopper GPU).
 
-Two tables. First, the CPU time one eager call costs at M = 1 (``--overhead``): ``F.linear`` and ``nn.Linear`` on
-bf16 weights, the op as a model calls it (``PackedLinear``, ``nvfp4_linear``), the backend (``triton_sm90.linear``,
-the prepared per-layer path), the custom op's own dispatch, and Humming: host time of a burst of calls that the
-GPU queue absorbs without blocking. Then, for each layer N x K and batch M, the median time of ``F.linear`` on the
+Two tables. First, the CPU time one eager call costs at M = 1 and 32 (``--overhead-ms``: the decode kernel, then
+the tensor-core kernel with its k-slot pass): ``F.linear`` and ``nn.Linear`` on bf16 weights, the op as a model
+calls it (``PackedLinear``, ``nvfp4_linear``), the backend (``triton_sm90.linear``, the prepared per-layer path),
+the custom op's own dispatch, and Humming: host time of a burst of calls that the GPU queue absorbs without
+blocking. Then, for each layer N x K and batch M, the median time of ``F.linear`` on the
 weights dequantized to bf16 (cuBLAS), of ``triton_sm90.linear`` (the dispatching op), of Humming (the kernel
 vLLM 0.33 picks for NVFP4 W4A16 on sm90, prepared and called as its ``HummingNvFp4LinearKernel`` does; skipped if
 ``humming`` is not importable), the speedups, and the op's achieved bandwidth against the device-to-device copy
@@ -13,7 +14,7 @@ best (the same code moved by up to 9% between runs at large M, docs/benchmarks.m
 against a float64 reference, the op and Humming alike.
 
     PYTHONPATH=.:scripts python3 scripts/bench_sm90.py [--json out.json] [--shapes 4096x4096,...] [--ms 1,16]
-                                                       [--overhead-only] [--profile]
+                                                       [--overhead-only] [--overhead-ms 1,32] [--profile]
 
 ``scripts/sm90_sweep.py`` times candidate work splits of either kernel (how ``gemv_config_for`` and
 ``tc_config_for`` were chosen).
@@ -22,12 +23,13 @@ against a float64 reference, the op and Humming alike.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,7 @@ REL_TOL = 1e-2
 GRAPH_MS = 3.0  # device time per timed graph replay
 REPEATS = 3  # interleaved timings of each candidate, best kept
 OVERHEAD_SHAPES = [(4096, 4096), (14336, 4096)]
+OVERHEAD_MS = (1, 32)  # the decode kernel's launch, and the tensor-core kernel's (with its k-slot pass)
 # vLLM 0.33's HummingNvFp4LinearKernel: compressed-tensors NVFP4 through humming's own loader, default compute config
 HUMMING_QUANT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "type": "float",
                  "num_bits": 4, "strategy": "group", "group_size": 16}  # fmt: skip
@@ -224,13 +227,13 @@ def host_us_per_call(call: Callable[[], object], calls: int = 200, repeats: int 
     return statistics.median(samples) * 1e6
 
 
-def overhead_rows(with_humming: bool, profile: bool = False) -> list[dict]:
-    """Per-call CPU cost at M = 1 of each way to call one layer, measured in turn on the same weights."""
+def overhead_rows(with_humming: bool, profile: bool = False, ms: Sequence[int] = OVERHEAD_MS) -> list[dict]:
+    """Per-call CPU cost at each M of each way to call one layer, measured in turn on the same weights."""
     rows = []
-    for n, k in OVERHEAD_SHAPES:
+    for (n, k), m in itertools.product(OVERHEAD_SHAPES, ms):
         layer = make_layer(n, k, 0, seed=n + k)
         tensors = layer.copies[0]
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         dense = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         dense.weight.data = layer.dense[0]
         packed = PackedLinear(RuntimeLayer(**tensors, weights_padding_cols=0), n, k, "sm90", "triton", x.device)
@@ -257,9 +260,9 @@ def overhead_rows(with_humming: bool, profile: bool = False) -> list[dict]:
         for _ in range(3):  # in turn, best kept, as the GPU tables do
             for name, call in calls.items():
                 times[name].append(host_us_per_call(call))
-        rows += [{"n": n, "k": k, "call": name, "host_us": min(t)} for name, t in times.items()]
+        rows += [{"n": n, "k": k, "m": m, "call": name, "host_us": min(t)} for name, t in times.items()]
         if profile:
-            profile_calls(calls["PackedLinear(x)"], f"PackedLinear(x), {n}x{k}, M = 1")
+            profile_calls(calls["PackedLinear(x)"], f"PackedLinear(x), {n}x{k}, M = {m}")
         del layer
     return rows
 
@@ -302,17 +305,20 @@ def main() -> None:
     parser.add_argument("--shapes", help="layers NxK[,NxK...] (default: the seven Llama-3 shapes)")
     parser.add_argument("--ms", help="batch sizes M[,M...] (default: %s)" % ",".join(map(str, MS)))
     parser.add_argument("--overhead-only", action="store_true", help="only the per-call CPU cost table")
-    parser.add_argument("--profile", action="store_true", help="also a cProfile of PackedLinear(x) at M = 1")
+    parser.add_argument("--overhead-ms", default=",".join(map(str, OVERHEAD_MS)),
+                        help="batch sizes of the per-call CPU cost table (1: the decode kernel, 32: the tensor-core one)")
+    parser.add_argument("--profile", action="store_true", help="also a cProfile of PackedLinear(x) at each of them")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
     ms = [int(m) for m in args.ms.split(",")] if args.ms else MS
     props = torch.cuda.get_device_properties(0)
     with_humming = humming_available()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB, torch {torch.__version__}")
-    report: dict = {"device": props.name, "overhead": overhead_rows(with_humming, args.profile), "rows": []}
-    print("\n| N x K | call at M = 1 | CPU us per call |\n| --- | --- | --- |")
+    overhead_ms = [int(m) for m in args.overhead_ms.split(",")]
+    report: dict = {"device": props.name, "overhead": overhead_rows(with_humming, args.profile, overhead_ms), "rows": []}
+    print("\n| N x K | M | call | CPU us per call |\n| --- | --- | --- | --- |")
     for r in report["overhead"]:
-        print(f"| {r['n']}x{r['k']} | {r['call']} | {r['host_us']:.1f} |")
+        print(f"| {r['n']}x{r['k']} | {r['m']} | {r['call']} | {r['host_us']:.1f} |")
     write_json(args.json, report)
     if args.overhead_only:
         return

@@ -112,6 +112,63 @@ def test_tensor_core_every_config_and_split_writes_all(m: int, split_k: int, con
     check(y, x, dequantize(weight).cuda())
 
 
+def test_tensor_core_cached_launch_is_the_kernel_triton_picks(monkeypatch) -> None:
+    """The tensor-core kernel goes through ``Launcher`` (keyed on its TMA descriptors too): every call's compiled
+    kernel is the one Triton's own ``warmup`` picks for those arguments, and the output is bit for bit that of
+    Triton's generic launch (Ms that Triton specialises differently: 1, multiples of 16 and not)."""
+    from repack.runtime.backends.triton_sm90 import tensor_core
+
+    b, launcher = backend(), tensor_core._launch_tc
+    calls = []
+    monkeypatch.setattr(tensor_core, "_launch_tc",
+                        lambda grid, args, kwargs: calls.append((grid, args, kwargs)) or launcher(grid, args, kwargs))
+    outputs = []
+    for n, k in ((208, 1040), (4096, 4096)):
+        tensors = runtime_on_gpu(random_weight(n, k, seed=n + k))
+        for m in (1, 16, 17, 32, 100, 256):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            for split_k in (1, 3):
+                config = b.tc_config_for(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+                outputs.append((x, tensors, n, k, config, split_k,
+                                b.tc_linear(x, **tensors, n=n, k=k, config=config, split_k=split_k)))
+    assert len(calls) == len(outputs)
+    for grid, args, kwargs in calls:
+        assert launcher.compiled_for(grid, args, kwargs)[0] is tensor_core._tc_kernel.warmup(*args, grid=grid, **kwargs)
+    monkeypatch.setattr(tensor_core, "_launch_tc",
+                        lambda grid, args, kwargs: tensor_core._tc_kernel[grid](*args, **kwargs))
+    for x, tensors, n, k, config, split_k, y in outputs:
+        generic = b.tc_linear(x, **tensors, n=n, k=k, config=config, split_k=split_k)
+        assert torch.equal(y.view(torch.int16), generic.view(torch.int16))
+
+
+def test_launcher_skips_tritons_generic_path_unless_a_hook_is_set(monkeypatch) -> None:
+    """Once compiled, a ``Launcher`` launch does not enter Triton's ``JITFunction.run`` (its generic launch: about
+    100 us of CPU per call); with a launch hook set (a profiler's), it does, so that the hook sees the launch."""
+    from triton import knobs
+
+    from repack.runtime.backends.triton_sm90 import tensor_core
+
+    b = backend()
+    n, k, m = 208, 1040, 32  # the tensor-core kernel and its k-slot pass
+    tensors = runtime_on_gpu(random_weight(n, k, seed=7))
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    y = b.linear(x, **tensors, n=n, k=k)  # compiles both kernels
+    entered = []
+    for kernel in (tensor_core._tc_kernel, tensor_core._kslot_kernel):
+        monkeypatch.setattr(kernel, "run", lambda *a, real=kernel.run, **kw: entered.append(real) or real(*a, **kw))
+    assert torch.equal(b.linear(x, **tensors, n=n, k=k), y) and entered == []
+
+    def hook(*args, **kwargs) -> None:
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert torch.equal(b.linear(x, **tensors, n=n, k=k), y)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(entered) == 2
+
+
 def test_tensor_core_rejects_a_single_stage() -> None:
     """The loader refills a slot only after the consumers released it, one step later: one slot would deadlock."""
     tensors = runtime_on_gpu(random_weight(64, 256, seed=5))

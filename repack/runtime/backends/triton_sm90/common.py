@@ -58,10 +58,23 @@ def narrow(n: int, sm_count: int) -> bool:
 
 
 def _arg_key(arg: object) -> object:
-    """What Triton's specialisation can depend on: a tensor's dtype and 16-byte alignment, any other value itself."""
+    """What Triton's specialisation can depend on: a tensor's dtype and 16-byte alignment; a tensor descriptor's
+    dtype, block, shared layout and padding (Triton's own key, ``tensordesc<dtype[block],layout>``), and whether
+    each of its sizes and strides is a multiple of 16 (more than Triton keys on: a superset only costs a lookup);
+    any other value itself."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
+    if TensorDescriptor is not None and isinstance(arg, TensorDescriptor):
+        return (arg.base.dtype, tuple(arg.block_shape), arg.layout, arg.padding,
+                tuple(d % 16 == 0 for d in (*arg.shape, *arg.strides)))  # fmt: skip
     return arg
+
+
+def launch_hooked() -> bool:
+    """Whether a launch hook (a profiler's) is set. Triton 3.6 keeps them in a ``HookChain``, which is never None:
+    testing for None sent every launch down Triton's generic path."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class Launcher:
@@ -72,7 +85,8 @@ class Launcher:
     on a superset of what that specialisation reads (integer values exactly, tensor dtypes and alignment, the
     constexprs and options, the device), takes the first launch of each key through Triton (which compiles or finds
     the kernel), and afterwards calls the compiled kernel's launcher directly, as Triton itself does last.
-    Pointer and integer arguments only (no tensor descriptors); launch hooks (profilers) take Triton's path.
+    Pointer, integer and host tensor-descriptor arguments (the compiled launcher encodes a descriptor's TMA map on
+    every call, as Triton's path does); launch hooks (profilers) take Triton's path.
     """
 
     def __init__(self, kernel: object) -> None:
@@ -94,7 +108,7 @@ class Launcher:
         return hit
 
     def __call__(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, object]) -> None:
-        if knobs.runtime.launch_enter_hook is not None:  # a profiler's hook: Triton's own path calls it
+        if launch_hooked():  # a profiler's hook: Triton's own path calls it
             self.kernel[grid](*args, **kwargs)
             return
         compiled, constexprs = self.compiled_for(grid, args, kwargs)

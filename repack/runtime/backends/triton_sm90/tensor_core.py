@@ -15,6 +15,7 @@ and writes bf16.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -134,10 +135,9 @@ def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names th
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
-    _tc_kernel[(n_tiles, m_tiles, split_k)](
-        x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k,
-        SPLIT=split_k > 1, **tc_launch_options(config, pdl),
-    )  # fmt: skip
+    _launch_tc((n_tiles, m_tiles, split_k),
+               (x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k),
+               {"SPLIT": split_k > 1, **tc_launch_options(config, pdl)})  # fmt: skip
     return out
 
 
@@ -149,14 +149,19 @@ def tc_descriptors(
     rows = 4 * config.warpgroups
 
     def descriptor(t: torch.Tensor, block: list[int], swizzle: int) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * t.element_size(), rank=2)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(swizzle, 8 * t.element_size()))
 
     return (
         descriptor(xk, [config.bm, 64], 128),
         descriptor(weight, [rows, 128], 0),
         descriptor(weight_scale.view(torch.int16), [rows, 32], 0),
     )
+
+
+@lru_cache(maxsize=None)
+def _shared_layout(swizzle: int, bits: int) -> object:
+    """A TMA box's shared-memory layout: built once (its checks cost about 4 us per descriptor per call)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2)
 
 
 def tc_launch_options(config: TcConfig, pdl: bool = True) -> dict[str, int]:
@@ -408,3 +413,4 @@ if triton is not None:
 
     _launch_kslot = Launcher(_kslot_kernel)
     _launch_transform = Launcher(_transform_kernel)
+    _launch_tc = Launcher(_tc_kernel)  # Triton's generic launch took 0.56x bf16 at eager batch 32 (docs/benchmarks.md)
