@@ -306,7 +306,7 @@ def main() -> None:
     parser.add_argument("--ms", help="batch sizes M[,M...] (default: %s)" % ",".join(map(str, MS)))
     parser.add_argument("--overhead-only", action="store_true", help="only the per-call CPU cost table")
     parser.add_argument("--overhead-ms", default=",".join(map(str, OVERHEAD_MS)),
-                        help="batch sizes of the per-call CPU cost table (1: the decode kernel, 32: the tensor-core one)")
+                        help="batch sizes of the per-call CPU cost table (1: the decode kernel, 32: tensor-core)")
     parser.add_argument("--profile", action="store_true", help="also a cProfile of PackedLinear(x) at each of them")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
@@ -315,7 +315,8 @@ def main() -> None:
     with_humming = humming_available()
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {props.L2_cache_size >> 20} MB, torch {torch.__version__}")
     overhead_ms = [int(m) for m in args.overhead_ms.split(",")]
-    report: dict = {"device": props.name, "overhead": overhead_rows(with_humming, args.profile, overhead_ms), "rows": []}
+    overhead = overhead_rows(with_humming, args.profile, overhead_ms)
+    report: dict = {"device": props.name, "overhead": overhead, "rows": []}
     print("\n| N x K | M | call | CPU us per call |\n| --- | --- | --- | --- |")
     for r in report["overhead"]:
         print(f"| {r['n']}x{r['k']} | {r['m']} | {r['call']} | {r['host_us']:.1f} |")

@@ -135,9 +135,8 @@ def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names th
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
-    _launch_tc((n_tiles, m_tiles, split_k),
-               (x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k),
-               {"SPLIT": split_k > 1, **tc_launch_options(config, pdl)})  # fmt: skip
+    args = (x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k)
+    _launch_tc((n_tiles, m_tiles, split_k), args, {"SPLIT": split_k > 1, **tc_launch_options(config, pdl)})
     return out
 
 
@@ -149,7 +148,8 @@ def tc_descriptors(
     rows = 4 * config.warpgroups
 
     def descriptor(t: torch.Tensor, block: list[int], swizzle: int) -> TensorDescriptor:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(swizzle, 8 * t.element_size()))
+        layout = _shared_layout(swizzle, 8 * t.element_size())
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
     return (
         descriptor(xk, [config.bm, 64], 128),
