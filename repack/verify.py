@@ -35,6 +35,7 @@ import torch
 from .bundle.layers import OutputLayer, Piece, assemble, source_function, whole_piece
 from .bundle.manifest import MANIFEST_NAME, LayerRecord, PartitionRecord, tensor_digest
 from .bundle.reader import Bundle, open_bundle
+from .convert import rank_folder
 from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
@@ -574,6 +575,7 @@ def verify_output(
         merged.layers += _prefixed(report.layers, member.name)
         merged.passthrough += _prefixed(report.passthrough, member.name)
         merged.transforms += _prefixed(report.transforms, member.name)
+    merged.files += _check_folder_names(members, bundles, ranked=bool(ranks))
     if not ranks:
         return merged
     sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
@@ -586,6 +588,20 @@ def verify_output(
     if src is not None:
         merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
     return merged
+
+
+def _check_folder_names(members: list[Path], bundles: list[Bundle], ranked: bool) -> list[TensorCheck]:
+    """Each folder holds the bundle its name promises: ``rank-R`` rank R's, ``<target>`` that target's. What a
+    deployment picks by folder name (vLLM rank R opens ``rank-R``) would otherwise load another rank's weights, or
+    another GPU family's layout."""
+    checks = []
+    for member, bundle in zip(members, bundles):
+        expected = rank_folder(bundle.manifest.tp_rank) if ranked else bundle.target.name
+        if member.name != expected:
+            checks.append(TensorCheck(member.name, "fail", [f"{member.name}: holds the bundle of {expected} (by its "
+                                                            f"manifest); move it to {expected} or re-convert"],
+                                      ["integrity"]))
+    return checks
 
 
 def _check_served_root(root: Path, rank0: Bundle) -> list[TensorCheck]:

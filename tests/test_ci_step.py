@@ -178,6 +178,23 @@ def test_a_several_target_output_is_refused_against_another_source(make_model, t
     assert err.count("\n") == 1 and "not the source the bundle was built from" in err, err
 
 
+def test_a_target_folder_holding_another_targets_bundle_fails(make_model, tmp_path, capsys):
+    """OUT/sm100 and OUT/sm90 swapped: each bundle is whole and exact, but a deployment that takes OUT/sm100 to a
+    B200 would get the sm90 layout."""
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()
+    out = tmp_path / "out"
+    convert(model.path, ["sm100", "sm90"], out)
+    (out / "sm100").rename(out / "swap")
+    (out / "sm90").rename(out / "sm100")
+    (out / "swap").rename(out / "sm90")
+    assert main(["verify", str(out), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    failed = {c["name"]: c["errors"] for c in report["files"] + report["layers"] if c["status"] == "fail"}
+    assert failed == {"sm100": ["sm100: holds the bundle of sm90 (by its manifest); move it to sm90 or re-convert"],
+                      "sm90": ["sm90: holds the bundle of sm100 (by its manifest); move it to sm100 or re-convert"]}
+
+
 # --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------
 
 

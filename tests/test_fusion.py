@@ -215,3 +215,17 @@ def test_tp_ranks_share_one_hashing_of_the_source(tmp_path, monkeypatch):
     hashed = count_source_hashes(monkeypatch, root)
     assert verify_output(tmp_path / "out").passed
     assert sorted(hashed) == sorted(root.glob("*.safetensors"))
+
+
+def test_swapped_rank_folders_fail(tmp_path):
+    """rank-0 and rank-1 swapped: vLLM rank 0 would load rank 1's weights; every rank's bundle is whole and the
+    ranks still reassemble the source, so only the folder names tell."""
+    root = _llama(tmp_path / "m")
+    out = tmp_path / "out"
+    convert(root, "sm100", out, tp=2)
+    (out / "rank-0").rename(out / "swap")
+    (out / "rank-1").rename(out / "rank-0")
+    (out / "swap").rename(out / "rank-1")
+    failures = {c.name: c.errors for c in verify_output(out).failures}
+    assert failures["rank-0"] == ["rank-0: holds the bundle of rank-1 (by its manifest); move it to rank-1 or re-convert"]
+    assert failures["rank-1"] == ["rank-1: holds the bundle of rank-0 (by its manifest); move it to rank-0 or re-convert"]
