@@ -471,12 +471,13 @@ def hash_source(src: SourceModel, pool: ThreadPoolExecutor) -> dict[str, Future[
 
 
 def target_bundles(path: str | Path) -> list[Path]:
-    """The ``<target>`` bundles of a several-target ``convert`` output, in the targets' order (empty for
-    anything else)."""
+    """The ``<target>`` folders of a several-target ``convert`` output, in the targets' order (empty for
+    anything else). Every folder named after a target counts, bundle or not: one that lost its manifest must fail
+    verify, not drop out of it."""
     root = Path(path)
     if (root / MANIFEST_NAME).is_file():
         return []
-    return [root / t.name for t in TARGETS if (root / t.name / MANIFEST_NAME).is_file()]
+    return [root / t.name for t in TARGETS if (root / t.name).is_dir()]
 
 
 def member_bundles(path: str | Path) -> list[Path]:

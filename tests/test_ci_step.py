@@ -195,6 +195,17 @@ def test_a_target_folder_holding_another_targets_bundle_fails(make_model, tmp_pa
                       "sm90": ["sm90: holds the bundle of sm100 (by its manifest); move it to sm100 or re-convert"]}
 
 
+def test_a_target_folder_that_lost_its_manifest_fails_verify(make_model, tmp_path, capsys):
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()
+    out = tmp_path / "out"
+    convert(model.path, ["sm100", "sm120"], out)
+    (out / "sm120" / "manifest.json").unlink()
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sm120: no manifest.json" in err, err
+
+
 # --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------
 
 
