@@ -10,7 +10,8 @@ publishes them, so the disk's write speed bounds it; `cp` does not wait for the 
 starts after an `os.sync()`, so none pays for the writeback of an earlier one; `load` is the 1-minute load
 average when the job started (other work on the machine slows every row). A job is a target (`sm100`),
 several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync` (convert --no-fsync: published
-without waiting for the disk), `verify:T` (verify the bundle of target T against the source). The run also
+without waiting for the disk), `verify:T` (verify the bundle of target T against the source; `verify:T1+T2`: the
+several-target output, the source hashed once). The run also
 measures the costs no convert avoids, on the same checkpoint: sha256 and xxh3 of every byte (CPU seconds,
 from a mapping) and the CPU of `cp -r` itself (the kernel's copy into new page-cache pages), and prints the
 bound they imply on 2 cores. The checkpoint is made of [N, K] = [4096, 14336] layers
@@ -49,7 +50,7 @@ base = hwm()
 model, job, out = sys.argv[1:4]
 t = time.perf_counter()
 if job.startswith("verify:"):
-    report = repack.verify.verify_bundle(out, source=model)
+    report = repack.verify.verify_output(out, source=model)
     assert report.passed, report.failures
     result = {"bytes_in": 0, "bytes_out": 0}
 else:
@@ -129,7 +130,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0)
     parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync",
                                                       "sm120:no-fsync", "sm100+sm120+sm90:no-fsync",
-                                                      "verify:sm100", "verify:sm120", "verify:sm90"])
+                                                      "verify:sm100", "verify:sm120", "verify:sm90",
+                                                      "verify:sm100+sm120+sm90"])
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
