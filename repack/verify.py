@@ -473,9 +473,9 @@ def hash_source(src: SourceModel, pool: ThreadPoolExecutor) -> dict[str, Future[
 def target_bundles(path: str | Path) -> list[Path]:
     """The ``<target>`` folders of a several-target ``convert`` output, in the targets' order (empty for
     anything else). Every folder named after a target counts, bundle or not: one that lost its manifest must fail
-    verify, not drop out of it."""
+    verify, not drop out of it. A folder with a config.json is a model (or a bundle), whatever its subfolders."""
     root = Path(path)
-    if (root / MANIFEST_NAME).is_file():
+    if (root / MANIFEST_NAME).is_file() or (root / "config.json").exists():
         return []
     return [root / t.name for t in TARGETS if (root / t.name).is_dir()]
 

@@ -206,6 +206,14 @@ def test_a_target_folder_that_lost_its_manifest_fails_verify(make_model, tmp_pat
     assert err.count("\n") == 1 and "sm120: no manifest.json" in err, err
 
 
+def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, capsys):
+    model = make_model(seed=fresh_seed())
+    convert(model.path, "sm100", model.path / "sm100")
+    capsys.readouterr()
+    assert main(["inspect", str(model.path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantized_layers"] == len(model.layers)
+
+
 # --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------
 
 
