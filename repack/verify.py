@@ -43,7 +43,7 @@ from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, map_tensor
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
 from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
-from .runtime import load_bundle
+from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
@@ -559,6 +559,7 @@ def verify_output(
                              progress=progress)
     seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
     bundles = [open_bundle(m) for m in members]
+    _refuse_other_gpus(members, bundles, device)
     src = _given_source(bundles[0], source, no_source)
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
         hashes = hash_source(src, pool) if src is not None else None
@@ -589,6 +590,17 @@ def verify_output(
     if src is not None:
         merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
     return merged
+
+
+def _refuse_other_gpus(members: list[Path], bundles: list[Bundle], device: str) -> None:
+    """On a GPU, every bundle of a several-target output must be for that GPU: say which are not, before any work
+    (one GPU runs one family's kernels; the CPU's reference backend runs them all)."""
+    capability = backends.device_capability(torch.device(device))
+    others = [m for m, b in zip(members, bundles) if capability not in b.target.compute_capabilities]
+    if capability is not None and others:
+        have = f"sm{capability[0]}{capability[1]}"
+        raise RepackError(f"{', '.join(map(str, others))}: not for this {have} GPU; verify each bundle for {have} "
+                          f"with --device cuda and the others on the CPU")
 
 
 def _check_folder_names(members: list[Path], bundles: list[Bundle], ranked: bool) -> list[TensorCheck]:

@@ -214,6 +214,22 @@ def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, cap
     assert json.loads(capsys.readouterr().out)["quantized_layers"] == len(model.layers)
 
 
+def test_verify_on_a_gpu_names_the_bundles_of_other_gpus(make_model, tmp_path, monkeypatch, capsys):
+    """``verify OUT --device cuda`` on an H200 after ``convert -t all``: one line naming the sm100 / sm120 folders,
+    before any work (the GPU's capability is faked: the CPU suite has no GPU)."""
+    import repack.runtime.backends as backends
+
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()
+    out = tmp_path / "out"
+    convert(model.path, "all", out)
+    monkeypatch.setattr(backends, "device_capability", lambda device: (9, 0) if device.type == "cuda" else None)
+    assert main(["verify", str(out), "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{out / 'sm100'}, {out / 'sm120'}: not for this sm90 GPU" in " ".join(err.split()), err
+
+
 # --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------
 
 
