@@ -595,10 +595,10 @@ def verify_output(
 def _refuse_other_gpus(members: list[Path], bundles: list[Bundle], device: str) -> None:
     """On a GPU, every bundle of a several-target output must be for that GPU: say which are not, before any work
     (one GPU runs one family's kernels; the CPU's reference backend runs them all)."""
-    capability = backends.device_capability(torch.device(device))
-    others = [m for m, b in zip(members, bundles) if capability not in b.target.compute_capabilities]
-    if capability is not None and others:
-        have = f"sm{capability[0]}{capability[1]}"
+    on = torch.device(device)
+    others = [m for m, b in zip(members, bundles) if not backends.runs_on(b.target, on)]
+    if others:
+        have = "sm{}{}".format(*backends.device_capability(on))
         raise RepackError(f"{', '.join(map(str, others))}: not for this {have} GPU; verify each bundle for {have} "
                           f"with --device cuda and the others on the CPU")
 

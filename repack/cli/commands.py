@@ -253,16 +253,15 @@ def inspect(
     if not path.exists():
         raise RepackError(f"{path}: no such file or directory")
     members = member_bundles(path) if path.is_dir() else [path]
-    if members != [path] and as_json:
+    if members == [path]:
+        (_inspect_bundle if is_bundle(path) else _inspect_source)(path, as_json)
+    elif as_json:
         from ..bundle.reader import open_bundle
 
         print(json.dumps([json.loads(open_bundle(member).manifest.to_json()) for member in members], indent=2))
-        return
-    if members != [path]:
+    else:
         for member in members:
-            _inspect_bundle(member, as_json)
-        return
-    (_inspect_bundle if is_bundle(path) else _inspect_source)(path, as_json)
+            _inspect_bundle(member, as_json=False)
 
 
 def targets(as_json: JsonOpt = False) -> None:

@@ -72,12 +72,19 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
+def runs_on(target: Target, device: torch.device) -> bool:
+    """Whether ``device`` runs ``target``'s layout: the CPU (the reference backend reads every layout), or one of
+    the target's GPUs."""
+    capability = device_capability(device)
+    return capability is None or capability in target.compute_capabilities
+
+
 def choose_backend(target: Target, device: torch.device) -> str:
     """``reference`` on CPU; the target's own backend on its GPUs; an error on any other GPU."""
     capability = device_capability(device)
     if capability is None:
         return "reference"
-    if capability not in target.compute_capabilities:
+    if not runs_on(target, device):
         have = f"sm{capability[0]}{capability[1]}"
         raise RepackError(
             f"this bundle is for {target.name} ({', '.join(f'sm{a}{b}' for a, b in target.compute_capabilities)}) "
