@@ -16,7 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ..errors import Interrupted, RepackError
-from ..targets import TARGETS
+from ..targets import FAMILIES
 
 stdout = Console()
 stderr = Console(stderr=True)
@@ -212,7 +212,7 @@ def _inspect_source(path: Path, as_json: bool) -> None:
         "passthrough_tensors": len(source.passthrough),
         "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
         "transforms": _transform_summary(source),
-        "targets": [t.name for t in TARGETS],
+        "targets": [t.name for t in FAMILIES],
     }
     if as_json:
         print(json.dumps(info, indent=2))
@@ -275,7 +275,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "layout_id": t.layout_id,
             "description": t.description,
         }
-        for t in TARGETS
+        for t in FAMILIES
     ]
     if as_json:
         print(json.dumps(rows, indent=2))
