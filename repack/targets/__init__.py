@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .families import FAMILIES, Family, family_for_capability, resolve_family
+from .families import FAMILIES, Family, family_for_capability, resolve_families, resolve_family, several_families
 
 if TYPE_CHECKING:
     from .base import RuntimeLayer, Target, TensorSpec
@@ -51,5 +51,5 @@ def _target(family: Family) -> Target:
     return next(t for t in TARGETS if t.name == family.name)
 
 
-__all__ = ["FAMILIES", "TARGETS", "Family", "RuntimeLayer", "Target", "TensorSpec", "resolve_family",
-           "resolve_target", "target_for_capability"]
+__all__ = ["FAMILIES", "TARGETS", "Family", "RuntimeLayer", "Target", "TensorSpec", "resolve_families",
+           "resolve_family", "resolve_target", "several_families", "target_for_capability"]

@@ -7,6 +7,7 @@ tensor library. Each layout module (``sm100.py``, ...) joins its family's row to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import RepackError
@@ -48,6 +49,7 @@ SM120 = Family("sm120", ("sm121",), "sm120-cute-dsl-v1", ((12, 0), (12, 1)), "fl
 SM90 = Family("sm90", ("sm90a",), "sm90-triton-v2", ((9, 0),), "triton", "H100, H200", ())
 
 FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90)
+ALL = "all"  # the target name that asks for every family
 
 
 def resolve_family(name: str) -> Family:
@@ -63,3 +65,22 @@ def resolve_family(name: str) -> Family:
 def family_for_capability(major: int, minor: int) -> Family | None:
     """The family whose kernels run on compute capability ``major.minor``, if any."""
     return next((f for f in FAMILIES if (major, minor) in f.compute_capabilities), None)
+
+
+def resolve_families(names: str | Sequence[str]) -> list[Family]:
+    """Families by name or alias, ``all`` for every family; each once, in the order given (aliases of one
+    family, ``sm100`` and ``sm103``, are that family once)."""
+    wanted: list[Family] = []
+    for name in [names] if isinstance(names, str) else names:
+        for family in FAMILIES if name.strip().lower() == ALL else [resolve_family(name)]:
+            if family not in wanted:
+                wanted.append(family)
+    if not wanted:
+        raise RepackError("no target given")
+    return wanted
+
+
+def several_families(names: str | Sequence[str]) -> bool:
+    """Whether ``names`` ask for one bundle per family (``out/<target>`` each): ``all``, or two families or more."""
+    listed = [names] if isinstance(names, str) else list(names)
+    return any(n.strip().lower() == ALL for n in listed) or len(resolve_families(listed)) > 1
