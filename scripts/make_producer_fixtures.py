@@ -75,6 +75,38 @@ TRANSFORM_FIXTURES = [
     "ct_spinquant_r3_had16_nvfp4a16",  # refused by convert: q_attn / k_cache (attention-side, online)
 ]
 
+# Tiny Qwen3-MoE (4 experts, top-2, no shared experts; every layer sparse), the router ("mlp.gate") left
+# unquantized. Two intermediate sizes: 128 (2I = 256: vLLM's FlashInfer CUTLASS MoE takes it at TP 1 and 2) and
+# 48 (not a multiple of 128, nor 2I: FlashInfer CUTLASS refuses it, TRT-LLM-gen pads it).
+MOE_CFG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,  # the dense MLP's (unused: every layer is sparse)
+    moe_intermediate_size=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+)
+MOE_BASES = {"base_moe_bf16": 128, "base_moe_i48_bf16": 48}  # base -> moe_intermediate_size
+MOE_FIXTURES = [
+    *MOE_BASES,
+    "ct_moe_nvfp4",
+    "ct_moe_nvfp4a16",
+    "ct_moe_i48_nvfp4",
+    "modelopt_moe_nvfp4",
+    "modelopt_moe_i48_nvfp4",
+]
+MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]  # llm-compressor's Qwen3-MoE examples: the router stays bf16
+
 FIXTURES = [
     "base_bf16",
     "ct_nvfp4a16",
@@ -84,6 +116,7 @@ FIXTURES = [
     "modelopt_w4a16_nvfp4",
     "modelopt_nvfp4_sharded",
     *TRANSFORM_FIXTURES,
+    *MOE_FIXTURES,
 ]
 
 
@@ -103,15 +136,31 @@ def build_random_model():
     return model
 
 
-def build_model():
-    """Load the committed bf16 base (llm-compressor insists on a model with an on-disk path)."""
+def build_random_moe_model(intermediate: int):
+    """The tiny Qwen3-MoE, every weight (experts included) ~ N(0, 0.05^2) from a fixed seed."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    base = OUT / "base_bf16"
+    torch.manual_seed(SEED)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**MOE_CFG, "moe_intermediate_size": intermediate}))
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(SEED + 1)
+        for _, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
+    return model
+
+
+def build_model(base_name: str = "base_bf16"):
+    """Load a committed bf16 base (llm-compressor insists on a model with an on-disk path)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = OUT / base_name
     if not (base / "config.json").exists():
-        make_base_bf16("base_bf16")
-    return LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+        globals()[f"make_{base_name}"](base_name)
+    return AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
 
 
 def tiny_tokenizer():
@@ -147,13 +196,13 @@ def make_base_bf16(name):
 
 
 # --------------------------------------------------------------------------- llm-compressor
-def _llmc(name, scheme, calibrate, shard, transforms=()):
+def _llmc(name, scheme, calibrate, shard, transforms=(), base="base_bf16", ignore=("lm_head",)):
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    model = build_model()
-    recipe = [*transforms, QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])]
+    model = build_model(base)
+    recipe = [*transforms, QuantizationModifier(targets="Linear", scheme=scheme, ignore=list(ignore))]
     kwargs = {}
     if calibrate:
         ids = [b[0].tolist() for b in calib_batches()]
@@ -246,12 +295,12 @@ def make_ct_spinquant_r3_had16_nvfp4a16(name):
 
 
 # --------------------------------------------------------------------------- modelopt
-def _modelopt(name, cfg_name, shard):
+def _modelopt(name, cfg_name, shard, base="base_bf16"):
     import torch
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
-    model = build_model()
+    model = build_model(base)
     cfg = getattr(mtq, cfg_name)
     batches = calib_batches()
 
@@ -276,6 +325,34 @@ def make_modelopt_w4a16_nvfp4(name):
 
 def make_modelopt_nvfp4_sharded(name):
     _modelopt(name, "NVFP4_DEFAULT_CFG", shard=True)
+
+
+# --------------------------------------------------------------------------- MoE (Qwen3-MoE)
+def make_base_moe_bf16(name):
+    build_random_moe_model(MOE_BASES[name]).save_pretrained(fresh_dir(name))
+
+
+make_base_moe_i48_bf16 = make_base_moe_bf16
+
+
+def make_ct_moe_nvfp4(name):
+    _llmc(name, "NVFP4", calibrate=True, shard=False, base="base_moe_bf16", ignore=MOE_IGNORE)
+
+
+def make_ct_moe_nvfp4a16(name):
+    _llmc(name, "NVFP4A16", calibrate=False, shard=False, base="base_moe_bf16", ignore=MOE_IGNORE)
+
+
+def make_ct_moe_i48_nvfp4(name):
+    _llmc(name, "NVFP4", calibrate=True, shard=False, base="base_moe_i48_bf16", ignore=MOE_IGNORE)
+
+
+def make_modelopt_moe_nvfp4(name):
+    _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_moe_bf16")
+
+
+def make_modelopt_moe_i48_nvfp4(name):
+    _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_moe_i48_bf16")
 
 
 # --------------------------------------------------------------------------- cleanup / summary
