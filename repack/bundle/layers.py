@@ -16,7 +16,9 @@ import torch
 
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
+from ..formats.moe import ExpertGroup, expert_groups, is_moe_config, read_input_scales
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+from ..targets.moe_cutlass import ExpertStack
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
 VLLM_FUSION: dict[str, tuple[str, ...]] = {
@@ -72,7 +74,7 @@ def whole_piece(layer: QuantizedLayer) -> Piece:
 def _check_architecture(config: dict) -> None:
     supported = ", ".join(FUSABLE_ARCHITECTURES)
     archs = config.get("architectures") or []
-    moe = any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    moe = is_moe_config(config)
     if moe or len(archs) != 1 or archs[0] not in FUSABLE_ARCHITECTURES:
         what = "an MoE model" if moe else f"architecture {archs[0] if archs else 'unknown'!r}"
         raise RepackError(f"--fuse/--tp: {what} is not supported; supported (dense only): {supported}")
@@ -241,3 +243,59 @@ def rescale_error(source: SourceModel, layer: OutputLayer) -> float:
     exact = source_function(source, layer)
     error = float((dequantize(assemble(source, layer)) - exact).norm() / exact.norm().clamp(min=1e-300))
     return error if math.isfinite(error) else math.inf
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """One FusedMoE layer of one bundle: every expert of ``group``, its intermediate rows ``[rows)`` (vLLM's TP
+    split: w1, w3 and w2's K each cut to the rank's slice of the intermediate size)."""
+
+    group: ExpertGroup
+    rows: tuple[int, int]
+
+    @property
+    def prefix(self) -> str:
+        return self.group.prefix
+
+    @property
+    def intermediate(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0) -> dict[str, ExpertPlan]:
+    """The FusedMoE layers of rank ``rank`` of ``tp``: experts stacked whole, the intermediate size split."""
+    if source.quant_algo != "NVFP4":
+        raise RepackError(f"{source.quant_algo} MoE (weight-only experts) is not supported: vLLM 0.33 serves it "
+                          "with Marlin; supported: W4A4 (NVFP4) MoE checkpoints")
+    plans = {}
+    for prefix, group in expert_groups(source).items():
+        per, left = divmod(group.intermediate, tp)
+        if left or per % BLOCK_SIZE:
+            raise RepackError(f"--tp {tp}: {prefix} intermediate size {group.intermediate} gives a per-rank size "
+                              f"that is not a multiple of {BLOCK_SIZE}, as vLLM requires")
+        plans[prefix] = ExpertPlan(group, (rank * per, (rank + 1) * per))
+    return plans
+
+
+def _stack(source: SourceModel, prefixes: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``[E, N, K/2]``, block scales ``[E, N, K/16]`` and multipliers ``[E]`` of same-shaped layers."""
+    weights = [source.load_layer(source.layers[p]) for p in prefixes]
+    return (torch.stack([w.codes for w in weights]), torch.stack([w.block_scales for w in weights]),
+            torch.cat([w.multiplier.reshape(1) for w in weights]))
+
+
+def assemble_experts(source: SourceModel, plan: ExpertPlan) -> ExpertStack:
+    """The canonical expert stack of one bundle's FusedMoE layer: read once, cut to the rank's rows by slicing
+    the stacked tensors (no per-expert work beyond the reads)."""
+    group, (r0, r1) = plan.group, plan.rows
+    gate, up, down = (_stack(source, p) for p in (group.gate, group.up, group.down))
+    return ExpertStack(
+        w13_codes=torch.cat((gate[0][:, r0:r1], up[0][:, r0:r1]), dim=1),
+        w13_scales=torch.cat((gate[1][:, r0:r1], up[1][:, r0:r1]), dim=1),
+        w13_multiplier=torch.stack((gate[2], up[2]), dim=1),
+        w13_input_scale=read_input_scales(source, group.gate + group.up).view(2, -1).T.contiguous(),
+        w2_codes=down[0][:, :, r0 // 2 : r1 // 2].contiguous(),
+        w2_scales=down[1][:, :, r0 // BLOCK_SIZE : r1 // BLOCK_SIZE].contiguous(),
+        w2_multiplier=down[2],
+        w2_input_scale=read_input_scales(source, group.down),
+    )

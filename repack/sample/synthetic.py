@@ -173,3 +173,45 @@ def write_llama(
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     }
     return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=["lm_head"])
+
+
+def write_qwen3_moe(
+    root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
+    layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
+) -> Path:
+    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build: NVFP4 attention and routed experts (each expert's gate and
+    up sharing one multiplier, as the producers write them), every layer's input scale random (so that the
+    largest, which vLLM's MoE kernels share among experts, is some expert's), bf16 router, norms and embeddings."""
+    dense = llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers, head_dim=head_dim)
+    quantized = {p: w for p, w in dense.items() if ".self_attn." in p}
+    for i in range(layers):
+        for e in range(experts):
+            gate, up = random_nvfp4(intermediate, hidden, generator), random_nvfp4(intermediate, hidden, generator)
+            owner = f"model.layers.{i}.mlp.experts.{e}"
+            quantized[f"{owner}.gate_proj"] = gate
+            quantized[f"{owner}.up_proj"] = NVFP4Weight(up.codes, up.block_scales, gate.multiplier.clone())
+            quantized[f"{owner}.down_proj"] = random_nvfp4(hidden, intermediate, generator)
+    plain = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
+             "lm_head.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
+             "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
+                           ("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim)):
+            plain[f"model.layers.{i}.{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
+        plain[f"model.layers.{i}.mlp.gate.weight"] = torch.randn(experts, hidden, generator=generator).to(torch.bfloat16)
+    for prefix in quantized:  # random activation scales in the producer's convention (overriding the constants)
+        scale = torch.rand((), generator=generator) * 1e-2 + 1e-3
+        if fmt == "modelopt":
+            plain[f"{prefix}.input_scale"] = scale.to(torch.float32)
+        else:
+            plain[f"{prefix}.input_global_scale"] = (1.0 / scale).to(torch.float32).reshape(1)
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+        "intermediate_size": intermediate, "moe_intermediate_size": intermediate, "num_experts": experts,
+        "num_experts_per_tok": top_k, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
+    }
+    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config,
+                            ignore=["lm_head", "re:.*mlp.gate$"] if fmt != "modelopt" else ["lm_head", "*mlp.gate*"])

@@ -7,11 +7,16 @@ model construction, weight loading and fusion, the quantization scheme's post-pr
 swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
 the versions are pinned, so that an upgrade fails loudly instead of testing something else.
 
-    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120)
+    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120 | sm120-moe)
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
 for sm100 the 2-D buffer under vLLM's 6-D view) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
 view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
+
+MoE jobs (``sm120-moe``): vLLM's ``auto`` NVFP4 MoE backend is chosen under the emulated capability (PATCH MoE 1)
+and every tensor of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor whole, plus
+``moe-rank-R.json``: dtype, shape, stride, offset, the backend and experts class); dense layers load as for
+``sm120`` and are not dumped.
 """
 
 from __future__ import annotations
@@ -44,8 +49,17 @@ from vllm.distributed import (  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: E402
 from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vfi  # noqa: E402
+from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as moe_oracle  # noqa: E402
+from vllm.model_executor.layers.quantization import modelopt as vmodelopt  # noqa: E402
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: E402
+    compressed_tensors_moe_w4a4_nvfp4 as vct_moe,
+)
+from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as vfi_moe  # noqa: E402
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.platforms import PlatformEnum  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.utils import flashinfer as vutils_fi  # noqa: E402
 
 assert vllm.__version__ == "0.33.0", vllm.__version__
 assert flashinfer.__version__ == "0.7.2.post1", flashinfer.__version__
@@ -57,6 +71,11 @@ FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
+MOE_ARCH = {"sm120-moe": "sm120"}  # MoE job -> the capability emulated (and the dense layers' arch)
+MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
+for module in MOE_SELECTORS:
+    assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
+assert hasattr(vfi_moe, "swizzle_blockscale") and hasattr(vutils_fi, "has_flashinfer_cutlass_fused_moe")
 
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
@@ -95,6 +114,38 @@ def patch() -> None:
     # PATCH 4: torch.accelerator.empty_cache raises without an accelerator.
     torch.accelerator.empty_cache = lambda: None
 
+    # PATCH MoE 1: vLLM's own select_nvfp4_moe_backend (its auto order, every experts class's is_supported_config)
+    # runs with the platform answering as CUDA with the emulated capability and FlashInfer's MoE kernels present
+    # (as a CUDA build with FlashInfer's cubins answers on that GPU). Only while it selects: the rest of the load
+    # sees the CPU platform.
+    select = moe_oracle.select_nvfp4_moe_backend
+
+    def select_emulated(*args, **kwargs):
+        major = cc() // 10
+        names = ("is_cuda", "get_device_capability")
+        saved = {n: CpuPlatform.__dict__[n] for n in names if n in CpuPlatform.__dict__}
+        flags = {n: getattr(vutils_fi, n) for n in dir(vutils_fi) if n.startswith("has_flashinfer")}
+        CpuPlatform.is_cuda = lambda self: True
+        CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(major, 0))
+        for n in flags:
+            setattr(vutils_fi, n, lambda: True)
+        try:
+            return select(*args, **kwargs)
+        finally:
+            for n in names:
+                if n in saved:
+                    setattr(CpuPlatform, n, saved[n])
+                else:
+                    delattr(CpuPlatform, n)
+            for n, f in flags.items():
+                setattr(vutils_fi, n, f)
+
+    for module in MOE_SELECTORS:
+        module.select_nvfp4_moe_backend = select_emulated
+
+    # PATCH MoE 2: the MoE preparation binds vLLM's swizzle_blockscale (ends in .cuda()) too.
+    vfi_moe.swizzle_blockscale = swizzle_on_cpu
+
 
 def dump(model, out: Path, rank: int) -> None:
     tensors, meta = {}, {}
@@ -121,8 +172,30 @@ def dump(model, out: Path, rank: int) -> None:
     (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
 
 
+def dump_moe(model, out: Path, rank: int) -> None:
+    """Every tensor (parameters, buffers, tensor attributes) of every FusedMoE module, whole."""
+    tensors, meta = {}, {}
+    for prefix, module in model.named_modules():
+        if not isinstance(getattr(module, "w13_weight", None), torch.Tensor):
+            continue
+        found = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+        found.update({k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+        method = module.quant_method
+        info = {"backend": method.nvfp4_backend.value, "experts": type(method.moe_kernel.fused_experts).__name__,
+                "tensors": {}}
+        for name, value in sorted(found.items()):
+            tensors[f"{prefix}.{name}"] = value.detach().contiguous().clone()
+            info["tensors"][name] = {"dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape),
+                                     "stride": list(value.stride()), "offset": value.storage_offset()}
+        meta[prefix] = info
+    save_file(tensors, out / f"moe-rank-{rank}.safetensors")
+    (out / f"moe-rank-{rank}.json").write_text(json.dumps(meta, indent=2))
+
+
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     """One model build (one VllmConfig each: attention layers register their names in it)."""
+    moe = arch in MOE_ARCH
+    arch = MOE_ARCH.get(arch, arch)
     _current["arch"] = arch
     cfg = EngineArgs(
         model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
@@ -134,7 +207,7 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")
             initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
-        dump(model, out, rank)
+        (dump_moe if moe else dump)(model, out, rank)
 
 
 def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:

@@ -1,0 +1,107 @@
+"""Routed experts of an NVFP4 MoE checkpoint: ``<owner>.experts.<e>.{gate,up,down}_proj`` found among its layers.
+
+Both producers write each routed expert as three ordinary quantized linears (the layout Qwen3-MoE, Qwen2-MoE,
+DeepSeek-V3 and Mixtral-as-exported share), which the reader has already validated one by one. Here they are
+grouped into the FusedMoE layers vLLM builds (``<owner>.experts``) and checked as a whole: experts ``0..E-1``, all
+three projections each, one shape. Shared experts (``shared_expert(s).*_proj``) stay dense layers and the router
+(``<owner>.gate``) must be unquantized, as both producers leave it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import RepackError
+from .source import QuantizedLayer, SourceModel
+
+EXPERT = re.compile(r"^(?P<owner>.+)\.experts\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# A W4A4 expert's activation scale: the stored tensor, and how vLLM turns it into the dequant scale it maxes over.
+INPUT_SCALES = {
+    "modelopt": ("input_scale", lambda stored: stored.to(torch.float32)),
+    "compressed-tensors": ("input_global_scale", lambda stored: 1.0 / stored.to(torch.float32)),
+}
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """One FusedMoE layer of the source: its routed experts' layer prefixes, expert by expert."""
+
+    prefix: str  # vLLM's module, ``model.layers.0.mlp.experts``
+    gate: tuple[str, ...]
+    up: tuple[str, ...]
+    down: tuple[str, ...]
+    hidden: int
+    intermediate: int
+
+    @property
+    def experts(self) -> int:
+        return len(self.gate)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return (*self.gate, *self.up, *self.down)
+
+
+def is_moe_config(config: dict) -> bool:
+    return any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def find_expert_groups(layers: dict[str, QuantizedLayer]) -> dict[str, ExpertGroup]:
+    """``{module prefix: its experts}`` for every ``<owner>.experts.<e>.<proj>`` layer; one-line refusals for an
+    incomplete or ragged set."""
+    found: dict[str, dict[str, dict[int, QuantizedLayer]]] = {}
+    for prefix, layer in layers.items():
+        match = EXPERT.match(prefix)
+        if match:
+            projs = found.setdefault(f"{match['owner']}.experts", {p: {} for p in PROJECTIONS})
+            projs[match["proj"]][int(match["index"])] = layer
+    groups = {}
+    for module, projs in sorted(found.items()):
+        count = max(len(by_index) for by_index in projs.values())
+        for proj, by_index in projs.items():
+            missing = sorted(set(range(count)) - set(by_index))
+            if missing or max(by_index, default=-1) != count - 1:
+                raise RepackError(f"{module}: expert {missing[0] if missing else count} has no NVFP4 {proj}; "
+                                  f"expected experts 0..{count - 1}, each with {', '.join(PROJECTIONS)}")
+        gate, up, down = ([projs[p][e] for e in range(count)] for p in PROJECTIONS)
+        intermediate, hidden = gate[0].n, gate[0].k
+        for e in range(count):
+            shapes = [(gate[e].n, gate[e].k), (up[e].n, up[e].k), (down[e].n, down[e].k)]
+            if shapes != [(intermediate, hidden), (intermediate, hidden), (hidden, intermediate)]:
+                raise RepackError(f"{module}.{e}: gate/up/down shapes {shapes} differ from expert 0's "
+                                  f"[{intermediate}, {hidden}] / [{hidden}, {intermediate}]")
+        groups[module] = ExpertGroup(module, *(tuple(x.prefix for x in p) for p in (gate, up, down)), hidden,
+                                     intermediate)
+    return groups
+
+
+def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
+    """The source's FusedMoE layers; a quantized router is refused (vLLM builds it unquantized)."""
+    groups = find_expert_groups(source.layers)
+    for module in groups:
+        router = module.removesuffix(".experts") + ".gate"
+        if router in source.layers:
+            raise RepackError(f"{router}: the MoE router is NVFP4-quantized; vLLM serves routers unquantized "
+                              "(both producers leave them in bf16)")
+    return groups
+
+
+def read_input_scales(source: SourceModel, prefixes: tuple[str, ...]) -> torch.Tensor:
+    """float32 ``[len(prefixes)]``: each layer's activation dequant scale as vLLM computes it (4 bytes each)."""
+    suffix, to_scale = INPUT_SCALES[source.format]
+    values = []
+    for prefix in prefixes:
+        name = f"{prefix}.{suffix}"
+        entry = source.checkpoint.tensors.get(name)
+        if entry is None or entry.dtype != torch.float32 or entry.nbytes != 4:
+            found = "is missing" if entry is None else f"is {entry.dtype_name} {list(entry.shape)}"
+            raise RepackError(f"{name}: a W4A4 expert's input scale must be one F32, but it {found}")
+        values.append(source.checkpoint.read(name).reshape(()))
+    scales = to_scale(torch.stack(values))
+    if not bool((torch.isfinite(scales) & (scales > 0)).all()):
+        raise RepackError(f"{prefixes[0]}...: input scales must be finite and positive")
+    return scales

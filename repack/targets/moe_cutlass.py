@@ -1,0 +1,190 @@
+"""NVFP4 MoE on sm120 / sm121: what vLLM 0.33's FlashInfer CUTLASS MoE holds after ``process_weights_after_loading``.
+
+vLLM's ``auto`` picks ``FLASHINFER_CUTLASS`` for a W4A4 NVFP4 MoE on sm12x (``select_nvfp4_moe_backend``: TRT-LLM-gen
+and CuTe-DSL answer only on sm10x). ``prepare_nvfp4_moe_layer_for_fi_or_cutlass`` then, per FusedMoE layer
+(``fused_moe/oracle/nvfp4.py``, ``quantization/utils/flashinfer_fp4_moe.py``, ``FlashInferExperts``):
+
+w13_weight: uint8 ``[E, 2I, H/2]``, each expert's rows in w3/w1 order (``reorder_w1w3_to_w3w1``: up, then gate).
+w13_weight_scale: float8_e4m3fn ``[E, 2I, round_up(H/16, 4)]``, each expert 128x4-swizzled (``swizzle_blockscale``
+    on the 3-D tensor); vLLM refuses gated layers whose 2I is not a multiple of 128 (it would have to pad w1 and
+    w3 apart), and so do we.
+w2_weight: uint8 ``[E, H, I/2]`` as loaded; w2_weight_scale: ``[E, round_up(H, 128), round_up(I/16, 4)]`` swizzled.
+w13_input_scale, w2_input_scale: float32 ``[E]``, the largest activation dequant scale of all experts (and of w1
+    and w3) repeated (``amax_for_moe_activation_quant``): the kernel quantizes every expert's input with one scale.
+w13_weight_scale_2, w2_weight_scale_2: float32 ``[E]``, each expert's weight multiplier (w1's for w13: vLLM keeps
+    ``[:, 0]``) times that input scale (``FlashInferExperts.process_weights_after_loading``: the GEMMs' alphas).
+
+The scalars are not invertible (vLLM drops w3's multiplier and all but the largest input scale): the inverse
+returns the codes and block scales exactly and the scalars as held; verify recomputes the scalars from the source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import RepackError
+from ..nvfp4 import BLOCK_SIZE
+from .base import TensorSpec
+from .layout import round_up, swizzle_128x4, unswizzle_128x4
+
+LAYOUT_ID = "moe-flashinfer-cutlass-v1"
+BACKEND = "FLASHINFER_CUTLASS"  # vLLM's NvFp4MoeBackend
+KERNEL = "FlashInferExperts"
+FAMILIES = ("sm120",)
+SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale")
+TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS)
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One FusedMoE layer's routed experts in canonical NVFP4 form, stacked as vLLM loads them.
+
+    Attributes:
+        w13_codes (`torch.Tensor`): uint8 ``[E, 2I, H/2]``, each expert's gate (w1) rows then up (w3) rows.
+        w13_scales (`torch.Tensor`): float8_e4m3fn ``[E, 2I, H/16]``.
+        w13_multiplier (`torch.Tensor`): float32 ``[E, 2]``, the dequant multipliers of w1 and w3.
+        w13_input_scale (`torch.Tensor`): float32 ``[E, 2]``, the activations' dequant scales of w1 and w3
+            (ModelOpt ``input_scale``; compressed-tensors ``1 / input_global_scale``, in float32 as vLLM computes).
+        w2_codes, w2_scales: ``[E, H, I/2]`` and ``[E, H, I/16]``.
+        w2_multiplier, w2_input_scale: float32 ``[E]``.
+    """
+
+    w13_codes: torch.Tensor
+    w13_scales: torch.Tensor
+    w13_multiplier: torch.Tensor
+    w13_input_scale: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_multiplier: torch.Tensor
+    w2_input_scale: torch.Tensor
+
+    @property
+    def experts(self) -> int:
+        return int(self.w13_codes.shape[0])
+
+    @property
+    def hidden(self) -> int:
+        return int(self.w13_codes.shape[2]) * 2
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.w2_codes.shape[2]) * 2
+
+
+def check_shape(experts: int, hidden: int, intermediate: int, name: str = "MoE layer") -> None:
+    """vLLM's refusal, in one line: a gated layer's 2I must be a multiple of 128 (it pads no w1/w3 halves)."""
+    if (2 * intermediate) % 128 or hidden % BLOCK_SIZE or intermediate % BLOCK_SIZE:
+        raise RepackError(
+            f"{name}: the sm120 MoE layout ({BACKEND}) needs 2 x intermediate size per rank a multiple of 128 "
+            f"(got {intermediate}) and hidden size a multiple of 16 (got {hidden}), as vLLM 0.33 does; "
+            "vLLM refuses this layer there"
+        )
+
+
+def swizzle_experts(scales: torch.Tensor) -> torch.Tensor:
+    """``[E, M, K_sf]`` -> ``[E, round_up(M, 128), round_up(K_sf, 4)]``: each expert 128x4-swizzled, as vLLM's
+    ``swizzle_blockscale`` does on a 3-D tensor. Rows are padded per expert, then all experts go through one
+    2-D swizzle (their 128-row tiles never straddle two experts)."""
+    experts, rows, cols = scales.shape
+    padded = torch.zeros((experts, round_up(rows, 128), cols), dtype=scales.dtype)
+    padded[:, :rows] = scales
+    flat = swizzle_128x4(padded.reshape(-1, cols))
+    return flat.view(experts, -1, flat.shape[1])
+
+
+def unswizzle_experts(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Exact inverse of :func:`swizzle_experts`: ``[E, rows, cols]``."""
+    experts, rows_padded, _ = swizzled.shape
+    flat = unswizzle_128x4(swizzled.reshape(experts * rows_padded, -1), experts * rows_padded, cols)
+    return flat.view(experts, rows_padded, cols)[:, :rows].contiguous()
+
+
+def w3w1(t: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, ...]`` with halves swapped (w1/w3 <-> w3/w1): its own inverse."""
+    half = t.shape[1] // 2
+    return torch.cat((t[:, half:], t[:, :half]), dim=1)
+
+
+def shared_input_scale(scales: torch.Tensor, experts: int) -> torch.Tensor:
+    """``amax_for_moe_activation_quant(...).repeat(E)``: the largest scale, float32, once per expert."""
+    return scales.max().to(torch.float32).repeat(experts)
+
+
+def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.Tensor]:
+    """The tensors vLLM holds on the FusedMoE module, by its names."""
+    check_shape(stack.experts, stack.hidden, stack.intermediate, name)
+    a13 = shared_input_scale(stack.w13_input_scale, stack.experts)
+    a2 = shared_input_scale(stack.w2_input_scale, stack.experts)
+    return {
+        "w13_weight": w3w1(stack.w13_codes).contiguous(),
+        "w13_weight_scale": swizzle_experts(w3w1(stack.w13_scales)),
+        "w2_weight": stack.w2_codes.contiguous(),
+        "w2_weight_scale": swizzle_experts(stack.w2_scales),
+        "w13_weight_scale_2": stack.w13_multiplier[:, 0].to(torch.float32) * a13,
+        "w13_input_scale": a13,
+        "w2_weight_scale_2": stack.w2_multiplier.to(torch.float32) * a2,
+        "w2_input_scale": a2,
+    }
+
+
+@dataclass(frozen=True)
+class ExpertCodes:
+    """What :func:`from_runtime` recovers exactly: every expert's codes and block scales, w1/w3 order restored."""
+
+    w13_codes: torch.Tensor
+    w13_scales: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scales: torch.Tensor
+
+
+def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
+    """Exact inverse of :func:`to_runtime` on codes and block scales."""
+    return ExpertCodes(
+        w13_codes=w3w1(tensors["w13_weight"]).contiguous(),
+        w13_scales=w3w1(unswizzle_experts(tensors["w13_weight_scale"], 2 * intermediate, hidden // BLOCK_SIZE)),
+        w2_codes=tensors["w2_weight"].contiguous(),
+        w2_scales=unswizzle_experts(tensors["w2_weight_scale"], hidden, intermediate // BLOCK_SIZE),
+    )
+
+
+def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
+    """dtype and shape of every tensor :func:`to_runtime` makes, from sizes alone (for shard planning)."""
+    k13, k2 = round_up(hidden // BLOCK_SIZE, 4), round_up(intermediate // BLOCK_SIZE, 4)
+    scalar = TensorSpec(torch.float32, (experts,))
+    return {
+        "w13_weight": TensorSpec(torch.uint8, (experts, 2 * intermediate, hidden // 2)),
+        "w13_weight_scale": TensorSpec(torch.float8_e4m3fn, (experts, round_up(2 * intermediate, 128), k13)),
+        "w2_weight": TensorSpec(torch.uint8, (experts, hidden, intermediate // 2)),
+        "w2_weight_scale": TensorSpec(torch.float8_e4m3fn, (experts, round_up(hidden, 128), k2)),
+        **{name: scalar for name in SCALARS},
+    }
+
+
+# --- index formulas: where expert e's (row, column) of each canonical matrix lies in the flat runtime buffers ---
+def w13_row(row: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """Canonical w13 row (gate rows ``[0, I)``, up rows ``[I, 2I)``) -> its row in ``w13_weight``."""
+    return (row + intermediate) % (2 * intermediate)
+
+
+def scale_offset(expert: torch.Tensor, row: torch.Tensor, col: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Flat byte offset of block scale ``(row, col)`` of ``expert`` in a swizzled ``[E, rows, cols]`` buffer
+    (``rows``/``cols``: the unpadded sizes): the 128x4 formula inside the expert's own padded block."""
+    rows_p, cols_p = round_up(rows, 128), round_up(cols, 4)
+    inside = ((row // 128) * (cols_p // 4) + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
+    return expert * (rows_p * cols_p) + inside
+
+
+def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hidden: int,
+                  intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K/2]`` and block scales ``[N, K/16]`` of one expert's ``w13`` (w1 then w3 rows) or ``w2``, by
+    gathering with the index formulas alone (independent of :func:`from_runtime`'s permutes)."""
+    n, k = (2 * intermediate, hidden) if which == "w13" else (hidden, intermediate)
+    rows = torch.arange(n)
+    held_rows = w13_row(rows, intermediate) if which == "w13" else rows
+    codes = tensors[f"{which}_weight"][expert].index_select(0, held_rows)
+    r, c = torch.meshgrid(held_rows, torch.arange(k // BLOCK_SIZE), indexing="ij")
+    flat = tensors[f"{which}_weight_scale"].reshape(-1).view(torch.uint8)
+    scales = flat[scale_offset(torch.tensor(expert), r, c, n, k // BLOCK_SIZE)].view(torch.float8_e4m3fn)
+    return codes, scales

@@ -1,0 +1,183 @@
+"""NVFP4 MoE: the source's experts grouped into vLLM's FusedMoE layers, the sm120 FlashInfer CUTLASS MoE layout
+(round trip, index formulas, refusals) and the per-expert exactness check, on producer-made and synthetic
+Qwen3-MoE checkpoints. Byte conformance with vLLM's own load: tests/test_vllm_moe_conformance.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from repack.bundle.layers import assemble_experts, plan_experts, plan_layers
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.formats import read_source
+from repack.formats.moe import expert_groups, find_expert_groups
+from repack.nvfp4 import BLOCK_SIZE
+from repack.sample.synthetic import write_qwen3_moe
+from repack.targets import moe_cutlass
+from repack.targets.layout import swizzle_128x4
+from repack.verify import verify_output
+from repack.verify_moe import check_experts
+
+from .conftest import PRODUCERS
+
+MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4"]
+# (experts, hidden, intermediate): hidden 80 pads the scales' K to 8 and w2's rows to 128; 2I = 128 and 384.
+SHAPES = [(3, 80, 64), (5, 48, 192), (1, 16, 64)]
+
+
+def random_stack(experts: int, hidden: int, intermediate: int, gen: torch.Generator) -> moe_cutlass.ExpertStack:
+    def codes(n, k):
+        return torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
+
+    def scales(n, k):
+        return torch.randint(1, 0x7F, (experts, n, k // BLOCK_SIZE), dtype=torch.uint8, generator=gen).view(
+            torch.float8_e4m3fn)
+
+    def positive(*shape):
+        return torch.rand(shape, generator=gen) * 1e-2 + 1e-4
+
+    return moe_cutlass.ExpertStack(codes(2 * intermediate, hidden), scales(2 * intermediate, hidden),
+                                   positive(experts, 2), positive(experts, 2), codes(hidden, intermediate),
+                                   scales(hidden, intermediate), positive(experts), positive(experts))
+
+
+@pytest.mark.parametrize("experts,hidden,intermediate", SHAPES)
+def test_cutlass_moe_layout_round_trips_and_matches_its_index_formulas(experts, hidden, intermediate, random_seed):
+    stack = random_stack(experts, hidden, intermediate, torch.Generator().manual_seed(random_seed))
+    held = moe_cutlass.to_runtime(stack)
+    specs = moe_cutlass.runtime_specs(experts, hidden, intermediate)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in held.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
+    back = moe_cutlass.from_runtime(held, hidden, intermediate)
+    for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
+        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(stack, name).view(torch.uint8)), name
+    for e in range(experts):
+        for which in ("w13", "w2"):
+            codes, scales = moe_cutlass.decode_expert(held, e, which, hidden, intermediate)
+            assert torch.equal(codes, getattr(stack, f"{which}_codes")[e]), (e, which)
+            assert torch.equal(scales.view(torch.uint8), getattr(stack, f"{which}_scales")[e].view(torch.uint8))
+
+
+def test_cutlass_moe_layout_is_w3_w1_each_expert_swizzled_and_scalars_folded(random_seed):
+    """Against the definitions one by one: w3 (up) rows first, the dense 128x4 swizzle per expert, and the
+    alphas = own multiplier (w1's) x the largest input scale of all experts, in float32."""
+    stack = random_stack(3, 80, 64, torch.Generator().manual_seed(random_seed))
+    held = moe_cutlass.to_runtime(stack)
+    for e in range(3):
+        up_then_gate = torch.cat((stack.w13_codes[e, 64:], stack.w13_codes[e, :64]))
+        assert torch.equal(held["w13_weight"][e], up_then_gate)
+        scales = torch.cat((stack.w13_scales[e, 64:], stack.w13_scales[e, :64]))
+        assert torch.equal(held["w13_weight_scale"][e].view(torch.uint8), swizzle_128x4(scales).view(torch.uint8))
+        assert torch.equal(held["w2_weight_scale"][e].view(torch.uint8),
+                           swizzle_128x4(stack.w2_scales[e]).view(torch.uint8))
+    a13, a2 = max(stack.w13_input_scale.flatten().tolist()), max(stack.w2_input_scale.tolist())
+    assert held["w13_input_scale"].tolist() == [torch.tensor(a13, dtype=torch.float32).item()] * 3
+    assert torch.equal(held["w13_weight_scale_2"], stack.w13_multiplier[:, 0] * torch.tensor(a13))
+    assert torch.equal(held["w2_weight_scale_2"], stack.w2_multiplier * torch.tensor(a2))
+
+
+@pytest.mark.parametrize("intermediate", [48, 96, 8])
+def test_cutlass_moe_layout_refuses_what_vllm_refuses(intermediate):
+    with pytest.raises(RepackError, match="multiple of 128"):
+        moe_cutlass.check_shape(4, 64, intermediate)
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_producer_moe_checkpoints_group_into_fused_moe_layers(name):
+    source = read_source(PRODUCERS / name)
+    groups = expert_groups(source)
+    assert list(groups) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    for group in groups.values():
+        assert (group.experts, group.hidden, group.intermediate) == (4, 64, 128)
+        assert group.gate[3] == group.prefix + ".3.gate_proj"
+    assert "model.layers.0.mlp.gate.weight" in source.passthrough  # the router stays bf16
+    assert not any(".mlp.gate." in p or p.endswith(".mlp.gate") for p in source.layers)
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_expert_stack_of_a_rank_is_the_source_cut(name):
+    """TP 2: rank r holds rows [64 r, 64 r + 64) of every expert's gate and up, those columns of its down."""
+    source = read_source(PRODUCERS / name)
+    prefix = "model.layers.1.mlp.experts"
+    for rank in range(2):
+        stack = assemble_experts(source, plan_experts(source, 2, rank)[prefix])
+        for e in (0, 3):
+            gate = source.load_layer(source.layers[f"{prefix}.{e}.gate_proj"])
+            up = source.load_layer(source.layers[f"{prefix}.{e}.up_proj"])
+            down = source.load_layer(source.layers[f"{prefix}.{e}.down_proj"])
+            rows = slice(64 * rank, 64 * rank + 64)
+            assert torch.equal(stack.w13_codes[e], torch.cat((gate.codes[rows], up.codes[rows])))
+            assert torch.equal(stack.w2_codes[e], down.codes[:, 32 * rank: 32 * rank + 32])
+            assert torch.equal(stack.w2_scales[e].view(torch.uint8), down.block_scales[:, 4 * rank: 4 * rank + 4]
+                               .view(torch.uint8))
+            assert stack.w13_multiplier[e].tolist() == [float(gate.multiplier), float(up.multiplier)]
+
+
+def test_compressed_tensors_input_scales_are_inverted_in_float32():
+    source = read_source(PRODUCERS / "ct_moe_nvfp4")
+    group = expert_groups(source)["model.layers.0.mlp.experts"]
+    stack = assemble_experts(source, plan_experts(source)[group.prefix])
+    stored = source.checkpoint.read(group.down[2] + ".input_global_scale").reshape(())
+    assert torch.equal(stack.w2_input_scale[2], 1.0 / stored)
+
+
+def test_refusals_are_one_line(tmp_path, random_seed):
+    gen = torch.Generator().manual_seed(random_seed)
+    root = write_qwen3_moe(tmp_path / "m", "modelopt", hidden=64, experts=3, intermediate=64, generator=gen)
+    source = read_source(root)
+    layers = dict(source.layers)
+    del layers["model.layers.0.mlp.experts.1.up_proj"]
+    with pytest.raises(RepackError, match=r"expert 1 has no NVFP4 up_proj") as err:
+        find_expert_groups(layers)
+    assert "\n" not in str(err.value)
+    layers = dict(source.layers)
+    layers["model.layers.0.mlp.experts.2.down_proj"] = layers["model.layers.0.self_attn.k_proj"]
+    with pytest.raises(RepackError, match=r"experts.2: gate/up/down shapes"):
+        find_expert_groups(layers)
+    with pytest.raises(RepackError, match="--tp 8: .* not a multiple of 16"):
+        plan_experts(source, 8, 0)
+    weight_only = dataclasses.replace(source, quant_algo="W4A16_NVFP4")
+    with pytest.raises(RepackError, match="Marlin; supported: W4A4"):
+        plan_experts(weight_only)
+    with pytest.raises(RepackError, match="an MoE model is not supported"):  # the dense pipeline still refuses
+        plan_layers(source, fuse=True)
+    quantized_router = dataclasses.replace(
+        source, layers={**source.layers, "model.layers.0.mlp.gate": source.layers["model.layers.0.self_attn.q_proj"]})
+    with pytest.raises(RepackError, match="router is NVFP4-quantized"):
+        expert_groups(quantized_router)
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts(name):
+    source = read_source(PRODUCERS / name)
+    plan = plan_experts(source, 2, 1)["model.layers.0.mlp.experts"]
+    held = moe_cutlass.to_runtime(assemble_experts(source, plan))
+    assert check_experts(source, plan, held) == []
+
+    corrupt = {**held, "w2_weight": held["w2_weight"].clone()}
+    corrupt["w2_weight"][2, 5, 7] ^= 0x11
+    assert check_experts(source, plan, corrupt) == ["model.layers.0.mlp.experts.2.down_proj: codes differ"]
+
+    swapped = {**held, "w13_weight_scale": held["w13_weight_scale"][[1, 0, 2, 3]]}
+    assert check_experts(source, plan, swapped) == [
+        f"model.layers.0.mlp.experts.{e}.{p}_proj: block scales differ" for e in (0, 1) for p in ("gate", "up")]
+
+    halves = {**held, "w13_weight": moe_cutlass.w3w1(held["w13_weight"])}  # w1/w3 order instead of w3/w1
+    assert check_experts(source, plan, halves) == [
+        f"model.layers.0.mlp.experts.{e}.{p}_proj: codes differ" for e in range(4) for p in ("gate", "up")]
+
+    alpha = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"].clone()}
+    alpha["w2_weight_scale_2"][3] = torch.nextafter(alpha["w2_weight_scale_2"][3], torch.tensor(1.0))
+    assert check_experts(source, plan, alpha) == ["model.layers.0.mlp.experts: w2_weight_scale_2 differs (expert 3)"]
+
+
+def test_unfused_convert_still_writes_experts_one_by_one_and_fuse_refuses(tmp_path):
+    """Until MoE bundles are written (docs/moe.md): experts as dense layers without --fuse, a refusal with it."""
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / "modelopt_moe_nvfp4", "sm120", out)
+    assert verify_output(out).passed
+    with pytest.raises(RepackError, match="an MoE model is not supported"):
+        convert(PRODUCERS / "ct_moe_nvfp4", "sm120", tmp_path / "fused", fuse=True)
+    assert not (tmp_path / "fused").exists()

@@ -1,0 +1,99 @@
+"""vLLM 0.33.0 as the oracle for NVFP4 MoE: every tensor of every FusedMoE module, per TP rank, as its own load
+leaves it with the backend its ``auto`` picks on an (emulated) sm120, FlashInfer CUTLASS MoE, byte for byte
+against our layout of the same experts; vLLM's refusals are ours.
+
+Checkpoints: the producer-made Qwen3-MoE fixtures (ModelOpt and llm-compressor, intermediate 128 and 48) and fresh
+synthetic ones of odd shapes with random per-expert input scales, in both formats. vLLM runs through
+tests/vllm/harness.py (``sm120-moe`` jobs) in its own virtualenv, one process per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from repack.bundle.layers import assemble_experts, plan_experts
+from repack.errors import RepackError
+from repack.formats import read_source
+from repack.sample.synthetic import write_qwen3_moe
+from repack.targets import moe_cutlass
+
+from .conftest import PRODUCERS
+from .test_vllm_conformance import HERE, _vllm_python
+
+PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
+# (hidden, experts, intermediate): "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is
+# refused at TP 2 (per-rank 2I = 64); "wide" has 5 experts and 2I = 512 (256 per rank). The i48 fixtures are
+# refused at TP 1 (2I = 96) and TP 2 (per-rank intermediate 24: not whole scale blocks).
+SYNTHETIC = {"odd": (80, 3, 64), "wide": (64, 5, 256)}
+FORMATS = ("modelopt", "compressed-tensors")
+# What vLLM keeps besides the kernel's tensors: compressed-tensors' loaded global scales (unused after the load).
+CT_LEFTOVERS = {"w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale",
+                "w2_input_global_scale"}
+ARCH = "sm120-moe"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"synthetic MoE checkpoint seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    root = tmp_path_factory.mktemp("vllm-moe-ckpts")
+    out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
+    for shape, (hidden, experts, inter) in SYNTHETIC.items():
+        for fmt in FORMATS:
+            out[f"{shape}-{fmt}"] = write_qwen3_moe(root / f"{shape}-{fmt}", fmt, hidden=hidden, experts=experts,
+                                                    intermediate=inter, generator=gen, layers=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints, tmp_path_factory) -> dict:
+    """vLLM's FusedMoE state for every checkpoint, per TP size: ``{tp: folder}``."""
+    python = _vllm_python()
+    out = {}
+    for tp in (1, 2):
+        folder = tmp_path_factory.mktemp(f"vllm-moe-tp{tp}")
+        args = [arg for name, path in checkpoints.items() for arg in ("--job", f"{name}={path}:{ARCH}")]
+        subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
+                       check=True, timeout=1500, stdout=subprocess.DEVNULL)
+        out[tp] = folder
+    return out
+
+
+CASES = [(name, tp) for tp in (1, 2) for name in PRODUCER_FIXTURES + [f"{s}-{f}" for s in SYNTHETIC for f in FORMATS]]
+
+
+@pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
+def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, tp, checkpoints, oracle):
+    dumped = oracle[tp] / name
+    source = read_source(checkpoints[name])
+    refused = dumped / "refused.txt"
+    if refused.exists():
+        reason = refused.read_text()
+        assert "Intermediate size padding for w1 and w3" in reason or tp > 1, reason[:2000]
+        with pytest.raises(RepackError, match="multiple of"):
+            for rank in range(tp):
+                for plan in plan_experts(source, tp, rank).values():
+                    moe_cutlass.to_runtime(assemble_experts(source, plan), plan.prefix)
+        return
+    for rank in range(tp):
+        meta = json.loads((dumped / f"moe-rank-{rank}.json").read_text())
+        theirs = load_file(dumped / f"moe-rank-{rank}.safetensors")
+        plans = plan_experts(source, tp, rank)
+        assert sorted(meta) == sorted(f"{p}.routed_experts" for p in plans)
+        for prefix, plan in plans.items():
+            info = meta[f"{prefix}.routed_experts"]
+            assert (info["backend"], info["experts"]) == (moe_cutlass.BACKEND, moe_cutlass.KERNEL)
+            ours = moe_cutlass.to_runtime(assemble_experts(source, plan), prefix)
+            leftovers = CT_LEFTOVERS if source.format == "compressed-tensors" else set()
+            assert set(info["tensors"]) == set(ours) | leftovers, prefix
+            for part, tensor in ours.items():
+                ref = theirs[f"{prefix}.routed_experts.{part}"]
+                assert (tensor.dtype, tensor.shape) == (ref.dtype, ref.shape), (prefix, part)
+                assert info["tensors"][part]["stride"] == list(tensor.stride()), (prefix, part)
+                assert torch.equal(tensor.view(torch.uint8), ref.view(torch.uint8)), (rank, prefix, part)
