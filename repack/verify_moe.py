@@ -2,17 +2,18 @@
 
 The layout's inverse recovers every expert's codes and block scales, which must equal the source's (cut to the
 rank's rows) bit for bit; the scalars vLLM folds (alphas, the shared input scale) are not invertible, so they are
-recomputed from the source's and compared byte for byte. A corrupted expert, two swapped experts or swapped
-w1/w3 halves each show up as a named expert and projection.
+recomputed from the source's and compared byte for byte, and so is the padding once the experts' data is exact.
+A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as a named expert and projection.
 """
 
 from __future__ import annotations
 
 import torch
 
+from types import ModuleType
+
 from .bundle.layers import ExpertPlan, assemble_experts
 from .formats import SourceModel
-from .targets import moe_cutlass
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
@@ -21,9 +22,10 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     return ne.reshape(ne.shape[0], -1).any(dim=1).tolist()
 
 
-def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor]) -> list[str]:
-    """Problems found in ``held`` (a FusedMoE layer's tensors by vLLM's names), one line each; ``[]`` if exact."""
-    expected = moe_cutlass.to_runtime(assemble_experts(source, plan), plan.prefix)
+def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor], layout: ModuleType) -> list[str]:
+    """Problems found in ``held`` (a FusedMoE layer's tensors by vLLM's names, in ``layout``: a MoE layout module),
+    one line each; ``[]`` if exact."""
+    expected = layout.to_runtime(assemble_experts(source, plan), plan.prefix)
     wrong = [f"{plan.prefix}: {name} is {t.dtype} {list(t.shape)}, expected {expected[name].dtype} "
              f"{list(expected[name].shape)}" for name, t in held.items()
              if name in expected and (t.dtype, t.shape) != (expected[name].dtype, expected[name].shape)]
@@ -31,7 +33,7 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
     if wrong or missing:
         return missing + wrong
     group, inter = plan.group, plan.intermediate
-    ours = moe_cutlass.from_runtime(held, group.hidden, inter)
+    ours = layout.from_runtime(held, group.hidden, inter)
     source_stack = assemble_experts(source, plan)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
     checks = {proj: [(what, _differs(getattr(ours, f"w13_{what}")[:, rows], getattr(source_stack, f"w13_{what}")[:, rows]))
@@ -44,7 +46,12 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
         for proj, results in checks.items():
             problems += [f"{names[proj][e]}: {'codes' if what == 'codes' else 'block scales'} differ"
                          for what, bad in results if bad[e]]
-    for name in moe_cutlass.SCALARS:
+    if not problems:  # the experts' data is exact: anything else that differs is padding
+        problems += [f"{plan.prefix}: {name} differs outside the experts' data (padding)"
+                     for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+                     if any(_differs(held[name], expected[name]))]
+    scalars = [name for name in expected if held[name].dim() == 1]
+    for name in scalars:
         bad = _differs(held[name].reshape(-1, 1), expected[name].reshape(-1, 1))
         problems += [f"{plan.prefix}: {name} differs (expert {e})" for e, b in enumerate(bad) if b]
     return problems

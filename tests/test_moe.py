@@ -16,19 +16,20 @@ from repack.formats import read_source
 from repack.formats.moe import expert_groups, find_expert_groups
 from repack.nvfp4 import BLOCK_SIZE
 from repack.sample.synthetic import write_qwen3_moe
-from repack.targets import moe_cutlass
+from repack.targets import moe, moe_cutlass, moe_trtllm
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
 from repack.verify_moe import check_experts
 
-from .conftest import PRODUCERS
+from .conftest import PRODUCERS, require
+from .vllm.ports import block_scale_interleave
 
 MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4"]
 # (experts, hidden, intermediate): hidden 80 pads the scales' K to 8 and w2's rows to 128; 2I = 128 and 384.
 SHAPES = [(3, 80, 64), (5, 48, 192), (1, 16, 64)]
 
 
-def random_stack(experts: int, hidden: int, intermediate: int, gen: torch.Generator) -> moe_cutlass.ExpertStack:
+def random_stack(experts: int, hidden: int, intermediate: int, gen: torch.Generator) -> moe.ExpertStack:
     def codes(n, k):
         return torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
 
@@ -39,23 +40,31 @@ def random_stack(experts: int, hidden: int, intermediate: int, gen: torch.Genera
     def positive(*shape):
         return torch.rand(shape, generator=gen) * 1e-2 + 1e-4
 
-    return moe_cutlass.ExpertStack(codes(2 * intermediate, hidden), scales(2 * intermediate, hidden),
+    return moe.ExpertStack(codes(2 * intermediate, hidden), scales(2 * intermediate, hidden),
                                    positive(experts, 2), positive(experts, 2), codes(hidden, intermediate),
                                    scales(hidden, intermediate), positive(experts), positive(experts))
 
 
-@pytest.mark.parametrize("experts,hidden,intermediate", SHAPES)
-def test_cutlass_moe_layout_round_trips_and_matches_its_index_formulas(experts, hidden, intermediate, random_seed):
+LAYOUTS = [moe_cutlass, moe_trtllm]
+# TRT-LLM-gen pads I to 64 and H to 256, so it also takes 2I = 96 (48) and 2I = 32 (16).
+TRTLLM_SHAPES = [(2, 64, 48), (3, 272, 16)]
+
+
+@pytest.mark.parametrize("layout,experts,hidden,intermediate",
+                         [(m, *s) for m in LAYOUTS for s in SHAPES] + [(moe_trtllm, *s) for s in TRTLLM_SHAPES],
+                         ids=lambda v: getattr(v, "LAYOUT_ID", str(v)))
+def test_moe_layout_round_trips_and_matches_its_index_formulas(layout, experts, hidden, intermediate, random_seed):
     stack = random_stack(experts, hidden, intermediate, torch.Generator().manual_seed(random_seed))
-    held = moe_cutlass.to_runtime(stack)
-    specs = moe_cutlass.runtime_specs(experts, hidden, intermediate)
+    held = layout.to_runtime(stack)
+    specs = layout.runtime_specs(experts, hidden, intermediate)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in held.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
-    back = moe_cutlass.from_runtime(held, hidden, intermediate)
+    assert set(held) == set(layout.TENSORS)
+    back = layout.from_runtime(held, hidden, intermediate)
     for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
         assert torch.equal(getattr(back, name).view(torch.uint8), getattr(stack, name).view(torch.uint8)), name
     for e in range(experts):
         for which in ("w13", "w2"):
-            codes, scales = moe_cutlass.decode_expert(held, e, which, hidden, intermediate)
+            codes, scales = layout.decode_expert(held, e, which, hidden, intermediate)
             assert torch.equal(codes, getattr(stack, f"{which}_codes")[e]), (e, which)
             assert torch.equal(scales.view(torch.uint8), getattr(stack, f"{which}_scales")[e].view(torch.uint8))
 
@@ -76,6 +85,44 @@ def test_cutlass_moe_layout_is_w3_w1_each_expert_swizzled_and_scalars_folded(ran
     assert held["w13_input_scale"].tolist() == [torch.tensor(a13, dtype=torch.float32).item()] * 3
     assert torch.equal(held["w13_weight_scale_2"], stack.w13_multiplier[:, 0] * torch.tensor(a13))
     assert torch.equal(held["w2_weight_scale_2"], stack.w2_multiplier * torch.tensor(a2))
+
+
+def test_trtllm_row_permutations_are_flashinfers():
+    """The composed w13 permutation and w2's shuffle against FlashInfer's own index functions (the project env's
+    FlashInfer; the vLLM env's, 0.7.2.post1, runs them in the conformance harness)."""
+    require("flashinfer")
+    from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
+
+    for ip in (64, 128, 192, 1024):
+        rows = torch.zeros(2 * ip, 8, dtype=torch.uint8)
+        assert torch.equal(_maybe_get_cached_w3_w1_permute_indices({}, rows, 128, is_gated_act_gemm=True),
+                           moe_trtllm.w13_rows(ip)), ip
+        assert torch.equal(get_w2_permute_indices_with_cache({}, rows, 128), moe_trtllm.shuffle_rows(2 * ip)), ip
+
+
+@pytest.mark.parametrize("experts,rows,cols", [(1, 128, 4), (3, 200, 5), (2, 256, 16)])
+def test_block_scale_interleave_port_is_flashinfers_128x4(experts, rows, cols, random_seed):
+    """The harness's port of FlashInfer's C++ blockScaleInterleaveHost: each expert's block read back by FlashInfer's
+    own Python 128x4 unswizzle, padding zero, and equal to the layouts' swizzle_experts."""
+    require("flashinfer")
+    from flashinfer.gemm.gemm_bf16_fp4 import _unswizzle_sf_128x4
+
+    sf = torch.randint(1, 256, (experts, rows, cols), dtype=torch.uint8,
+                       generator=torch.Generator().manual_seed(random_seed))
+    out = block_scale_interleave(sf if experts > 1 else sf[0])
+    size = -(-rows // 128) * 128 * (-(-cols // 4) * 4)
+    assert out.shape == (experts * size,)
+    for e in range(experts):
+        block = out[e * size: (e + 1) * size]
+        assert torch.equal(_unswizzle_sf_128x4(block, rows, cols).view(torch.uint8).reshape(rows, cols), sf[e])
+    assert int(out.count_nonzero()) == sf.numel()
+    assert torch.equal(out, moe.swizzle_experts(sf.view(torch.float8_e4m3fn)).view(torch.uint8).reshape(-1))
+
+
+def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
+    assert moe.moe_layout("sm100") is moe_trtllm and moe.moe_layout("sm120") is moe_cutlass
+    with pytest.raises(RepackError, match=r"--target sm90: .* Humming/Marlin\); supported for MoE: sm100, sm120$"):
+        moe.moe_layout("sm90")
 
 
 @pytest.mark.parametrize("intermediate", [48, 96, 8])
@@ -149,28 +196,37 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         expert_groups(quantized_router)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)
 @pytest.mark.parametrize("name", MOE_FIXTURES)
-def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts(name):
+def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts(name, layout):
     source = read_source(PRODUCERS / name)
     plan = plan_experts(source, 2, 1)["model.layers.0.mlp.experts"]
-    held = moe_cutlass.to_runtime(assemble_experts(source, plan))
-    assert check_experts(source, plan, held) == []
+    stack = assemble_experts(source, plan)
+    held = layout.to_runtime(stack)
+    assert check_experts(source, plan, held, layout) == []
 
     corrupt = {**held, "w2_weight": held["w2_weight"].clone()}
-    corrupt["w2_weight"][2, 5, 7] ^= 0x11
-    assert check_experts(source, plan, corrupt) == ["model.layers.0.mlp.experts.2.down_proj: codes differ"]
+    row = 5 if layout is moe_cutlass else int(moe_trtllm.held_row(torch.tensor(5), "w2", 64, 64))  # hidden row 5
+    corrupt["w2_weight"][2, row, 7] ^= 0x11
+    assert check_experts(source, plan, corrupt, layout) == ["model.layers.0.mlp.experts.2.down_proj: codes differ"]
 
     swapped = {**held, "w13_weight_scale": held["w13_weight_scale"][[1, 0, 2, 3]]}
-    assert check_experts(source, plan, swapped) == [
+    assert check_experts(source, plan, swapped, layout) == [
         f"model.layers.0.mlp.experts.{e}.{p}_proj: block scales differ" for e in (0, 1) for p in ("gate", "up")]
 
-    halves = {**held, "w13_weight": moe_cutlass.w3w1(held["w13_weight"])}  # w1/w3 order instead of w3/w1
-    assert check_experts(source, plan, halves) == [
+    halves = layout.to_runtime(dataclasses.replace(stack, w13_codes=moe.w3w1(stack.w13_codes)))  # w1/w3 swapped
+    assert check_experts(source, plan, {**held, "w13_weight": halves["w13_weight"]}, layout) == [
         f"model.layers.0.mlp.experts.{e}.{p}_proj: codes differ" for e in range(4) for p in ("gate", "up")]
+
+    padding = {**held, "w2_weight_scale": held["w2_weight_scale"].clone()}
+    padding["w2_weight_scale"].view(torch.uint8)[1, -1, -1] = 0x38
+    assert check_experts(source, plan, padding, layout) == [
+        "model.layers.0.mlp.experts: w2_weight_scale differs outside the experts' data (padding)"]
 
     alpha = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"].clone()}
     alpha["w2_weight_scale_2"][3] = torch.nextafter(alpha["w2_weight_scale_2"][3], torch.tensor(1.0))
-    assert check_experts(source, plan, alpha) == ["model.layers.0.mlp.experts: w2_weight_scale_2 differs (expert 3)"]
+    assert check_experts(source, plan, alpha, layout) == [
+        "model.layers.0.mlp.experts: w2_weight_scale_2 differs (expert 3)"]
 
 
 def test_unfused_convert_still_writes_experts_one_by_one_and_fuse_refuses(tmp_path):

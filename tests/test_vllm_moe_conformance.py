@@ -1,10 +1,10 @@
 """vLLM 0.33.0 as the oracle for NVFP4 MoE: every tensor of every FusedMoE module, per TP rank, as its own load
-leaves it with the backend its ``auto`` picks on an (emulated) sm120, FlashInfer CUTLASS MoE, byte for byte
-against our layout of the same experts; vLLM's refusals are ours.
+leaves it with the backend its ``auto`` picks on an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer
+CUTLASS MoE), byte for byte against our layout of the same experts; vLLM's refusals are ours.
 
 Checkpoints: the producer-made Qwen3-MoE fixtures (ModelOpt and llm-compressor, intermediate 128 and 48) and fresh
 synthetic ones of odd shapes with random per-expert input scales, in both formats. vLLM runs through
-tests/vllm/harness.py (``sm120-moe`` jobs) in its own virtualenv, one process per rank.
+tests/vllm/harness.py (``sm100-moe`` / ``sm120-moe`` jobs) in its own virtualenv, one process per rank.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from repack.bundle.layers import assemble_experts, plan_experts
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.sample.synthetic import write_qwen3_moe
-from repack.targets import moe_cutlass
+from repack.targets import moe_cutlass, moe_trtllm
 
 from .conftest import PRODUCERS
 from .test_vllm_conformance import HERE, _vllm_python
@@ -28,14 +28,15 @@ from .test_vllm_conformance import HERE, _vllm_python
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
 # (hidden, experts, intermediate): "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is
 # refused at TP 2 (per-rank 2I = 64); "wide" has 5 experts and 2I = 512 (256 per rank). The i48 fixtures are
-# refused at TP 1 (2I = 96) and TP 2 (per-rank intermediate 24: not whole scale blocks).
+# refused at TP 1 on sm120 (2I = 96; sm100 pads I to 64) and at TP 2 (per-rank intermediate 24: not whole scale
+# blocks).
 SYNTHETIC = {"odd": (80, 3, 64), "wide": (64, 5, 256)}
+UNSHARED = ("wide",)  # gate and up of an expert with their own multipliers: vLLM keeps gate's (w1's)
 FORMATS = ("modelopt", "compressed-tensors")
 # What vLLM keeps besides the kernel's tensors: compressed-tensors' loaded global scales (unused after the load).
 CT_LEFTOVERS = {"w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale",
                 "w2_input_global_scale"}
-ARCH = "sm120-moe"
-
+LAYOUTS = {"sm100": moe_trtllm, "sm120": moe_cutlass}  # harness arch "<family>-moe" -> our layout
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
@@ -47,7 +48,8 @@ def checkpoints(tmp_path_factory) -> dict:
     for shape, (hidden, experts, inter) in SYNTHETIC.items():
         for fmt in FORMATS:
             out[f"{shape}-{fmt}"] = write_qwen3_moe(root / f"{shape}-{fmt}", fmt, hidden=hidden, experts=experts,
-                                                    intermediate=inter, generator=gen, layers=2)
+                                                    intermediate=inter, generator=gen, layers=2,
+                                                    shared_scales=shape not in UNSHARED)
     return out
 
 
@@ -58,19 +60,21 @@ def oracle(checkpoints, tmp_path_factory) -> dict:
     out = {}
     for tp in (1, 2):
         folder = tmp_path_factory.mktemp(f"vllm-moe-tp{tp}")
-        args = [arg for name, path in checkpoints.items() for arg in ("--job", f"{name}={path}:{ARCH}")]
+        args = [arg for name, path in checkpoints.items() for arch in LAYOUTS
+                for arg in ("--job", f"{name}-{arch}={path}:{arch}-moe")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
                        check=True, timeout=1500, stdout=subprocess.DEVNULL)
         out[tp] = folder
     return out
 
 
-CASES = [(name, tp) for tp in (1, 2) for name in PRODUCER_FIXTURES + [f"{s}-{f}" for s in SYNTHETIC for f in FORMATS]]
+CASES = [(name, arch, tp) for tp in (1, 2) for arch in LAYOUTS
+         for name in PRODUCER_FIXTURES + [f"{s}-{f}" for s in SYNTHETIC for f in FORMATS]]
 
 
-@pytest.mark.parametrize("name,tp", CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
-def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, tp, checkpoints, oracle):
-    dumped = oracle[tp] / name
+@pytest.mark.parametrize("name,arch,tp", CASES, ids=[f"{n}-{a}-tp{t}" for n, a, t in CASES])
+def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, arch, tp, checkpoints, oracle):
+    dumped, layout = oracle[tp] / f"{name}-{arch}", LAYOUTS[arch]
     source = read_source(checkpoints[name])
     refused = dumped / "refused.txt"
     if refused.exists():
@@ -79,7 +83,7 @@ def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, tp, chec
         with pytest.raises(RepackError, match="multiple of"):
             for rank in range(tp):
                 for plan in plan_experts(source, tp, rank).values():
-                    moe_cutlass.to_runtime(assemble_experts(source, plan), plan.prefix)
+                    layout.to_runtime(assemble_experts(source, plan), plan.prefix)
         return
     for rank in range(tp):
         meta = json.loads((dumped / f"moe-rank-{rank}.json").read_text())
@@ -88,8 +92,8 @@ def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, tp, chec
         assert sorted(meta) == sorted(f"{p}.routed_experts" for p in plans)
         for prefix, plan in plans.items():
             info = meta[f"{prefix}.routed_experts"]
-            assert (info["backend"], info["experts"]) == (moe_cutlass.BACKEND, moe_cutlass.KERNEL)
-            ours = moe_cutlass.to_runtime(assemble_experts(source, plan), prefix)
+            assert (info["backend"], info["experts"]) == (layout.BACKEND, layout.KERNEL)
+            ours = layout.to_runtime(assemble_experts(source, plan), prefix)
             leftovers = CT_LEFTOVERS if source.format == "compressed-tensors" else set()
             assert set(info["tensors"]) == set(ours) | leftovers, prefix
             for part, tensor in ours.items():

@@ -18,7 +18,7 @@ from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
 from ..formats.moe import ExpertGroup, expert_groups, is_moe_config, read_input_scales
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
-from ..targets.moe_cutlass import ExpertStack
+from ..targets.moe import ExpertStack
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
 VLLM_FUSION: dict[str, tuple[str, ...]] = {

@@ -178,10 +178,12 @@ def write_llama(
 def write_qwen3_moe(
     root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
     layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
+    shared_scales: bool = True,
 ) -> Path:
-    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build: NVFP4 attention and routed experts (each expert's gate and
-    up sharing one multiplier, as the producers write them), every layer's input scale random (so that the
-    largest, which vLLM's MoE kernels share among experts, is some expert's), bf16 router, norms and embeddings."""
+    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build: NVFP4 attention and routed experts, every layer's input
+    scale random (so that the largest, which vLLM's MoE kernels share among experts, is some expert's), bf16
+    router, norms and embeddings. ``shared_scales``: each expert's gate and up share one multiplier, as the
+    producers write them (else vLLM keeps gate's and warns)."""
     dense = llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers, head_dim=head_dim)
     quantized = {p: w for p, w in dense.items() if ".self_attn." in p}
     for i in range(layers):
@@ -189,7 +191,8 @@ def write_qwen3_moe(
             gate, up = random_nvfp4(intermediate, hidden, generator), random_nvfp4(intermediate, hidden, generator)
             owner = f"model.layers.{i}.mlp.experts.{e}"
             quantized[f"{owner}.gate_proj"] = gate
-            quantized[f"{owner}.up_proj"] = NVFP4Weight(up.codes, up.block_scales, gate.multiplier.clone())
+            quantized[f"{owner}.up_proj"] = NVFP4Weight(up.codes, up.block_scales,
+                                                        gate.multiplier.clone() if shared_scales else up.multiplier)
             quantized[f"{owner}.down_proj"] = random_nvfp4(hidden, intermediate, generator)
     plain = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
              "lm_head.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),

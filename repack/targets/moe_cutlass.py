@@ -20,57 +20,20 @@ returns the codes and block scales exactly and the scalars as held; verify recom
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE
 from .base import TensorSpec
-from .layout import round_up, swizzle_128x4, unswizzle_128x4
+from .layout import round_up
+from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_scale, swizzle_experts,
+                  unswizzle_experts, w3w1)
 
 LAYOUT_ID = "moe-flashinfer-cutlass-v1"
 BACKEND = "FLASHINFER_CUTLASS"  # vLLM's NvFp4MoeBackend
 KERNEL = "FlashInferExperts"
 FAMILIES = ("sm120",)
-SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale")
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS)
-
-
-@dataclass(frozen=True)
-class ExpertStack:
-    """One FusedMoE layer's routed experts in canonical NVFP4 form, stacked as vLLM loads them.
-
-    Attributes:
-        w13_codes (`torch.Tensor`): uint8 ``[E, 2I, H/2]``, each expert's gate (w1) rows then up (w3) rows.
-        w13_scales (`torch.Tensor`): float8_e4m3fn ``[E, 2I, H/16]``.
-        w13_multiplier (`torch.Tensor`): float32 ``[E, 2]``, the dequant multipliers of w1 and w3.
-        w13_input_scale (`torch.Tensor`): float32 ``[E, 2]``, the activations' dequant scales of w1 and w3
-            (ModelOpt ``input_scale``; compressed-tensors ``1 / input_global_scale``, in float32 as vLLM computes).
-        w2_codes, w2_scales: ``[E, H, I/2]`` and ``[E, H, I/16]``.
-        w2_multiplier, w2_input_scale: float32 ``[E]``.
-    """
-
-    w13_codes: torch.Tensor
-    w13_scales: torch.Tensor
-    w13_multiplier: torch.Tensor
-    w13_input_scale: torch.Tensor
-    w2_codes: torch.Tensor
-    w2_scales: torch.Tensor
-    w2_multiplier: torch.Tensor
-    w2_input_scale: torch.Tensor
-
-    @property
-    def experts(self) -> int:
-        return int(self.w13_codes.shape[0])
-
-    @property
-    def hidden(self) -> int:
-        return int(self.w13_codes.shape[2]) * 2
-
-    @property
-    def intermediate(self) -> int:
-        return int(self.w2_codes.shape[2]) * 2
 
 
 def check_shape(experts: int, hidden: int, intermediate: int, name: str = "MoE layer") -> None:
@@ -81,35 +44,6 @@ def check_shape(experts: int, hidden: int, intermediate: int, name: str = "MoE l
             f"(got {intermediate}) and hidden size a multiple of 16 (got {hidden}), as vLLM 0.33 does; "
             "vLLM refuses this layer there"
         )
-
-
-def swizzle_experts(scales: torch.Tensor) -> torch.Tensor:
-    """``[E, M, K_sf]`` -> ``[E, round_up(M, 128), round_up(K_sf, 4)]``: each expert 128x4-swizzled, as vLLM's
-    ``swizzle_blockscale`` does on a 3-D tensor. Rows are padded per expert, then all experts go through one
-    2-D swizzle (their 128-row tiles never straddle two experts)."""
-    experts, rows, cols = scales.shape
-    padded = torch.zeros((experts, round_up(rows, 128), cols), dtype=scales.dtype)
-    padded[:, :rows] = scales
-    flat = swizzle_128x4(padded.reshape(-1, cols))
-    return flat.view(experts, -1, flat.shape[1])
-
-
-def unswizzle_experts(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Exact inverse of :func:`swizzle_experts`: ``[E, rows, cols]``."""
-    experts, rows_padded, _ = swizzled.shape
-    flat = unswizzle_128x4(swizzled.reshape(experts * rows_padded, -1), experts * rows_padded, cols)
-    return flat.view(experts, rows_padded, cols)[:, :rows].contiguous()
-
-
-def w3w1(t: torch.Tensor) -> torch.Tensor:
-    """``[E, 2I, ...]`` with halves swapped (w1/w3 <-> w3/w1): its own inverse."""
-    half = t.shape[1] // 2
-    return torch.cat((t[:, half:], t[:, :half]), dim=1)
-
-
-def shared_input_scale(scales: torch.Tensor, experts: int) -> torch.Tensor:
-    """``amax_for_moe_activation_quant(...).repeat(E)``: the largest scale, float32, once per expert."""
-    return scales.max().to(torch.float32).repeat(experts)
 
 
 def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.Tensor]:
@@ -127,16 +61,6 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.T
         "w2_weight_scale_2": stack.w2_multiplier.to(torch.float32) * a2,
         "w2_input_scale": a2,
     }
-
-
-@dataclass(frozen=True)
-class ExpertCodes:
-    """What :func:`from_runtime` recovers exactly: every expert's codes and block scales, w1/w3 order restored."""
-
-    w13_codes: torch.Tensor
-    w13_scales: torch.Tensor
-    w2_codes: torch.Tensor
-    w2_scales: torch.Tensor
 
 
 def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
@@ -166,14 +90,6 @@ def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, Ten
 def w13_row(row: torch.Tensor, intermediate: int) -> torch.Tensor:
     """Canonical w13 row (gate rows ``[0, I)``, up rows ``[I, 2I)``) -> its row in ``w13_weight``."""
     return (row + intermediate) % (2 * intermediate)
-
-
-def scale_offset(expert: torch.Tensor, row: torch.Tensor, col: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Flat byte offset of block scale ``(row, col)`` of ``expert`` in a swizzled ``[E, rows, cols]`` buffer
-    (``rows``/``cols``: the unpadded sizes): the 128x4 formula inside the expert's own padded block."""
-    rows_p, cols_p = round_up(rows, 128), round_up(cols, 4)
-    inside = ((row // 128) * (cols_p // 4) + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
-    return expert * (rows_p * cols_p) + inside
 
 
 def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hidden: int,

@@ -38,6 +38,7 @@ import flashinfer  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from flashinfer.gemm import gemm_bf16_fp4_cute_dsl as fi_cute  # noqa: E402
+from ports import block_scale_interleave  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed import (  # noqa: E402
@@ -71,11 +72,13 @@ FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
-MOE_ARCH = {"sm120-moe": "sm120"}  # MoE job -> the capability emulated (and the dense layers' arch)
+MOE_ARCH = {"sm100-moe": "sm100", "sm120-moe": "sm120"}  # MoE job -> the capability emulated (dense layers' arch)
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
 assert hasattr(vfi_moe, "swizzle_blockscale") and hasattr(vutils_fi, "has_flashinfer_cutlass_fused_moe")
+assert hasattr(flashinfer, "nvfp4_block_scale_interleave")
+
 
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
@@ -145,6 +148,15 @@ def patch() -> None:
 
     # PATCH MoE 2: the MoE preparation binds vLLM's swizzle_blockscale (ends in .cuda()) too.
     vfi_moe.swizzle_blockscale = swizzle_on_cpu
+
+    # PATCH MoE 3: FlashInfer's nvfp4_block_scale_interleave runs a JIT-built op (no CUDA toolkit here): its torch
+    # port (prepare_static_weights_for_trtllm_fp4_moe imports it from flashinfer at call time). FlashInfer's row
+    # permutations (shuffle_matrix_a's and the gated-activation reorder's indices) are torch already and run as is.
+    flashinfer.nvfp4_block_scale_interleave = block_scale_interleave
+
+    # PATCH MoE 4: TrtLlmNvFp4ExpertsMonolithic asks torch.accelerator for a device index (raises without one) for
+    # tensors of optional SwiGLU parameters, which Qwen3-MoE does not set: any index does, 0.
+    torch.accelerator.current_device_index = lambda: 0
 
 
 def dump(model, out: Path, rank: int) -> None:

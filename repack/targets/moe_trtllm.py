@@ -1,0 +1,156 @@
+"""NVFP4 MoE on sm100 / sm103: what vLLM 0.33's FlashInfer TRT-LLM-gen MoE holds after ``process_weights_after_loading``.
+
+vLLM's ``auto`` tries ``FLASHINFER_TRTLLM`` first and takes it on sm10x for a W4A4 NVFP4 MoE with a routing method
+it lists (Qwen3-MoE's Renormalize, DeepSeek-V3's, ...). ``prepare_nvfp4_moe_layer_for_fi_or_cutlass`` then, per
+FusedMoE layer (``quantization/utils/flashinfer_fp4_moe.py``, ``flashinfer_utils.py``, FlashInfer's
+``fused_moe/core.py`` and ``utils.py``, ``TrtLlmNvFp4ExpertsMonolithic``):
+
+1. w13 rows in w3/w1 order (up, then gate); one input scale for all experts (as :mod:`.moe_cutlass`).
+2. Hidden size H zero-padded to ``Hp = round_up(H, 256)`` (w13's K, w2's rows), intermediate I to
+   ``Ip = round_up(I, 64)`` with up and gate padded apart (w13 rows ``[0, I)`` and ``[Ip, Ip + I)``; w2's K).
+3. Every expert's rows permuted: w13 by the gated-activation reorder (``[up0, gate0, up1, gate1, ...]``) composed
+   with ``shuffle_matrix_a``'s row shuffle for epilogue tile 128 (blocks of 32 rows, row ``o`` to
+   ``(o % 4) * 8 + o // 4``); w2 by the row shuffle alone. Block scales take the same rows, then FlashInfer's
+   ``nvfp4_block_scale_interleave``, which is the 128x4 swizzle of each expert (checked against its C++).
+4. ``w13_weight_scale_2``, ``w2_weight_scale_2``: multiplier x shared input scale; ``g1_scale_c`` =
+   ``w13_weight_scale_2 / w2_input_scale`` (float32, ``_compute_g1_scale_c``), registered on the module.
+
+Shapes: w13_weight uint8 ``[E, 2Ip, Hp/2]``, w13_weight_scale e4m3 ``[E, 2Ip, Hp/16]``, w2_weight ``[E, Hp, Ip/2]``,
+w2_weight_scale ``[E, Hp, Ip/16]``; the scalars float32 ``[E]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import BLOCK_SIZE
+from .base import TensorSpec
+from .layout import round_up
+from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_scale, swizzle_experts,
+                  unswizzle_experts, w3w1)
+
+LAYOUT_ID = "moe-flashinfer-trtllm-v1"
+BACKEND = "FLASHINFER_TRTLLM"
+KERNEL = "TrtLlmNvFp4ExpertsMonolithic"
+FAMILIES = ("sm100",)
+HIDDEN_ALIGNMENT = 256  # trtllm_nvfp4_hidden_alignment for gated layers with per-tensor activation scales
+INTERMEDIATE_ALIGNMENT = 64  # gated: 2 x Ip a multiple of 128, as FlashInfer's block-scale shuffle asserts
+SHUFFLE_BLOCK = 32  # get_shuffle_block_size(epilogue_tile_m=128)
+TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS, "g1_scale_c")
+
+
+def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
+    return round_up(hidden, HIDDEN_ALIGNMENT), round_up(intermediate, INTERMEDIATE_ALIGNMENT)
+
+
+def shuffle_rows(rows: int) -> torch.Tensor:
+    """``get_shuffle_matrix_a_row_indices`` for epilogue tile 128: held row ``n`` <- source row."""
+    n = torch.arange(rows)
+    inside = n % SHUFFLE_BLOCK
+    return n - inside + (inside % 8) * 4 + inside // 8
+
+
+def w13_rows(padded_intermediate: int) -> torch.Tensor:
+    """Held w13 row ``n`` <- row of the padded ``[up; gate]`` matrix: the gated reorder (``p -> p // 2 +
+    (p % 2) * Ip``) after the shuffle, as ``_maybe_get_cached_w3_w1_permute_indices`` composes them."""
+    shuffled = shuffle_rows(2 * padded_intermediate)
+    return shuffled // 2 + (shuffled % 2) * padded_intermediate
+
+
+def _pad_w13(t: torch.Tensor, intermediate: int, padded_intermediate: int, cols: int) -> torch.Tensor:
+    """``[E, 2I, c]`` in up/gate order -> ``[E, 2Ip, cols]``: each half at the top of its own padded half."""
+    out = torch.zeros((t.shape[0], 2 * padded_intermediate, cols), dtype=t.dtype)
+    out[:, :intermediate, : t.shape[2]] = t[:, :intermediate]
+    out[:, padded_intermediate: padded_intermediate + intermediate, : t.shape[2]] = t[:, intermediate:]
+    return out
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros((t.shape[0], rows, cols), dtype=t.dtype)
+    out[:, : t.shape[1], : t.shape[2]] = t
+    return out
+
+
+def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.Tensor]:
+    """The tensors vLLM holds on the FusedMoE module, by its names (``name``: for messages; nothing is refused)."""
+    hidden, inter = stack.hidden, stack.intermediate
+    hp, ip = padded_sizes(hidden, inter)
+    rows13, rows2 = w13_rows(ip), shuffle_rows(hp)
+    codes13 = _pad_w13(w3w1(stack.w13_codes), inter, ip, hp // 2).index_select(1, rows13)
+    scales13 = _pad_w13(w3w1(stack.w13_scales), inter, ip, hp // BLOCK_SIZE).index_select(1, rows13)
+    codes2 = _pad(stack.w2_codes, hp, ip // 2).index_select(1, rows2)
+    scales2 = _pad(stack.w2_scales, hp, ip // BLOCK_SIZE).index_select(1, rows2)
+    a13 = shared_input_scale(stack.w13_input_scale, stack.experts)
+    a2 = shared_input_scale(stack.w2_input_scale, stack.experts)
+    alpha13 = stack.w13_multiplier[:, 0].to(torch.float32) * a13
+    return {
+        "w13_weight": codes13,
+        "w13_weight_scale": swizzle_experts(scales13),
+        "w2_weight": codes2,
+        "w2_weight_scale": swizzle_experts(scales2),
+        "w13_weight_scale_2": alpha13,
+        "w13_input_scale": a13,
+        "w2_weight_scale_2": stack.w2_multiplier.to(torch.float32) * a2,
+        "w2_input_scale": a2,
+        "g1_scale_c": alpha13 * (1.0 / a2),
+    }
+
+
+def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
+    """Exact inverse of :func:`to_runtime` on codes and block scales (padding dropped, w1/w3 order restored)."""
+    hp, ip = padded_sizes(hidden, intermediate)
+    back13, back2 = torch.argsort(w13_rows(ip)), torch.argsort(shuffle_rows(hp))
+
+    def unpad13(t: torch.Tensor, cols: int) -> torch.Tensor:
+        t = t.index_select(1, back13)
+        return w3w1(torch.cat((t[:, :intermediate, :cols], t[:, ip: ip + intermediate, :cols]), dim=1)).contiguous()
+
+    scales13 = unswizzle_experts(tensors["w13_weight_scale"], 2 * ip, hp // BLOCK_SIZE)
+    scales2 = unswizzle_experts(tensors["w2_weight_scale"], hp, ip // BLOCK_SIZE)
+    return ExpertCodes(
+        w13_codes=unpad13(tensors["w13_weight"], hidden // 2),
+        w13_scales=unpad13(scales13, hidden // BLOCK_SIZE),
+        w2_codes=tensors["w2_weight"].index_select(1, back2)[:, :hidden, : intermediate // 2].contiguous(),
+        w2_scales=scales2.index_select(1, back2)[:, :hidden, : intermediate // BLOCK_SIZE].contiguous(),
+    )
+
+
+def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
+    hp, ip = padded_sizes(hidden, intermediate)
+    scalar = TensorSpec(torch.float32, (experts,))
+    return {
+        "w13_weight": TensorSpec(torch.uint8, (experts, 2 * ip, hp // 2)),
+        "w13_weight_scale": TensorSpec(torch.float8_e4m3fn, (experts, 2 * ip, hp // BLOCK_SIZE)),
+        "w2_weight": TensorSpec(torch.uint8, (experts, hp, ip // 2)),
+        "w2_weight_scale": TensorSpec(torch.float8_e4m3fn, (experts, hp, ip // BLOCK_SIZE)),
+        **{name: scalar for name in (*SCALARS, "g1_scale_c")},
+    }
+
+
+def held_row(row: torch.Tensor, which: str, hidden: int, intermediate: int) -> torch.Tensor:
+    """Canonical row (w13: gate rows ``[0, I)``, up rows ``[I, 2I)``) -> the row that holds it, by formula: its
+    padded row (up first), then the inverse of the gated reorder and of the 32-row shuffle."""
+    hp, ip = padded_sizes(hidden, intermediate)
+    if which == "w13":
+        up = row >= intermediate
+        padded = torch.where(up, row - intermediate, row + ip)  # [up; gate], each half padded to Ip
+        reordered = torch.where(padded < ip, 2 * padded, 2 * (padded - ip) + 1)  # inverse of p // 2 + (p % 2) Ip
+    else:
+        reordered = row
+    inside = reordered % SHUFFLE_BLOCK  # inverse of the shuffle: source o sits at (o % 4) * 8 + o // 4
+    return reordered - inside + (inside % 4) * 8 + inside // 4
+
+
+def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hidden: int,
+                  intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K/2]`` and block scales ``[N, K/16]`` of one expert's ``w13`` (w1 then w3 rows) or ``w2``, by
+    gathering with the index formulas alone (independent of :func:`from_runtime`'s argsorts)."""
+    hp, ip = padded_sizes(hidden, intermediate)
+    n, k, rows_held, cols_held = ((2 * intermediate, hidden, 2 * ip, hp // BLOCK_SIZE) if which == "w13"
+                                  else (hidden, intermediate, hp, ip // BLOCK_SIZE))
+    rows = held_row(torch.arange(n), which, hidden, intermediate)
+    codes = tensors[f"{which}_weight"][expert].index_select(0, rows)[:, : k // 2]
+    r, c = torch.meshgrid(rows, torch.arange(k // BLOCK_SIZE), indexing="ij")
+    flat = tensors[f"{which}_weight_scale"].reshape(-1).view(torch.uint8)
+    scales = flat[scale_offset(torch.tensor(expert), r, c, rows_held, cols_held)].view(torch.float8_e4m3fn)
+    return codes, scales
