@@ -57,37 +57,40 @@ def w13_rows(padded_intermediate: int) -> torch.Tensor:
     return shuffled // 2 + (shuffled % 2) * padded_intermediate
 
 
-def _pad_w13(t: torch.Tensor, intermediate: int, padded_intermediate: int, cols: int) -> torch.Tensor:
-    """``[E, 2I, c]`` in up/gate order -> ``[E, 2Ip, cols]``: each half at the top of its own padded half."""
-    out = torch.zeros((t.shape[0], 2 * padded_intermediate, cols), dtype=t.dtype)
-    out[:, :intermediate, : t.shape[2]] = t[:, :intermediate]
-    out[:, padded_intermediate: padded_intermediate + intermediate, : t.shape[2]] = t[:, intermediate:]
-    return out
+def _gather(t: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cols: int) -> torch.Tensor:
+    """``t[:, rows]`` as one gather, rows not ``valid`` (padding) zeroed, columns zero-padded to ``cols``."""
+    out = t.view(torch.uint8).index_select(1, rows.clamp(max=t.shape[1] - 1))
+    out[:, ~valid] = 0
+    if out.shape[2] < cols:
+        out = torch.nn.functional.pad(out, (0, cols - out.shape[2]))
+    return out.view(t.dtype)
 
 
-def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    out = torch.zeros((t.shape[0], rows, cols), dtype=t.dtype)
-    out[:, : t.shape[1], : t.shape[2]] = t
-    return out
+def w13_source_rows(intermediate: int, padded_intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Held w13 row -> row of the canonical ``[gate; up]`` stack (the w3/w1 swap and Ip padding folded into the
+    permutation), and which held rows are padding."""
+    padded = w13_rows(padded_intermediate)  # row of [up padded to Ip; gate padded to Ip]
+    up = padded < padded_intermediate
+    inside = torch.where(up, padded, padded - padded_intermediate)
+    return torch.where(up, inside + intermediate, inside), inside < intermediate
 
 
 def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.Tensor]:
-    """The tensors vLLM holds on the FusedMoE module, by its names (``name``: for messages; nothing is refused)."""
+    """The tensors vLLM holds on the FusedMoE module, by its names (``name``: for messages; nothing is refused).
+    Each weight tensor is one gather from the canonical stack: pads, w3/w1 swap and row permutations folded."""
     hidden, inter = stack.hidden, stack.intermediate
     hp, ip = padded_sizes(hidden, inter)
-    rows13, rows2 = w13_rows(ip), shuffle_rows(hp)
-    codes13 = _pad_w13(w3w1(stack.w13_codes), inter, ip, hp // 2).index_select(1, rows13)
-    scales13 = _pad_w13(w3w1(stack.w13_scales), inter, ip, hp // BLOCK_SIZE).index_select(1, rows13)
-    codes2 = _pad(stack.w2_codes, hp, ip // 2).index_select(1, rows2)
-    scales2 = _pad(stack.w2_scales, hp, ip // BLOCK_SIZE).index_select(1, rows2)
+    rows13, valid13 = w13_source_rows(inter, ip)
+    rows2 = shuffle_rows(hp)
+    valid2 = rows2 < hidden
     a13 = shared_input_scale(stack.w13_input_scale, stack.experts)
     a2 = shared_input_scale(stack.w2_input_scale, stack.experts)
     alpha13 = stack.w13_multiplier[:, 0].to(torch.float32) * a13
     return {
-        "w13_weight": codes13,
-        "w13_weight_scale": swizzle_experts(scales13),
-        "w2_weight": codes2,
-        "w2_weight_scale": swizzle_experts(scales2),
+        "w13_weight": _gather(stack.w13_codes, rows13, valid13, hp // 2),
+        "w13_weight_scale": swizzle_experts(_gather(stack.w13_scales, rows13, valid13, hp // BLOCK_SIZE)),
+        "w2_weight": _gather(stack.w2_codes, rows2, valid2, ip // 2),
+        "w2_weight_scale": swizzle_experts(_gather(stack.w2_scales, rows2, valid2, ip // BLOCK_SIZE)),
         "w13_weight_scale_2": alpha13,
         "w13_input_scale": a13,
         "w2_weight_scale_2": stack.w2_multiplier.to(torch.float32) * a2,
