@@ -66,8 +66,10 @@ def swizzle_experts(scales: torch.Tensor) -> torch.Tensor:
     ``swizzle_blockscale`` does on a 3-D tensor. Rows are padded per expert, then all experts go through one
     2-D swizzle (their 128-row tiles never straddle two experts)."""
     experts, rows, cols = scales.shape
-    padded = torch.zeros((experts, round_up(rows, 128), cols), dtype=scales.dtype)
-    padded[:, :rows] = scales
+    padded = scales
+    if rows % 128:
+        padded = torch.zeros((experts, round_up(rows, 128), cols), dtype=scales.dtype)
+        padded[:, :rows] = scales
     flat = swizzle_128x4(padded.reshape(-1, cols))
     return flat.view(experts, -1, flat.shape[1])
 

@@ -25,7 +25,7 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE
 from .base import TensorSpec
-from .layout import round_up
+from .layout import aligned, round_up
 from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_scale, swizzle_experts,
                   unswizzle_experts, w3w1)
 
@@ -59,8 +59,10 @@ def w13_rows(padded_intermediate: int) -> torch.Tensor:
 
 def _gather(t: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cols: int) -> torch.Tensor:
     """``t[:, rows]`` as one gather, rows not ``valid`` (padding) zeroed, columns zero-padded to ``cols``."""
-    out = t.view(torch.uint8).index_select(1, rows.clamp(max=t.shape[1] - 1))
-    out[:, ~valid] = 0
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if t.shape[2] % w.itemsize == 0)
+    out = aligned(t.view(torch.uint8), word.itemsize).view(word).index_select(1, rows.clamp(max=t.shape[1] - 1))
+    out.index_fill_(1, torch.nonzero(~valid).flatten(), 0)  # whole rows: moving words, not bytes, is faster
+    out = out.view(torch.uint8)
     if out.shape[2] < cols:
         out = torch.nn.functional.pad(out, (0, cols - out.shape[2]))
     return out.view(t.dtype)
