@@ -30,7 +30,7 @@ PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvf
 # (hidden, experts, intermediate): "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is
 # refused at TP 2 (per-rank 2I = 64); "wide" has 5 experts and 2I = 512 (256 per rank). The i48 fixtures are
 # refused at TP 1 on sm120 (2I = 96; sm100 pads I to 64) and by us at TP 2 (per-rank intermediate 24: not whole
-# scale blocks; vLLM refuses on sm120, and on sm100 loads it with half a block unscaled).
+# scale blocks; vLLM refuses on sm120, and on sm100 loads it mis-scaled).
 SYNTHETIC = {"odd": (80, 3, 64), "wide": (64, 5, 256)}
 UNSHARED = ("wide",)  # gate and up of an expert with their own multipliers: vLLM keeps gate's (w1's)
 FORMATS = ("modelopt", "compressed-tensors")
@@ -88,9 +88,9 @@ def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, arch, tp
         return
     group = next(iter(expert_groups(source).values()))
     if (group.intermediate // tp) % 16:
-        # vLLM 0.33 loads this on sm100 (TRT-LLM-gen pads the rank's intermediate 24 to 64) but each rank gets
-        # whole block scales only (24 // 16 = 1 of its 1.5 blocks): the rest of its elements are scaled by zero.
-        # We refuse instead, as for dense layers.
+        # vLLM 0.33 loads this on sm100 (TRT-LLM-gen pads the rank's intermediate 24 to 64), but its loader cuts
+        # block scales as whole blocks (24 // 16 = 1 per rank: rank 1 gets block 1, for its elements 24..47), which
+        # do not line up with the rank's elements: mis-scaled weights. We refuse instead, as for dense layers.
         with pytest.raises(RepackError, match="not a multiple of 16"):
             plan_experts(source, tp, 0)
         return
