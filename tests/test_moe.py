@@ -19,7 +19,7 @@ from repack.sample.synthetic import write_qwen3_moe
 from repack.targets import moe, moe_cutlass, moe_trtllm
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
-from repack.verify_moe import check_experts
+from repack.verify_moe import EXPERT_REL_ERROR, check_experts, expert_numerics
 
 from .conftest import PRODUCERS, require
 from .vllm.ports import block_scale_interleave
@@ -162,6 +162,20 @@ def test_expert_stack_of_a_rank_is_the_source_cut(name):
             assert stack.w13_multiplier[e].tolist() == [float(gate.multiplier), float(up.multiplier)]
 
 
+def test_shared_experts_and_dense_layers_stay_dense(tmp_path, random_seed):
+    """DeepSeek-V3 / Qwen2-MoE naming: ``shared_experts.*`` / ``shared_expert.*`` (no index) and a dense first
+    layer's ``mlp.*_proj`` are not routed experts; the FusedMoE layers are found around them."""
+    root = write_qwen3_moe(tmp_path / "m", "compressed-tensors", hidden=64, experts=2, intermediate=64, layers=2,
+                           generator=torch.Generator().manual_seed(random_seed))
+    layers = dict(read_source(root).layers)
+    q = layers["model.layers.0.self_attn.q_proj"]
+    extra = ["model.layers.0.mlp.shared_experts.gate_proj", "model.layers.1.mlp.shared_expert.down_proj",
+             "model.layers.2.mlp.gate_proj", "model.layers.2.mlp.down_proj"]
+    groups = find_expert_groups({**layers, **{p: dataclasses.replace(q, prefix=p) for p in extra}})
+    assert list(groups) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert not set(extra) & {m for g in groups.values() for m in g.members}
+
+
 def test_compressed_tensors_input_scales_are_inverted_in_float32():
     source = read_source(PRODUCERS / "ct_moe_nvfp4")
     group = expert_groups(source)["model.layers.0.mlp.experts"]
@@ -227,6 +241,28 @@ def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts
     alpha["w2_weight_scale_2"][3] = torch.nextafter(alpha["w2_weight_scale_2"][3], torch.tensor(1.0))
     assert check_experts(source, plan, alpha, layout) == [
         "model.layers.0.mlp.experts: w2_weight_scale_2 differs (expert 3)"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)
+def test_expert_numerics_by_index_formulas_match_the_float64_source(layout, tmp_path, random_seed):
+    """Sampled experts computed from the held tensors by the index formulas agree with the dequantized source;
+    an expert whose w3 multiplier differs from its w1's (which vLLM drops) does not, by that ratio."""
+    gen = torch.Generator().manual_seed(random_seed)
+    for shared in (True, False):
+        root = write_qwen3_moe(tmp_path / f"m{shared}", "modelopt", hidden=80, experts=3, intermediate=128,
+                               generator=gen, shared_scales=shared)
+        source = read_source(root)
+        plan = plan_experts(source, 2, 1)["model.layers.0.mlp.experts"]
+        stack = assemble_experts(source, plan)
+        errors = expert_numerics(source, plan, layout.to_runtime(stack), layout, [0, 2], gen)
+        assert len(errors) == 6
+        for name, error in errors.items():
+            if shared or not name.endswith("up_proj"):
+                assert error <= EXPERT_REL_ERROR, (name, error)
+            else:
+                e = int(name.split(".")[-2])
+                ratio = float(stack.w13_multiplier[e, 0] / stack.w13_multiplier[e, 1])
+                assert error == pytest.approx(abs(ratio - 1), rel=1e-4), (name, error, ratio)
 
 
 def test_unfused_convert_still_writes_experts_one_by_one_and_fuse_refuses(tmp_path):
