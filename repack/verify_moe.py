@@ -23,7 +23,8 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     return ne.reshape(ne.shape[0], -1).any(dim=1).tolist()
 
 
-def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor], layout: ModuleType) -> list[str]:
+def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor],
+                  layout: ModuleType) -> list[str]:
     """Problems found in ``held`` (a FusedMoE layer's tensors by vLLM's names, in ``layout``: a MoE layout module),
     one line each; ``[]`` if exact."""
     expected = layout.to_runtime(assemble_experts(source, plan), plan.prefix)
@@ -37,7 +38,8 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
     ours = layout.from_runtime(held, group.hidden, inter)
     source_stack = assemble_experts(source, plan)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
-    checks = {proj: [(what, _differs(getattr(ours, f"w13_{what}")[:, rows], getattr(source_stack, f"w13_{what}")[:, rows]))
+    checks = {proj: [(what, _differs(getattr(ours, f"w13_{what}")[:, rows],
+                                     getattr(source_stack, f"w13_{what}")[:, rows]))
                      for what in ("codes", "scales")] for proj, rows in halves.items()}
     checks["down"] = [(what, _differs(getattr(ours, f"w2_{what}"), getattr(source_stack, f"w2_{what}")))
                       for what in ("codes", "scales")]
@@ -75,7 +77,8 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
             codes, scales = layout.decode_expert(held, e, which, group.hidden, inter)
             multiplier = held[f"{which}_weight_scale_2"][e].double() / held[f"{which}_input_scale"][e].double()
             ours = dequantize(NVFP4Weight(codes, scales, torch.ones(1)), torch.float64) * multiplier
-            ref_codes, ref_scales = getattr(source_stack, f"{which}_codes")[e], getattr(source_stack, f"{which}_scales")[e]
+            ref_codes = getattr(source_stack, f"{which}_codes")[e]
+            ref_scales = getattr(source_stack, f"{which}_scales")[e]
             own = getattr(source_stack, f"{which}_multiplier")[e].reshape(-1)
             rows = ours.shape[0] // len(projs)
             for i, proj in enumerate(projs):

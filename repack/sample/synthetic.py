@@ -201,7 +201,8 @@ def write_qwen3_moe(
         for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
                            ("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim)):
             plain[f"model.layers.{i}.{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
-        plain[f"model.layers.{i}.mlp.gate.weight"] = torch.randn(experts, hidden, generator=generator).to(torch.bfloat16)
+        router = torch.randn(experts, hidden, generator=generator)
+        plain[f"model.layers.{i}.mlp.gate.weight"] = router.to(torch.bfloat16)
     for prefix in quantized:  # random activation scales in the producer's convention (overriding the constants)
         scale = torch.rand((), generator=generator) * 1e-2 + 1e-3
         if fmt == "modelopt":

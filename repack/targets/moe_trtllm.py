@@ -1,4 +1,5 @@
-"""NVFP4 MoE on sm100 / sm103: what vLLM 0.33's FlashInfer TRT-LLM-gen MoE holds after ``process_weights_after_loading``.
+"""NVFP4 MoE on sm100 / sm103: what vLLM 0.33's FlashInfer TRT-LLM-gen MoE holds after its
+``process_weights_after_loading``.
 
 vLLM's ``auto`` tries ``FLASHINFER_TRTLLM`` first and takes it on sm10x for a W4A4 NVFP4 MoE with a routing method
 it lists (Qwen3-MoE's Renormalize, DeepSeek-V3's, ...). ``prepare_nvfp4_moe_layer_for_fi_or_cutlass`` then, per
