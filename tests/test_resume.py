@@ -123,10 +123,16 @@ def test_a_damaged_kept_shard_is_written_again(source, tmp_path, monkeypatch):
     assert tree_digest(out) == tree_digest(tmp_path / "reference")
 
 
+def default_sigint() -> None:
+    """A child's SIGINT as in a terminal, however pytest was started: a shell starts background jobs (``cmd &``,
+    nohup, CI runners) with SIGINT ignored, the child inherits that, and Python then installs no Ctrl-C handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli_process(argv, cwd):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "repack.cli", *map(str, argv)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
 
 
 def wait_for_a_finished_shard(out: Path, process, timeout: float = 120.0) -> None:
