@@ -428,6 +428,8 @@ def convert(
     ``out/rank-R`` (one summary for them all); ``rescale``: fold unequal partition scales into block scales.
     These take one target, and no ``resume`` with ``tp > 1``.
     """
+    if tp < 1:
+        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
     parse_size(max_shard_size)  # a bad shard size fails before any work
     single = isinstance(target_name, str) and target_name.strip().lower() != "all"

@@ -164,6 +164,19 @@ def test_cli_tp_convert_inspect_verify_and_refusals(tmp_path, capsys):
     assert code == 1 and err.startswith("Error: --tp 2: num_attention_heads (5)") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("tp", ["0", "-2"])
+def test_tp_below_one_is_a_usage_error(tmp_path, capsys, tp):
+    """Regression (issue 26): --tp 0 and --tp -2 exited 0 with an ordinary bundle."""
+    from repack.cli import main
+
+    root = _llama(tmp_path / "m")
+    assert main(["convert", str(root), "-t", "sm100", "--tp", tp, "-o", str(tmp_path / "out")]) == 2
+    assert "Invalid value for '--tp'" in capsys.readouterr().err
+    with pytest.raises(RepackError, match=f"--tp {tp}: expected a positive number of ranks"):
+        convert(root, "sm100", tmp_path / "out", tp=int(tp))
+    assert list(tmp_path.iterdir()) == [tmp_path / "m"]
+
+
 @pytest.mark.parametrize("options", [{"fuse": True}, {"tp": 2}])
 def test_fusion_and_tp_refuse_online_transforms(tmp_path, options):
     """A fused or sharded layer would need its partitions' rotations merged or cut: refused, never dropped."""

@@ -83,7 +83,7 @@ def convert(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, with a unit: 5GB, 500MB.")] = "5GB",
     sample: Annotated[bool, _flag("Convert the built-in tiny sample checkpoint.", "--sample")] = False,
     fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
     rescale: Annotated[bool, _flag(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     as_json: JsonOpt = False,
