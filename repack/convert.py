@@ -64,6 +64,7 @@ class OutputBundle:
     out: Path
     plan: BundlePlan
     folder: str = ""  # inside ``out``: rank-R of a --tp conversion, whose ranks are staged (and installed) together
+    rescale_errors: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added
 
 
 def bundle_config(config: dict, target: Target, layers: LayerPlan) -> dict:
@@ -206,6 +207,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
                         for t in source.transforms.layers.get(prefix, ())],
             partitions=_partitions(layer),
+            rescale_error=writing.output.rescale_errors.get(prefix),
         )
     transforms = {
         name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
@@ -449,19 +451,26 @@ def convert(
         layers = plan_layers(source)[0]
         outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
                    for t in targets]
+    outputs = [replace(output, rescale_errors=_rescale_errors(source, output.plan)) for output in outputs]
     if on_plan is not None:
         on_plan(source, outputs)
     rescaled: dict[str, float] = {}
     for output in outputs:
-        for prefix, layer in output.plan.layers.layers.items():
-            if any(piece.scale_ratio != 1.0 for piece in layer.pieces):
-                rescaled[prefix] = max(rescaled.get(prefix, 0.0), rescale_error(source, layer))
+        for prefix, error in output.rescale_errors.items():
+            rescaled[prefix] = max(rescaled.get(prefix, 0.0), error)
     summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, fsync=fsync, progress=progress)
     if not single:
         return summaries
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:
+    """The relative L2 error ``--rescale`` adds to each rescaled layer of ``plan``: recorded in its manifest,
+    where verify bounds the layer's actual departure from the source by it."""
+    return {prefix: rescale_error(source, layer) for prefix, layer in plan.layers.layers.items()
+            if any(piece.scale_ratio != 1.0 for piece in layer.pieces)}
 
 
 def _prepare_root(out: Path, protected: Path) -> None:

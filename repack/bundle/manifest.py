@@ -94,6 +94,9 @@ class LayerRecord:
     tensors: dict[str, TensorRecord]
     partitions: list[PartitionRecord]
     transforms: list[LayerTransformRecord] = field(default_factory=list)
+    # relative L2 error --rescale added to the weights against the unfused source (None: nothing rescaled, or a
+    # bundle written before it was recorded); verify fails a layer whose actual departure exceeds it
+    rescale_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,7 @@ def _layer(obj: Any, where: str, algorithm: str) -> LayerRecord:
         tensors={part: _tensor(rec, f"{where}.{part}", algorithm) for part, rec in tensors.items()},
         partitions=partitions,
         transforms=[_layer_transform(t, f"{where}.transforms") for t in _get(obj, "transforms", list, where)],
+        rescale_error=None if obj.get("rescale_error") is None else _finite(obj, "rescale_error", where),
     )
 
 

@@ -380,6 +380,11 @@ def _print_verify(bundle: Path, report) -> None:
         style = "green" if check.status == "ok" else "red"
         table.add_row(show(check.name), f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
     stdout.print(table)
+    departures = [c.rescale_error for c in report.layers if c.rescale_error is not None]
+    if departures:
+        stdout.print(f"{len(departures)} layers rescaled by --rescale: numerics against their rescaled weights, which "
+                     f"depart from the unfused source by up to {max(departures):.3g} (relative L2), each bounded by "
+                     "the error convert recorded", soft_wrap=True, highlight=False)
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")
