@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .bundle.layers import OutputLayer, Piece, assemble, rescale_error, whole_piece
-from .bundle.manifest import MANIFEST_NAME, LayerRecord, PartitionRecord, tensor_digest
+from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record, tensor_digest
 from .bundle.reader import Bundle, open_bundle
 from .convert import rank_folder
 from .errors import RepackError
@@ -132,8 +132,12 @@ def _checked_tensor(
     bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None
 ) -> torch.Tensor | None:
     """Header dtype/shape against the manifest (and the layout, if ``expected``), then the data, read once and
-    hashed in memory; the tensor when everything matches, else None with the failure recorded."""
+    hashed in memory; the tensor when everything matches, else None with the failure recorded. A tensor whose
+    file is missing is skipped: the file's own check reports that once, not once per tensor."""
     record = bundle.manifest.all_tensors[name]
+    if not (bundle.root / record.file).exists():
+        check.status = "skipped" if check.status == "ok" else check.status
+        return None
     try:
         entry = bundle.entry(name)
     except RepackError as exc:
@@ -162,7 +166,7 @@ def _checked_runtime_layer(bundle: Bundle, prefix: str, check: TensorCheck) -> R
         part: _checked_tensor(bundle, f"{prefix}.{part}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
         for part, spec in bundle.target.runtime_specs(record.n, record.k).items()
     }
-    if check.status == "fail":
+    if any(tensor is None for tensor in tensors.values()):
         return None
     return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
 
@@ -444,7 +448,7 @@ def verify_bundle(
                 check_source_identity(bundle, src, {name: f.result() for name, f in hashing.items()})
 
         transform_checks, matrices = _check_transforms(bundle, src)
-        bad = {c.name for c in transform_checks if c.status == "fail"}
+        bad = {c.name for c in transform_checks if c.status != "ok"}  # failed, or its file is missing
         checking: deque[tuple[str, Future, int]] = deque()  # (layer, its check, its weight bytes)
         layers, passthrough = [], []
         names = list(bundle.manifest.layers)
@@ -501,8 +505,12 @@ def target_bundles(path: str | Path) -> list[Path]:
 
 def member_bundles(path: str | Path) -> list[Path]:
     """The bundles an output folder holds: a ``--tp`` output's ranks, a several-target output's targets, or the
-    folder itself."""
-    return rank_bundles(path) or target_bundles(path) or [Path(path)]
+    folder itself; an error when the output's record names bundles and none of them is there."""
+    members = rank_bundles(path) or target_bundles(path)
+    missing = [] if members else _missing_members(Path(path))
+    if missing:
+        raise RepackError(f"{path}: none of the bundles its convert recorded ({', '.join(missing)}) is there")
+    return members or [Path(path)]
 
 
 def rank_bundles(path: str | Path) -> list[Path]:
@@ -602,7 +610,10 @@ def verify_output(
         merged.passthrough += _prefixed(report.passthrough, member.name)
         merged.transforms += _prefixed(report.transforms, member.name)
     merged.files += _check_folder_names(members, bundles, ranked=bool(ranks))
-    if not ranks:
+    missing = _missing_members(Path(path))
+    merged.files += [failed(name, f"{name}: missing; the convert that wrote {path} recorded it in {OUTPUT_RECORD}")
+                     for name in missing]
+    if not ranks or missing:  # a missing rank: the ranks cannot be reassembled
         return merged
     sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
     tp = bundles[0].manifest.tp_size
@@ -613,6 +624,12 @@ def verify_output(
     if src is not None:
         merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
     return merged
+
+
+def _missing_members(root: Path) -> list[str]:
+    """The bundles the output's record names (``OUTPUT_RECORD``) that are not there; none for an output without
+    the record (written before it existed: then only what is there is verified)."""
+    return [m for m in read_output_record(root) or [] if not (root / m / MANIFEST_NAME).is_file()]
 
 
 def _refuse_other_gpus(members: list[Path], bundles: list[Bundle], device: str) -> None:
@@ -643,7 +660,7 @@ def _check_served_root(root: Path, rank0: Bundle) -> list[TensorCheck]:
     """The files at the top of a ``--tp`` output (what ``vllm serve OUT`` reads: config.json, tokenizer) are
     rank 0's, byte for byte, as its manifest hashes them."""
     checks = []
-    for path in sorted(p for p in root.iterdir() if p.is_file()):
+    for path in sorted(p for p in root.iterdir() if p.is_file() and p.name != OUTPUT_RECORD):
         recorded = rank0.manifest.files.get(path.name)
         if recorded is not None:
             checks.append(_check_file(root, path.name, recorded))

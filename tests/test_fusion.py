@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from repack.bundle.manifest import OUTPUT_RECORD
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.nvfp4 import NVFP4Weight, dequantize
@@ -75,7 +76,7 @@ def test_tp_output_top_folder_holds_rank_0s_config_and_side_files(tmp_path):
     (root / "generation_config.json").write_text("{}")
     out = tmp_path / "out"
     convert(root, "sm120", out, tp=2)
-    top = sorted(p.name for p in out.iterdir() if p.is_file())
+    top = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != OUTPUT_RECORD)
     assert top == ["config.json", "generation_config.json", "tokenizer_config.json"]
     assert all((out / name).read_bytes() == (out / "rank-0" / name).read_bytes() for name in top)
     source_config = json.loads((root / "config.json").read_text())
@@ -292,6 +293,20 @@ def test_tp_ranks_share_one_hashing_of_the_source(tmp_path, monkeypatch):
     hashed = count_source_hashes(monkeypatch, root)
     assert verify_output(tmp_path / "out").passed
     assert sorted(hashed) == sorted(root.glob("*.safetensors"))
+
+
+def test_a_missing_rank_fails_verify_by_the_outputs_record(tmp_path):
+    """Regression (issue 26): a --tp output records its rank folders; a missing one is one integrity failure naming
+    it (before, a generic "not ranks 0..N-1" line)."""
+    import shutil
+
+    out = tmp_path / "out"
+    convert(_llama(tmp_path / "m"), "sm100", out, tp=2)
+    assert json.loads((out / OUTPUT_RECORD).read_text())["members"] == ["rank-0", "rank-1"]
+    assert verify_output(out).passed  # the record is no stray file at the top
+    shutil.rmtree(out / "rank-1")
+    assert [e for c in verify_output(out).failures for e in c.errors] == \
+        [f"rank-1: missing; the convert that wrote {out} recorded it in {OUTPUT_RECORD}"]
 
 
 def test_swapped_rank_folders_fail(tmp_path):

@@ -125,7 +125,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            on_plan=start_bar,
+            on_plan=start_bar, notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
