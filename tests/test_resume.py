@@ -157,7 +157,7 @@ def test_interrupted_several_targets_leave_nothing_after_the_next_run(source, tm
         with pytest.raises(Interrupted):
             convert(source, ["sm100", "sm120", "sm90"], out, max_shard_size="200KB")
     assert len(hidden(out)) == 3
-    busy = out / ".sm120.partial-busy"  # as if another convert were writing it right now
+    busy = out / ".sm120.partial-0123abcd"  # as if another convert were writing it right now
     busy.mkdir()
     lock = _lock(busy)
     try:

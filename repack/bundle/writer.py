@@ -31,9 +31,11 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -247,8 +249,16 @@ def _sync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
+def _hidden_folders(out: Path, kind: str) -> list[Path]:
+    """OUT's hidden ``.OUT.<kind>-XXXXXXXX`` folders (exactly that form: ``.a.partial-*`` would also match the
+    staging folders of an OUT named ``a.partial-b``)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.{kind}-[0-9a-f]{{8}}")
+    return sorted(p for p in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")
+                  if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
 def _retired_folders(out: Path) -> list[Path]:
-    return sorted(p for p in out.parent.glob(f".{out.name}.old-*") if p.is_dir() and not p.is_symlink())
+    return _hidden_folders(out, "old")
 
 
 def recover_interrupted(out: Path) -> Path | None:
@@ -294,8 +304,8 @@ def _replace(staging: Path, out: Path) -> None:
 
 def staging_folders(out: Path) -> list[Path]:
     """The hidden staging folders an interrupted convert to ``out`` left, newest first (none in use)."""
-    found = [p for p in out.parent.glob(f".{out.name}.partial-*") if p.is_dir() and not p.is_symlink()]
-    return sorted((p for p in found if not in_use(p)), key=lambda p: p.stat().st_mtime, reverse=True)
+    found = [p for p in _hidden_folders(out, "partial") if not in_use(p)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def _lock(folder: Path) -> int | None:
