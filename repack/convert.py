@@ -353,8 +353,7 @@ def convert_bundles(
     identity = source_identity(source.checkpoint)
     reused = {out: find_resumable(out, next(o.plan for o in outputs if o.out == out), identity) if resume else None
               for out in destinations}
-    for out, journal in reused.items():
-        remove_leftovers(out, journal.folder if journal else None, resume, notify)
+    remove_leftovers({out: journal and journal.folder for out, journal in reused.items()}, resume, notify)
     with ExitStack() as stack:
         reader = HashingReader(source.checkpoint)
         stack.callback(reader.close)
@@ -403,14 +402,17 @@ def convert_bundles(
     ]
 
 
-def remove_leftovers(out: Path, keep: Path | None, resume: bool, notify: Notice | None) -> None:
-    """Remove the hidden folders interrupted converts to ``out`` left (but ``keep``, the one a resume continues),
-    and say so in one line."""
-    folders, nbytes = remove_stale(out, keep)
-    if folders and notify is not None:
+def remove_leftovers(outs: dict[Path, Path | None], resume: bool, notify: Notice | None) -> None:
+    """Remove the hidden folders interrupted converts to each ``out`` left (but the one a resume continues, its
+    value), and say so in one line."""
+    removed = {out: remove_stale(out, keep) for out, keep in outs.items()}
+    names = [str(out) for out, (folders, _) in removed.items() if folders]
+    if names and notify is not None:
+        folders, nbytes = (sum(r[i] for r in removed.values()) for i in (0, 1))
         why = ("nothing in them matches this run's plan and source" if resume else
                "a run with --resume would have continued from them")
-        notify(f"{out}: removed {folders} hidden folder(s) that interrupted converts left ({nbytes / 1e6:.1f} MB); {why}")
+        notify(f"{', '.join(names)}: removed {folders} hidden folder(s) that interrupted converts left "
+               f"({nbytes / 1e6:.1f} MB); {why}")
 
 
 def resolve_targets(names: str | Sequence[str]) -> list[Target]:
@@ -484,10 +486,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
              rescale: bool, progress: Progress | None, on_plan: Callable | None,
              notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out`` (several targets) or its parent exists."""
-    if not single:
-        for target in TARGETS:  # a target of an interrupted earlier run that this one does not write
-            if target not in targets:
-                remove_leftovers(out / target.name, None, False, notify)
+    if not single:  # the targets of an interrupted earlier run that this one does not write
+        remove_leftovers({out / t.name: None for t in TARGETS if t not in targets}, False, notify)
     if fuse or tp > 1:
         plans = [plan_bundle(source, targets[0], layers, max_shard_size)
                  for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]

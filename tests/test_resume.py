@@ -165,8 +165,10 @@ def test_interrupted_several_targets_leave_nothing_after_the_next_run(source, tm
         assert hidden(out) == [busy.name]
     finally:
         os.close(lock)
-    convert(source, again, out, max_shard_size="200KB", overwrite=True)
+    notices = []
+    convert(source, again, out, max_shard_size="200KB", overwrite=True, notify=notices.append)
     assert hidden(tmp_path) == []
+    assert len(notices) == 1 and notices[0].startswith(f"{out / 'sm120'}: removed 1 hidden folder(s)"), notices
 
 
 def test_a_damaged_kept_shard_is_written_again(source, tmp_path, monkeypatch):
