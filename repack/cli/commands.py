@@ -377,7 +377,7 @@ def _print_verify(bundle: Path, report) -> None:
         table.add_column(column)
     for check in report.layers:
         error = f"{check.max_rel_error:.2e}" if check.max_rel_error is not None else "-"
-        style = "green" if check.status == "ok" else "red"
+        style = {"ok": "green", "skipped": "yellow"}.get(check.status, "red")
         table.add_row(show(check.name), f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
     stdout.print(table)
     departures = [c.rescale_error for c in report.layers if c.rescale_error is not None]
