@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import LayerPlan, OutputLayer, assemble, plan_layers, rescale_error, whole_piece
 from .bundle.manifest import (
-    MANIFEST_NAME, read_output_record, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
-    TransformRecord,
+    MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
+    TransformRecord, read_output_record,
 )
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.resume import Journal, find_resumable, source_identity
@@ -339,8 +339,8 @@ def convert_bundles(
     shards its journal records (when the source and plan are the same and each file still hashes as
     recorded); everything else is written again, so the result is byte-identical to an uninterrupted run.
     ``fsync`` False: publish without waiting for the disk (see ``bundle/writer.py`` for what that gives up).
-    What interrupted converts to a destination left (hidden staging folders) is removed, but for the one a
-    resume continues; ``notify`` is told, in one line per destination.
+    What interrupted converts to the destinations left (hidden staging folders) is removed, but for the one a
+    resume continues; ``notify`` is told, in one line.
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)

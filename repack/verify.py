@@ -33,7 +33,9 @@ from typing import Callable
 import torch
 
 from .bundle.layers import OutputLayer, Piece, assemble, rescale_error, whole_piece
-from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record, tensor_digest
+from .bundle.manifest import (
+    MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record, tensor_digest,
+)
 from .bundle.reader import Bundle, open_bundle
 from .convert import rank_folder
 from .errors import RepackError
