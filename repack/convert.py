@@ -40,7 +40,7 @@ from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_byt
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
-from .targets import TARGETS, Target, resolve_target
+from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -416,15 +416,8 @@ def remove_leftovers(outs: dict[Path, Path | None], resume: bool, notify: Notice
 
 
 def resolve_targets(names: str | Sequence[str]) -> list[Target]:
-    """Targets by name or alias, ``all`` for every family; each once, in the order given."""
-    wanted: list[Target] = []
-    for name in [names] if isinstance(names, str) else names:
-        for target in TARGETS if name.strip().lower() == "all" else [resolve_target(name)]:
-            if target not in wanted:
-                wanted.append(target)
-    if not wanted:
-        raise RepackError("no target given")
-    return wanted
+    """Targets by name or alias, ``all`` for every family; each family once, in the order given."""
+    return [resolve_target(family.name) for family in resolve_families(names)]
 
 
 def convert(
@@ -446,8 +439,9 @@ def convert(
 ) -> ConvertSummary | list[ConvertSummary]:
     """Convert ``model`` (a folder, or a Hub repo id at ``revision``) into bundles; all-or-nothing per bundle.
 
-    One target name: ``out`` is the bundle, and one summary is returned. A list of names (``all`` for every
-    family): one pass writes ``out/<target>`` for each, and a list of summaries is returned.
+    One target family (a name, or names that are aliases of one family): ``out`` is the bundle, and one summary
+    is returned. Several families (``all`` for every one): one pass writes ``out/<target>`` for each, and a list
+    of summaries is returned.
 
     ``fsync`` False: bundles are published without waiting for the disk: faster where the disk is slow, for
     CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
@@ -462,7 +456,7 @@ def convert(
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
     parse_size(max_shard_size)  # a bad shard size fails before any work
-    single = isinstance(target_name, str) and target_name.strip().lower() != "all"
+    single = not several_families(target_name)
     if (fuse or tp > 1) and not single:
         raise RepackError("--fuse/--tp take one target; convert each target in a run of its own")
     if resume and tp > 1:
@@ -486,8 +480,9 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
              rescale: bool, progress: Progress | None, on_plan: Callable | None,
              notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out`` (several targets) or its parent exists."""
+    written = {t.name for t in targets}
     if not single:  # the targets of an interrupted earlier run that this one does not write
-        remove_leftovers({out / t.name: None for t in TARGETS if t not in targets}, False, notify)
+        remove_leftovers({out / f.name: None for f in FAMILIES if f.name not in written}, False, notify)
     if fuse or tp > 1:
         plans = [plan_bundle(source, targets[0], layers, max_shard_size)
                  for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
@@ -507,8 +502,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                                 notify=notify)
     if not single:
         recorded = read_output_record(out) or []
-        write_output_record(out, [t.name for t in TARGETS if t in targets or (
-            t.name in recorded and (out / t.name / MANIFEST_NAME).is_file())], fsync)
+        write_output_record(out, [f.name for f in FAMILIES if f.name in written or (
+            f.name in recorded and (out / f.name / MANIFEST_NAME).is_file())], fsync)
         return summaries
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,

@@ -144,7 +144,7 @@ def test_a_resume_whose_plan_changed_discards_the_old_staging(source, tmp_path, 
     assert len(notices) == 1 and "nothing in them matches this run's plan and source" in notices[0]
 
 
-@pytest.mark.parametrize("again", [["sm100", "sm120", "sm90"], ["sm100"]], ids=["same targets", "fewer targets"])
+@pytest.mark.parametrize("again", [["sm100", "sm120", "sm90"], ["sm100", "sm90"]], ids=["same targets", "fewer targets"])
 def test_interrupted_several_targets_leave_nothing_after_the_next_run(source, tmp_path, monkeypatch, again):
     """Regression (issue 26): ``-t all``, Ctrl-C before some targets finished a shard (no journal: nothing to
     resume), then ``--resume``: those targets' staging folders stayed inside OUT. The next run, with the same
