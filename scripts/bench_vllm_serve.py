@@ -14,7 +14,7 @@ Each model and mode runs in a fresh process with a fresh HOME (cold vLLM compile
 vLLM's engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the load can be measured):
 
 * engine start: ``LLM(...)`` wall time (load, memory profiling, KV cache, torch.compile, CUDA graph capture);
-* model load: ``GPUModelRunner.load_model`` wall time, and the peak of allocated GPU memory during it above what
+* model load: the model runner's ``load_model`` wall time, and the peak of allocated GPU memory during it above what
   was allocated before (the source's load also holds its repack's temporaries);
 * decode tok/s at each batch: ``batch x 128`` greedy tokens over the time between a 16-token and a 144-token
   generation of the same 32-token prompts (prefill and engine overhead cancel; best of 2);
@@ -83,11 +83,16 @@ def wait_ready(work: Path, seconds: float) -> dict[str, object]:
 
 
 def hook_load(stats: dict[str, float]) -> None:
-    """Time ``GPUModelRunner.load_model`` and read the allocator's peak during it."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """Time the model runner's ``load_model`` and read the allocator's peak during it (vLLM 0.33 has two model
+    runners, ``v1/worker/gpu/model_runner.py`` the one its GPU worker built here: both are wrapped)."""
+    import importlib
 
-    load_model = GPUModelRunner.load_model
+    for module in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+        runner = importlib.import_module(module).GPUModelRunner
+        runner.load_model = timed_load(runner.load_model, stats)
 
+
+def timed_load(load_model, stats: dict[str, float]):
     def timed(self, *args, **kwargs):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -99,7 +104,7 @@ def hook_load(stats: dict[str, float]) -> None:
                      load_peak_gib=(torch.cuda.max_memory_allocated() - before) / 2**30,
                      loaded_gib=(torch.cuda.memory_allocated() - before) / 2**30)  # fmt: skip
 
-    GPUModelRunner.load_model = timed
+    return timed
 
 
 def decode_tps(llm: object, batch: int, gen: torch.Generator) -> float:

@@ -5,7 +5,8 @@ On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu; docs/serving.md has the com
 
     PYTHONPATH=.:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py
 
-References: the same checkpoint served by vLLM's own load of the source (its default NVFP4 kernel on Hopper), and a
+Serving runs on vLLM's TRITON_ATTN (the kit ships no FlashAttention), except the producers' fixtures, whose
+head_dim of 16 is below its minimum of 32: FLEX_ATTENTION. References: the same checkpoint served by vLLM's own load of the source (its default NVFP4 kernel on Hopper), and a
 bf16 model of the source's dequantized weights served by vLLM (``write_dequantized``). Bound: the bundle's prompt
 log-probabilities differ from the bf16 model's by a mean of at most ``2 x`` (plus 0.005 nats) what vLLM's own
 load of the source reaches (where vLLM serves that source on this GPU; the test prints why not), and by less
@@ -53,21 +54,28 @@ class Served:
     bundle: Path
     dense: Path
     vocab: int
+    attention: str
+
+
+# Synthetic checkpoints: (format, W4A4, layers) of Llama-3-8B's decoder shapes, vocab 32000, served on TRITON_ATTN.
+SYNTHETIC = {"ct-w4a16-8b": ("compressed-tensors", False, 2), "modelopt-w4a4-8b": ("modelopt", True, 1)}
+# The producers' own fixtures (head_dim 16, below TRITON_ATTN's 32): served on FLEX_ATTENTION.
+FIXTURES = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
 
 
 def serve_case(name: str, tmp_path: Path, seed: int) -> Served:
-    """Source, sm90 ``--fuse`` bundle and dequantized bf16 model of a producer fixture or of ``llama3-8b``: two
-    Llama-3-8B-shaped layers (vocab 32000)."""
-    if name == "llama3-8b":
-        source = vllm_gpu.write_shaped_llama(tmp_path / "source", vllm_gpu.LLAMA3_8B, layers=2, vocab=32000,
-                                             gen=torch.Generator().manual_seed(seed), max_positions=128)  # fmt: skip
+    """Source, sm90 ``--fuse`` bundle and dequantized bf16 model of a producer fixture or a ``SYNTHETIC`` case."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    if name in SYNTHETIC:
+        fmt, w4a4, layers = SYNTHETIC[name]
+        source = vllm_gpu.write_shaped_llama(tmp_path / "source", vllm_gpu.LLAMA3_8B, layers, 32000,
+                                             torch.Generator().manual_seed(seed), 128, fmt, w4a4)  # fmt: skip
     else:
         source = PRODUCERS / name
-    tmp_path.mkdir(parents=True, exist_ok=True)
     convert(source, "sm90", tmp_path / "bundle", fuse=True)
     dense = vllm_gpu.write_dequantized(source, tmp_path / "dense")
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    return Served(source, tmp_path / "bundle", dense, vocab)
+    return Served(source, tmp_path / "bundle", dense, vocab, "TRITON_ATTN" if name in SYNTHETIC else "FLEX_ATTENTION")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,7 +92,7 @@ def served_by_vllm(case: Served, prompts: list[list[int]]) -> dict[str, object]:
     for role, path, extra in (("bundle", case.bundle, {"load_format": LOAD_FORMAT}), ("source", case.source, {}),
                               ("dense", case.dense, {})):  # fmt: skip
         try:
-            with vllm_gpu.engine(path, **SMALL, **extra) as llm:
+            with vllm_gpu.engine(path, **SMALL, **extra, attention_backend=case.attention) as llm:
                 out[role] = vllm_gpu.prompt_logprobs(llm, prompts)
                 out[f"{role}_kernels"] = llm.apply_model(vllm_gpu.linear_kernels)[0]
                 if role == "bundle":
@@ -112,9 +120,10 @@ def patched_gaps(case: Served, prompts: list[list[int]], greedy: list[list[int]]
     return (logprobs.max(-1).values - chosen).cpu()
 
 
-@pytest.mark.parametrize("name", ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4", "llama3-8b"])
+@pytest.mark.parametrize("name", [*SYNTHETIC, *FIXTURES])
 def test_bundle_serves_like_the_source(tmp_path, random_seed, name):
-    """W4A16 and W4A4 (served weight-only) fixtures of both producers, and Llama-3-8B-shaped layers."""
+    """Both producer formats, W4A16 and W4A4 (served weight-only): Llama-3-8B-shaped layers and the producers'
+    fixtures."""
     case = serve_case(name, tmp_path, random_seed)
     prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, case.vocab, torch.Generator().manual_seed(random_seed))
     got = served_by_vllm(case, prompts)
@@ -158,10 +167,12 @@ def plugin_installed() -> bool:
 
 
 def bundle_and_reference(tmp_path: Path, seed: int) -> tuple[Path, list[list[int]], dict[str, object]]:
-    """An sm90 bundle of ``ct_nvfp4a16``, random prompts, and the in-process engine's greedy tokens and prompt
-    log-probabilities on it."""
-    convert(PRODUCERS / "ct_nvfp4a16", "sm90", tmp_path / "bundle", fuse=True)
-    prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, 128, torch.Generator().manual_seed(seed))
+    """An sm90 bundle of a two-layer ``TINY`` Llama (vocab 1024), random prompts, and the in-process engine's greedy
+    tokens and prompt log-probabilities on it."""
+    gen = torch.Generator().manual_seed(seed)
+    source = vllm_gpu.write_shaped_llama(tmp_path / "source", vllm_gpu.TINY, 2, 1024, gen, max_positions=128)
+    convert(source, "sm90", tmp_path / "bundle", fuse=True)
+    prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, 1024, gen)
     with vllm_gpu.engine(tmp_path / "bundle", load_format=LOAD_FORMAT, **SMALL) as llm:
         reference = {"logprobs": vllm_gpu.prompt_logprobs(llm, prompts), "greedy": vllm_gpu.greedy(llm, prompts, NEW_TOKENS)}
     return tmp_path / "bundle", prompts, reference

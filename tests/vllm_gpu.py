@@ -26,6 +26,8 @@ from repack.sample.synthetic import write_llama
 # Decoder shapes (hidden, heads, kv heads, intermediate, head_dim) of Llama-3-8B and Llama-3-70B.
 LLAMA3_8B = dict(hidden=4096, heads=32, kv_heads=8, intermediate=14336, head_dim=128)
 LLAMA3_70B = dict(hidden=8192, heads=64, kv_heads=8, intermediate=28672, head_dim=128)
+# A small Llama that vLLM's TRITON_ATTN serves (head_dim >= 32; the producer fixtures' 16 is below it).
+TINY = dict(hidden=256, heads=4, kv_heads=2, intermediate=512, head_dim=64)
 # Every engine of the tests and the benchmark: the kit's attention, token-id prompts, bf16.
 KIT_ENGINE = dict(attention_backend="TRITON_ATTN", skip_tokenizer_init=True, dtype="bfloat16", seed=0)
 
@@ -60,13 +62,13 @@ def random_decoder(shape: dict[str, int], layers: int, gen: torch.Generator) -> 
 
 
 def write_shaped_llama(root: Path, shape: dict[str, int], layers: int, vocab: int, gen: torch.Generator,
-                       max_positions: int = 4096) -> Path:  # fmt: skip
-    """A compressed-tensors NVFP4A16 Llama of ``shape`` (``LLAMA3_8B``, ``LLAMA3_70B``), embeddings and bf16
-    lm_head of standard deviation 0.02."""
-    return write_llama(root, "compressed-tensors", hidden=shape["hidden"], heads=shape["heads"],
-                       kv_heads=shape["kv_heads"], intermediate=shape["intermediate"], head_dim=shape["head_dim"],
-                       vocab=vocab, layers=layers, generator=gen, quantized=random_decoder(shape, layers, gen),
-                       max_positions=max_positions, plain_std=0.02)  # fmt: skip
+                       max_positions: int = 4096, fmt: str = "compressed-tensors", w4a4: bool = False) -> Path:  # fmt: skip
+    """An NVFP4 Llama of ``shape`` (``LLAMA3_8B``, ``LLAMA3_70B``, ``TINY``) in producer format ``fmt`` (W4A16, or
+    W4A4 with ``w4a4``), embeddings and bf16 lm_head of standard deviation 0.02."""
+    return write_llama(root, fmt, hidden=shape["hidden"], heads=shape["heads"], kv_heads=shape["kv_heads"],
+                       intermediate=shape["intermediate"], head_dim=shape["head_dim"], vocab=vocab, layers=layers,
+                       generator=gen, quantized=random_decoder(shape, layers, gen), max_positions=max_positions,
+                       plain_std=0.02, w4a4=w4a4)  # fmt: skip
 
 
 def write_dequantized(source: Path, out: Path) -> Path:
@@ -99,12 +101,12 @@ def write_dequantized(source: Path, out: Path) -> Path:
 
 @contextlib.contextmanager
 def engine(model: Path, **kwargs: object) -> Iterator[object]:
-    """An in-process ``vllm.LLM`` on ``model`` with the kit's settings, torn down afterwards (its GPU memory
-    returned) so that one process can build several."""
+    """An in-process ``vllm.LLM`` on ``model`` with the kit's settings (``kwargs`` override them), torn down
+    afterwards (its GPU memory returned) so that one process can build several."""
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    llm = LLM(model=str(model), **KIT_ENGINE, **kwargs)
+    llm = LLM(model=str(model), **(KIT_ENGINE | kwargs))
     try:
         yield llm
     finally:
