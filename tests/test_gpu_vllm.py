@@ -5,13 +5,13 @@ On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu; docs/serving.md has the com
 
     PYTHONPATH=.:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py
 
-Serving runs on vLLM's TRITON_ATTN (the kit ships no FlashAttention), except the producers' fixtures, whose
-head_dim of 16 is below its minimum of 32: FLEX_ATTENTION. References: the same checkpoint served by vLLM's own load of the source (its default NVFP4 kernel on Hopper), and a
-bf16 model of the source's dequantized weights served by vLLM (``write_dequantized``). Bound: the bundle's prompt
-log-probabilities differ from the bf16 model's by a mean of at most ``2 x`` (plus 0.005 nats) what vLLM's own
-load of the source reaches (where vLLM serves that source on this GPU; the test prints why not), and by less
-than 0.1 nats. Greedy tokens of the bundle in vLLM are the greedy
-tokens of ``patch_model`` on the same bundle (transformers), except where the two are within 0.05 nats of a tie.
+Serving runs on vLLM's TRITON_ATTN (the kit ships no FlashAttention), except the producers' fixtures, whose head_dim
+of 16 is below its minimum of 32: FLEX_ATTENTION. References: the same checkpoint served by vLLM's own load of the
+source (its default NVFP4 kernel on Hopper), and a bf16 model of the source's dequantized weights served by vLLM
+(``write_dequantized``). Bound: the bundle's prompt log-probabilities differ from the bf16 model's by a mean of at
+most ``2 x`` (plus 0.005 nats) what vLLM's own load of the source reaches (where vLLM serves that source on this
+GPU; the test prints why not), and by less than 0.1 nats. Greedy tokens of the bundle in vLLM are the greedy tokens
+of ``patch_model`` on the same bundle (transformers), except where the two are within 0.05 nats of a tie.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def write_shaped_llama(root: Path, shape: dict[str, int], layers: int, vocab: in
 
 def write_dequantized(source: Path, out: Path) -> Path:
     """A bf16 checkpoint of ``source`` with every quantized linear dequantized (the reference that vLLM's load of
-    the source and the bundle both approximate), one shard per decoder layer. Tensors that belong to a quantized layer (activation scales) are dropped, biases kept."""
+    the source and the bundle both approximate), one shard per decoder layer. Tensors that belong to a quantized
+    layer (activation scales) are dropped, biases kept."""
     model = read_source(source)
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())

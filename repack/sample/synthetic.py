@@ -170,7 +170,8 @@ def write_llama(
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": max_positions,
+        "head_dim": head_dim, "num_hidden_layers": layers, "vocab_size": vocab,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     }
     return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=["lm_head"])
