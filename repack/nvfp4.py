@@ -179,7 +179,8 @@ def _quantize_activations(x: torch.Tensor, global_scale: torch.Tensor, reciproca
     amax = blocks.abs().amax(dim=-1)
     rcp6 = reciprocal(torch.tensor(E2M1_MAX, dtype=torch.float32))
     # torch's float8 cast rounds to nearest even like cvt.rn.satfinite for every float32 below 464 (checked
-    # against the H200's cvt for all of them); above, torch gives NaN where the GPU saturates: clamp first.
+    # against the H200's cvt for all of them); above, older torch gives NaN where the GPU saturates (torch 2.13
+    # saturates too): the clamp keeps the GPU's answer on every torch the project supports.
     block_scales = (gs * (amax * rcp6)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     sf = block_scales.float()
     scale = torch.where(sf != 0, reciprocal(sf * reciprocal(gs)), torch.zeros_like(sf))
