@@ -20,11 +20,16 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 
 
-def quantize_nvfp4(weight: torch.Tensor) -> NVFP4Weight:
-    """Quantize a real ``[N, K]`` matrix to NVFP4 (codes, e4m3 block scales, float32 multiplier)."""
+def quantize_nvfp4(weight: torch.Tensor, amax: torch.Tensor | None = None) -> NVFP4Weight:
+    """Quantize a real ``[N, K]`` matrix to NVFP4 (codes, e4m3 block scales, float32 multiplier).
+
+    ``amax`` (default: the matrix's own) sets the multiplier: give the partitions of one fused module (q/k/v,
+    gate/up) their largest, and they share one global scale, as llm-compressor and ModelOpt write them.
+    """
     w = weight.to(torch.float32)
     n, k = w.shape
-    multiplier = (w.abs().max().clamp(min=1e-12) / (E2M1_MAX * E4M3_MAX)).reshape(1)
+    amax = w.abs().max() if amax is None else amax.to(torch.float32)
+    multiplier = (amax.clamp(min=1e-12) / (E2M1_MAX * E4M3_MAX)).reshape(1)
     blocks = w.reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     block_scales = (blocks.abs().amax(-1) / E2M1_MAX / multiplier).to(torch.float8_e4m3fn)
     denom = block_scales.to(torch.float32).unsqueeze(-1) * multiplier

@@ -38,6 +38,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.nvfp4 import dequantize
+from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama
 from repack.vllm_plugin import register
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
@@ -171,11 +172,28 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
             convert(source, target, case / "bundle", fuse=True, tp=2)
             cases.append((str(source), str(case / "bundle"), target))  # OUT itself, as `vllm serve OUT` is given
+    sample = shutil.copytree(SAMPLE_DIR, tmp_path / "sample" / "source")  # the docs' serving example, as written
+    convert(sample, "sm100", tmp_path / "sample" / "bundle", fuse=True, tp=2)
+    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100"))
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
         assert len(result) == len(cases)
         assert all(not diff for diff in result.values()), f"rank {rank}: {result}"
+
+
+def test_sample_tp2_output_holds_what_vllm_serve_reads(tmp_path):
+    """`vllm serve OUT --tensor-parallel-size 2` on the built-in sample's --tp 2 output: vLLM's engine config and
+    tokenizer come from OUT's top (the weights: test_plugin_state_equals_vllm_load_tp2)."""
+    from vllm.tokenizers import get_tokenizer
+
+    out = tmp_path / "sample-sm100-tp2"
+    convert(SAMPLE_DIR, "sm100", out, tp=2)
+    config = EngineArgs(model=str(out), load_format=LOAD_FORMAT, tensor_parallel_size=2).create_engine_config()
+    assert (config.parallel_config.tensor_parallel_size, config.model_config.hf_config.intermediate_size) == (2, 160)
+    tokenizer = get_tokenizer(out)
+    ids = tokenizer.encode("Hello, NVFP4 bundle!")
+    assert max(ids) < config.model_config.get_vocab_size() and tokenizer.decode(ids) == "Hello, NVFP4 bundle!"
 
 
 @pytest.mark.parametrize("fixture", ["modelopt_w4a16_nvfp4", "ct_nvfp4"])
