@@ -223,6 +223,32 @@ def test_sm90_kernel_class_matches_float64(vllm_world, tmp_path, fixture):
         assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
 
 
+def test_sm90_kernel_class_eager_calls_skip_the_op(vllm_world, tmp_path, monkeypatch):
+    """Eager ``apply_weights`` runs the layer's prepared launch, never the op's dispatch (its per-call CPU cost made
+    enforce_eager 0.56x Humming on the H200), bound once per layer and rebound when vLLM installs a new weight."""
+    import repack.runtime.op as op
+    from vllm.model_executor.utils import replace_parameter
+
+    convert(_source(tmp_path, "ct_nvfp4a16"), "sm90", tmp_path / "bundle", fuse=True)
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    layer = next(m for n, m in model.named_modules() if n.endswith("mlp.down_proj"))
+    kernel = layer.scheme.kernel
+    x = torch.randn(3, layer.input_size_per_partition).to(torch.bfloat16)
+    expected = op._linear(x, layer.weight, layer.weight_scale, layer.weight_global_scale,
+                          layer.output_size_per_partition, layer.input_size_per_partition, "sm90", "reference")
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("an eager call went through the op")
+
+    monkeypatch.setattr(op, "_linear", no_op)
+    assert torch.equal(kernel.apply_weights(layer, x), expected)
+    bound = layer.__dict__["_nvfp4_repack_prepared"]
+    assert torch.equal(kernel.apply_weights(layer, x.clone()), expected)
+    assert layer.__dict__["_nvfp4_repack_prepared"] is bound
+    replace_parameter(layer, "weight", torch.zeros_like(layer.weight))  # all codes 0: every weight +0.0
+    assert torch.equal(kernel.apply_weights(layer, x), torch.zeros_like(expected))
+
+
 def _refused(path: Path, target: str = "sm100") -> str:
     with pytest.raises(RepackError) as caught:
         load(path, LOAD_FORMAT, target)
