@@ -1,15 +1,18 @@
-"""NVFP4 MoE: the source's experts grouped into vLLM's FusedMoE layers, the sm120 FlashInfer CUTLASS MoE layout
-(round trip, index formulas, refusals) and the per-expert exactness check, on producer-made and synthetic
-Qwen3-MoE checkpoints. Byte conformance with vLLM's own load: tests/test_vllm_moe_conformance.py."""
+"""NVFP4 MoE: the source's experts grouped into vLLM's FusedMoE layers, the sm120 FlashInfer CUTLASS MoE and sm100
+TRT-LLM-gen layouts (round trips, index formulas, FlashInfer's permutations and the harness's port, refusals), the
+per-expert exactness and numerics checks and inspect, on producer-made and synthetic Qwen3-MoE checkpoints. Byte
+conformance with vLLM's own load: tests/test_vllm_moe_conformance.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from repack.bundle.layers import assemble_experts, plan_experts, plan_layers
+from repack.cli import main
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
@@ -263,6 +266,18 @@ def test_expert_numerics_by_index_formulas_match_the_float64_source(layout, tmp_
                 e = int(name.split(".")[-2])
                 ratio = float(stack.w13_multiplier[e, 0] / stack.w13_multiplier[e, 1])
                 assert error == pytest.approx(abs(ratio - 1), rel=1e-4), (name, error, ratio)
+
+
+def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
+    assert main(["inspect", str(PRODUCERS / "modelopt_moe_i48_nvfp4"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["moe"] == {
+        "fused_moe_layers": 2, "experts": [4], "top_k": 2, "hidden": 64, "intermediate": [48],
+        "shared_expert_modules": 0,
+        "layouts": {"sm100": moe_trtllm.LAYOUT_ID, "sm120": moe_cutlass.LAYOUT_ID, "sm90": None}}
+    assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4")]) == 0
+    assert "MoE: 2 FusedMoE layers of 4 experts (top-2)" in " ".join(capsys.readouterr().out.split())
+    assert main(["inspect", str(PRODUCERS / "ct_nvfp4"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["moe"] is None
 
 
 def test_unfused_convert_still_writes_experts_one_by_one_and_fuse_refuses(tmp_path):

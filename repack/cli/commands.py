@@ -223,6 +223,7 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
         "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
         "transforms": _transform_summary(source),
         "targets": [t.name for t in FAMILIES],
+        "moe": _moe_summary(source),
     }
     if as_json:
         print(json.dumps(info, indent=2))
@@ -242,7 +243,32 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
             table.add_row(show(row["scheme"]), row["type"], row["location"], str(row["block_size"]),
                           str(len(row["layers"])))
         stdout.print(table)
+    if info["moe"]:
+        moe = info["moe"]
+        layouts = ", ".join(f"{family} {layout or 'not supported'}" for family, layout in moe["layouts"].items())
+        stdout.print(f"MoE: {moe['fused_moe_layers']} FusedMoE layers of {'/'.join(map(str, moe['experts']))} "
+                     f"experts (top-{moe['top_k']}), hidden {moe['hidden']}, intermediate "
+                     f"{'/'.join(map(str, moe['intermediate']))}, {moe['shared_expert_modules']} shared-expert "
+                     f"modules; vLLM's MoE layouts: {layouts} (written expert by expert for now: docs/moe.md)")
     stdout.print(f"possible targets: {', '.join(info['targets'])}")
+
+
+def _moe_summary(source) -> dict | None:
+    """formats' MoE summary plus the layout each target family's vLLM ``auto`` uses for it (``None``: refused)."""
+    from ..errors import RepackError
+    from ..formats.moe import moe_summary
+    from ..targets.moe import moe_layout
+
+    summary = moe_summary(source)
+    if summary is None:
+        return None
+    layouts = {}
+    for family in FAMILIES:
+        try:
+            layouts[family.name] = moe_layout(family.name).LAYOUT_ID
+        except RepackError:
+            layouts[family.name] = None
+    return {**summary, "layouts": layouts}
 
 
 def inspect(

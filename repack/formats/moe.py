@@ -105,3 +105,24 @@ def read_input_scales(source: SourceModel, prefixes: tuple[str, ...]) -> torch.T
     if not bool((torch.isfinite(scales) & (scales > 0)).all()):
         raise RepackError(f"{prefixes[0]}...: input scales must be finite and positive")
     return scales
+
+
+SHARED = re.compile(r"^(?P<module>.+\.shared_experts?)\.")
+
+
+def moe_summary(source: SourceModel) -> dict | None:
+    """What ``inspect`` shows of an MoE checkpoint (``None`` for a dense one): its FusedMoE layers, experts,
+    top-k, sizes and shared-expert modules."""
+    groups = expert_groups(source)
+    if not groups:
+        return None
+    shared = sorted({m["module"] for p in source.layers if (m := SHARED.match(p))})
+    first = next(iter(groups.values()))
+    return {
+        "fused_moe_layers": len(groups),
+        "experts": sorted({g.experts for g in groups.values()}),
+        "top_k": source.checkpoint.config.get("num_experts_per_tok"),
+        "hidden": first.hidden,
+        "intermediate": sorted({g.intermediate for g in groups.values()}),
+        "shared_expert_modules": len(shared),
+    }
