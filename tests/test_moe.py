@@ -202,9 +202,8 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         find_expert_groups(layers)
     with pytest.raises(RepackError, match="--tp 8: .* not a multiple of 16"):
         plan_experts(source, 8, 0)
-    weight_only = dataclasses.replace(source, quant_algo="W4A16_NVFP4")
-    with pytest.raises(RepackError, match="Marlin; supported: W4A4"):
-        plan_experts(weight_only)
+    with pytest.raises(RepackError, match="NVFP4A16 MoE .* Marlin; supported: W4A4"):
+        plan_experts(read_source(PRODUCERS / "ct_moe_nvfp4a16"))  # llm-compressor's W4A16 MoE
     with pytest.raises(RepackError, match="an MoE model is not supported"):  # the dense pipeline still refuses
         plan_layers(source, fuse=True)
     quantized_router = dataclasses.replace(

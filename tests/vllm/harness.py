@@ -7,16 +7,18 @@ model construction, weight loading and fusion, the quantization scheme's post-pr
 swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
 the versions are pinned, so that an upgrade fails loudly instead of testing something else.
 
-    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120 | sm120-moe)
+    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
+        ARCH: sm100 | sm120 | sm100-moe | sm120-moe
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
 for sm100 the 2-D buffer under vLLM's 6-D view) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
 view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
 
-MoE jobs (``sm120-moe``): vLLM's ``auto`` NVFP4 MoE backend is chosen under the emulated capability (PATCH MoE 1)
-and every tensor of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor whole, plus
-``moe-rank-R.json``: dtype, shape, stride, offset, the backend and experts class); dense layers load as for
-``sm120`` and are not dumped.
+MoE jobs (``sm100-moe``, ``sm120-moe``): vLLM's ``auto`` NVFP4 MoE backend is chosen under the emulated capability
+(PATCH MoE 1), FlashInfer's JIT-built ``nvfp4_block_scale_interleave`` runs as a torch port of its C++ host code
+(tests/vllm/ports.py), and every tensor of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor
+whole, plus ``moe-rank-R.json``: dtype, shape, stride, offset, the backend and experts class); dense layers load
+as for ``sm100`` / ``sm120`` and are not dumped.
 """
 
 from __future__ import annotations
