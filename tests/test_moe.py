@@ -206,6 +206,9 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         plan_experts(read_source(PRODUCERS / "ct_moe_nvfp4a16"))  # llm-compressor's W4A16 MoE
     with pytest.raises(RepackError, match="an MoE model is not supported"):  # the dense pipeline still refuses
         plan_layers(source, fuse=True)
+    unnamed = dataclasses.replace(source, layers={p: v for p, v in source.layers.items() if ".experts." not in p})
+    with pytest.raises(RepackError, match="an MoE config, but no NVFP4 routed experts named"):
+        expert_groups(unnamed)
     quantized_router = dataclasses.replace(
         source, layers={**source.layers, "model.layers.0.mlp.gate": source.layers["model.layers.0.self_attn.q_proj"]})
     with pytest.raises(RepackError, match="router is NVFP4-quantized"):
@@ -277,6 +280,27 @@ def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
     assert "MoE: 2 FusedMoE layers of 4 experts (top-2)" in " ".join(capsys.readouterr().out.split())
     assert main(["inspect", str(PRODUCERS / "ct_nvfp4"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["moe"] is None
+
+
+def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys, random_seed):
+    """Mixtral-style ``experts.<e>.w1/w2/w3``: inspect still works and says why MoE layouts do not apply."""
+    from safetensors.torch import load_file, save_file
+
+    root = write_qwen3_moe(tmp_path / "m", "modelopt", hidden=64, experts=2, intermediate=64,
+                           generator=torch.Generator().manual_seed(random_seed))
+    names = {".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+    tensors = load_file(root / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in names.items():
+            name = name.replace(old, new) if ".experts." in name else name
+        renamed[name] = tensor
+    save_file(renamed, root / "model.safetensors", metadata={"format": "pt"})
+    assert main(["inspect", str(root), "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    assert list(moe) == ["unsupported"] and "no NVFP4 routed experts named" in moe["unsupported"]
+    assert main(["inspect", str(root)]) == 0
+    assert "MoE: not supported: " in capsys.readouterr().out
 
 
 def test_unfused_convert_still_writes_experts_one_by_one_and_fuse_refuses(tmp_path):

@@ -243,7 +243,9 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
             table.add_row(show(row["scheme"]), row["type"], row["location"], str(row["block_size"]),
                           str(len(row["layers"])))
         stdout.print(table)
-    if info["moe"]:
+    if info["moe"] and "unsupported" in info["moe"]:
+        stdout.print(f"MoE: not supported: {show(info['moe']['unsupported'])}")
+    elif info["moe"]:
         moe = info["moe"]
         layouts = ", ".join(f"{family} {layout or 'not supported'}" for family, layout in moe["layouts"].items())
         stdout.print(f"MoE: {moe['fused_moe_layers']} FusedMoE layers of {'/'.join(map(str, moe['experts']))} "
@@ -260,8 +262,8 @@ def _moe_summary(source) -> dict | None:
     from ..targets.moe import moe_layout
 
     summary = moe_summary(source)
-    if summary is None:
-        return None
+    if summary is None or "unsupported" in summary:
+        return summary
     layouts = {}
     for family in FAMILIES:
         try:

@@ -80,8 +80,12 @@ def find_expert_groups(layers: dict[str, QuantizedLayer]) -> dict[str, ExpertGro
 
 
 def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
-    """The source's FusedMoE layers; a quantized router is refused (vLLM builds it unquantized)."""
+    """The source's FusedMoE layers; a quantized router is refused (vLLM builds it unquantized), and so is an MoE
+    config whose experts are not NVFP4 layers named ``experts.<e>.{gate,up,down}_proj`` (Mixtral's w1/w2/w3, say)."""
     groups = find_expert_groups(source.layers)
+    if not groups and is_moe_config(source.checkpoint.config):
+        raise RepackError(f"{source.checkpoint.root}: an MoE config, but no NVFP4 routed experts named "
+                          f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}}; only that naming is supported")
     for module in groups:
         router = module.removesuffix(".experts") + ".gate"
         if router in source.layers:
@@ -112,10 +116,13 @@ SHARED = re.compile(r"^(?P<module>.+\.shared_experts?)\.")
 
 def moe_summary(source: SourceModel) -> dict | None:
     """What ``inspect`` shows of an MoE checkpoint (``None`` for a dense one): its FusedMoE layers, experts,
-    top-k, sizes and shared-expert modules."""
-    groups = expert_groups(source)
-    if not groups:
+    top-k, sizes and shared-expert modules, or ``{"unsupported": why}``."""
+    if not is_moe_config(source.checkpoint.config):
         return None
+    try:
+        groups = expert_groups(source)
+    except RepackError as err:
+        return {"unsupported": str(err)}
     shared = sorted({m["module"] for p in source.layers if (m := SHARED.match(p))})
     first = next(iter(groups.values()))
     return {
