@@ -1,7 +1,7 @@
 """Routed experts of an NVFP4 MoE checkpoint: ``<owner>.experts.<e>.{gate,up,down}_proj`` found among its layers.
 
-Both producers write each routed expert as three ordinary quantized linears (the layout Qwen3-MoE, Qwen2-MoE,
-DeepSeek-V3 and Mixtral-as-exported share), which the reader has already validated one by one. Here they are
+Both producers write each routed expert as three ordinary quantized linears (the naming of Qwen3-MoE, Qwen2-MoE
+and DeepSeek-V3; Mixtral's ``w1/w2/w3`` is refused), which the reader has already validated one by one. Here they are
 grouped into the FusedMoE layers vLLM builds (``<owner>.experts``) and checked as a whole: experts ``0..E-1``, all
 three projections each, one shape. Shared experts (``shared_expert(s).*_proj``) stay dense layers and the router
 (``<owner>.gate``) must be unquantized, as both producers leave it.
