@@ -18,7 +18,7 @@ from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups, find_expert_groups
 from repack.nvfp4 import BLOCK_SIZE
-from repack.sample.synthetic import write_qwen3_moe
+from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe, moe_cutlass, moe_trtllm
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
@@ -168,7 +168,7 @@ def test_expert_stack_of_a_rank_is_the_source_cut(name):
 def test_shared_experts_and_dense_layers_stay_dense(tmp_path, random_seed):
     """DeepSeek-V3 / Qwen2-MoE naming: ``shared_experts.*`` / ``shared_expert.*`` (no index) and a dense first
     layer's ``mlp.*_proj`` are not routed experts; the FusedMoE layers are found around them."""
-    root = write_qwen3_moe(tmp_path / "m", "compressed-tensors", hidden=64, experts=2, intermediate=64, layers=2,
+    root = write_qwen_moe(tmp_path / "m", "compressed-tensors", hidden=64, experts=2, intermediate=64, layers=2,
                            generator=torch.Generator().manual_seed(random_seed))
     layers = dict(read_source(root).layers)
     q = layers["model.layers.0.self_attn.q_proj"]
@@ -189,7 +189,7 @@ def test_compressed_tensors_input_scales_are_inverted_in_float32():
 
 def test_refusals_are_one_line(tmp_path, random_seed):
     gen = torch.Generator().manual_seed(random_seed)
-    root = write_qwen3_moe(tmp_path / "m", "modelopt", hidden=64, experts=3, intermediate=64, generator=gen)
+    root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=3, intermediate=64, generator=gen)
     source = read_source(root)
     layers = dict(source.layers)
     del layers["model.layers.0.mlp.experts.1.up_proj"]
@@ -254,7 +254,7 @@ def test_expert_numerics_by_index_formulas_match_the_float64_source(layout, tmp_
     an expert whose w3 multiplier differs from its w1's (which vLLM drops) does not, by that ratio."""
     gen = torch.Generator().manual_seed(random_seed)
     for shared in (True, False):
-        root = write_qwen3_moe(tmp_path / f"m{shared}", "modelopt", hidden=80, experts=3, intermediate=128,
+        root = write_qwen_moe(tmp_path / f"m{shared}", "modelopt", hidden=80, experts=3, intermediate=128,
                                generator=gen, shared_scales=shared)
         source = read_source(root)
         plan = plan_experts(source, 2, 1)["model.layers.0.mlp.experts"]
@@ -286,7 +286,7 @@ def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys
     """Mixtral-style ``experts.<e>.w1/w2/w3``: inspect still works and says why MoE layouts do not apply."""
     from safetensors.torch import load_file, save_file
 
-    root = write_qwen3_moe(tmp_path / "m", "modelopt", hidden=64, experts=2, intermediate=64,
+    root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=2, intermediate=64,
                            generator=torch.Generator().manual_seed(random_seed))
     names = {".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
     tensors = load_file(root / "model.safetensors")

@@ -20,19 +20,23 @@ from repack.bundle.layers import assemble_experts, plan_experts
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups
-from repack.sample.synthetic import write_qwen3_moe
+from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe_cutlass, moe_trtllm
 
 from .conftest import PRODUCERS
 from .test_vllm_conformance import HERE, _vllm_python
 
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
-# (hidden, experts, intermediate): "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is
-# refused at TP 2 (per-rank 2I = 64); "wide" has 5 experts and 2I = 512 (256 per rank). The i48 fixtures are
-# refused at TP 1 on sm120 (2I = 96; sm100 pads I to 64) and by us at TP 2 (per-rank intermediate 24: not whole
-# scale blocks; vLLM refuses on sm120, and on sm100 loads it mis-scaled).
-SYNTHETIC = {"odd": (80, 3, 64), "wide": (64, 5, 256)}
-UNSHARED = ("wide",)  # gate and up of an expert with their own multipliers: vLLM keeps gate's (w1's)
+# "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is refused at TP 2 on sm120 (per-rank
+# 2I = 64); "wide" has 5 experts, 2I = 512 (256 per rank) and gate/up multipliers that differ (vLLM keeps w1's);
+# "shared" is a Qwen2-MoE with a shared expert (a dense MLP beside the FusedMoE) and a dense first layer
+# (mlp_only_layers). The i48 fixtures are refused at TP 1 on sm120 (2I = 96; sm100 pads I to 64) and by us at
+# TP 2 (per-rank intermediate 24: not whole scale blocks; vLLM refuses on sm120, and on sm100 loads it mis-scaled).
+SYNTHETIC = {
+    "odd": dict(hidden=80, experts=3, intermediate=64),
+    "wide": dict(hidden=64, experts=5, intermediate=256, shared_scales=False),
+    "shared": dict(hidden=64, experts=4, intermediate=128, layers=3, shared_expert=96, dense_layers=(0,)),
+}
 FORMATS = ("modelopt", "compressed-tensors")
 # What vLLM keeps besides the kernel's tensors: compressed-tensors' loaded global scales (unused after the load).
 CT_LEFTOVERS = {"w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale",
@@ -46,11 +50,10 @@ def checkpoints(tmp_path_factory) -> dict:
     gen = torch.Generator().manual_seed(seed)
     root = tmp_path_factory.mktemp("vllm-moe-ckpts")
     out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
-    for shape, (hidden, experts, inter) in SYNTHETIC.items():
+    for shape, kwargs in SYNTHETIC.items():
         for fmt in FORMATS:
-            out[f"{shape}-{fmt}"] = write_qwen3_moe(root / f"{shape}-{fmt}", fmt, hidden=hidden, experts=experts,
-                                                    intermediate=inter, generator=gen, layers=2,
-                                                    shared_scales=shape not in UNSHARED)
+            out[f"{shape}-{fmt}"] = write_qwen_moe(root / f"{shape}-{fmt}", fmt, generator=gen,
+                                                   **{"layers": 2, **kwargs})
     return out
 
 

@@ -177,47 +177,59 @@ def write_llama(
     return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=["lm_head"])
 
 
-def write_qwen3_moe(
+def write_qwen_moe(
     root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
     layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
-    shared_scales: bool = True,
+    shared_scales: bool = True, shared_expert: int = 0, dense_layers: tuple[int, ...] = (),
 ) -> Path:
-    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build: NVFP4 attention and routed experts, every layer's input
-    scale random (so that the largest, which vLLM's MoE kernels share among experts, is some expert's), bf16
-    router, norms and embeddings. ``shared_scales``: each expert's gate and up share one multiplier, as the
-    producers write them (else vLLM keeps gate's and warns)."""
+    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build (Qwen2-MoE with ``shared_expert``, the intermediate size of
+    its dense shared expert): NVFP4 attention and routed experts, every layer's input scale random (so that the
+    largest, which vLLM's MoE kernels share among experts, is some expert's), bf16 routers, norms and embeddings.
+    ``shared_scales``: each expert's gate and up share one multiplier, as the producers write them (else vLLM keeps
+    gate's and warns). ``dense_layers``: layers with a dense NVFP4 MLP instead (config ``mlp_only_layers``)."""
     dense = llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers, head_dim=head_dim)
-    quantized = {p: w for p, w in dense.items() if ".self_attn." in p}
-    for i in range(layers):
-        for e in range(experts):
-            gate, up = random_nvfp4(intermediate, hidden, generator), random_nvfp4(intermediate, hidden, generator)
-            owner = f"model.layers.{i}.mlp.experts.{e}"
-            quantized[f"{owner}.gate_proj"] = gate
-            quantized[f"{owner}.up_proj"] = NVFP4Weight(up.codes, up.block_scales,
-                                                        gate.multiplier.clone() if shared_scales else up.multiplier)
-            quantized[f"{owner}.down_proj"] = random_nvfp4(hidden, intermediate, generator)
+    quantized = {p: w for p, w in dense.items() if ".self_attn." in p or int(p.split(".")[2]) in dense_layers}
+    mlps = {f"model.layers.{i}.mlp.experts.{e}": intermediate for i in range(layers) if i not in dense_layers
+            for e in range(experts)}
+    mlps.update({f"model.layers.{i}.mlp.shared_expert": shared_expert for i in range(layers)
+                 if shared_expert and i not in dense_layers})
+    for owner, size in mlps.items():
+        gate, up = random_nvfp4(size, hidden, generator), random_nvfp4(size, hidden, generator)
+        quantized[f"{owner}.gate_proj"] = gate
+        quantized[f"{owner}.up_proj"] = NVFP4Weight(up.codes, up.block_scales,
+                                                    gate.multiplier.clone() if shared_scales else up.multiplier)
+        quantized[f"{owner}.down_proj"] = random_nvfp4(hidden, size, generator)
     plain = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
              "lm_head.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
              "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    qk_norm = () if shared_expert else (("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim))
     for i in range(layers):
-        for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden),
-                           ("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim)):
+        for norm, size in (("input_layernorm", hidden), ("post_attention_layernorm", hidden), *qk_norm):
             plain[f"model.layers.{i}.{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
-        router = torch.randn(experts, hidden, generator=generator)
-        plain[f"model.layers.{i}.mlp.gate.weight"] = router.to(torch.bfloat16)
+        routers = {"mlp.gate": experts, **({"mlp.shared_expert_gate": 1} if shared_expert else {})}
+        for router, rows in routers.items():
+            if i not in dense_layers:
+                weight = torch.randn(rows, hidden, generator=generator)
+                plain[f"model.layers.{i}.{router}.weight"] = weight.to(torch.bfloat16)
+        for proj, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)) if shared_expert else ():
+            bias = torch.randn(rows * head_dim, generator=generator) * 0.1  # Qwen2's attention has q/k/v biases
+            plain[f"model.layers.{i}.self_attn.{proj}.bias"] = bias.to(torch.bfloat16)
     for prefix in quantized:  # random activation scales in the producer's convention (overriding the constants)
         scale = torch.rand((), generator=generator) * 1e-2 + 1e-3
         if fmt == "modelopt":
             plain[f"{prefix}.input_scale"] = scale.to(torch.float32)
         else:
             plain[f"{prefix}.input_global_scale"] = (1.0 / scale).to(torch.float32).reshape(1)
+    model = ("Qwen2MoeForCausalLM", "qwen2_moe") if shared_expert else ("Qwen3MoeForCausalLM", "qwen3_moe")
     config = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+        "architectures": [model[0]], "model_type": model[1], "hidden_size": hidden,
         "intermediate_size": intermediate, "moe_intermediate_size": intermediate, "num_experts": experts,
-        "num_experts_per_tok": top_k, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "num_experts_per_tok": top_k, "decoder_sparse_step": 1, "mlp_only_layers": list(dense_layers),
+        "norm_topk_prob": True, "shared_expert_intermediate_size": shared_expert,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     }
-    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config,
-                            ignore=["lm_head", "re:.*mlp.gate$"] if fmt != "modelopt" else ["lm_head", "*mlp.gate*"])
+    ignore = (["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"] if fmt != "modelopt"
+              else ["lm_head", "*.mlp.gate", "*.shared_expert_gate"])
+    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config, ignore=ignore)
