@@ -43,9 +43,10 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
                      for what in ("codes", "scales")] for proj, rows in halves.items()}
     checks["down"] = [(what, _differs(getattr(ours, f"w2_{what}"), getattr(source_stack, f"w2_{what}")))
                       for what in ("codes", "scales")]
-    names = {"gate": group.gate, "up": group.up, "down": group.down}
+    local = slice(*plan.experts)
+    names = {"gate": group.gate[local], "up": group.up[local], "down": group.down[local]}
     problems = []
-    for e in range(group.experts):
+    for e in range(len(names["gate"])):
         for proj, results in checks.items():
             problems += [f"{names[proj][e]}: {'codes' if what == 'codes' else 'block scales'} differ"
                          for what, bad in results if bad[e]]
@@ -65,10 +66,10 @@ EXPERT_REL_ERROR = 1e-6  # float32 products of the folded scalars, read back in 
 
 def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor], layout: ModuleType,
                     experts: list[int], generator: torch.Generator, tokens: int = 8) -> dict[str, float]:
-    """Relative L2 error of ``x @ Wᵀ`` per sampled expert and projection: ``W`` decoded from ``held`` by the
-    layout's index formulas alone (``decode_expert``), its multiplier read back from the folded scalars
-    (``w*_weight_scale_2 / w*_input_scale``), against the float64 dequantized source, each projection with its own
-    multiplier (so a w3 multiplier that differs from w1's, which vLLM drops, shows up here)."""
+    """Relative L2 error of ``x @ Wᵀ`` per sampled expert (indices among the plan's) and projection: ``W``
+    decoded from ``held`` by the layout's index formulas alone (``decode_expert``), its multiplier read back from
+    the folded scalars (``w*_weight_scale_2 / w*_input_scale``), against the float64 dequantized source, each
+    projection with its own multiplier (so a w3 multiplier that differs from w1's, which vLLM drops, shows up)."""
     group, inter = plan.group, plan.intermediate
     source_stack = assemble_experts(source, plan)
     errors = {}
@@ -87,5 +88,6 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
                 x = torch.randn(tokens, ref.shape[1], generator=generator, dtype=torch.float64)
                 want = x @ ref.T
                 got = x @ ours[part].T
-                errors[getattr(group, proj)[e]] = float((got - want).norm() / want.norm().clamp(min=1e-300))
+                error = (got - want).norm() / want.norm().clamp(min=1e-300)
+                errors[getattr(group, proj)[plan.experts[0] + e]] = float(error)
     return errors

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from repack.bundle.layers import assemble_experts, plan_experts, plan_layers
+from repack.bundle.layers import assemble_experts, expert_range, plan_experts, plan_layers
 from repack.cli import main
 from repack.convert import convert
 from repack.errors import RepackError
@@ -177,6 +177,27 @@ def test_shared_experts_and_dense_layers_stay_dense(tmp_path, random_seed):
     groups = find_expert_groups({**layers, **{p: dataclasses.replace(q, prefix=p) for p in extra}})
     assert list(groups) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert not set(extra) & {m for g in groups.values() for m in g.members}
+
+
+def test_expert_parallel_plans_whole_experts_as_vllm_places_them():
+    assert [expert_range(5, 2, r) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [expert_range(4, 3, r) for r in range(3)] == [(0, 2), (2, 3), (3, 4)]
+    for name in MOE_FIXTURES:
+        source = read_source(PRODUCERS / name)
+        prefix = "model.layers.0.mlp.experts"
+        plan = plan_experts(source, 2, 1, ep=True)[prefix]
+        stack = assemble_experts(source, plan)
+        assert (plan.experts, plan.rows, stack.experts, stack.intermediate) == ((2, 4), (0, 128), 2, 128)
+        down = source.load_layer(source.layers[f"{prefix}.3.down_proj"])
+        assert torch.equal(stack.w2_codes[1], down.codes)
+        # ModelOpt's FusedMoE loads every expert's input scales under EP, compressed-tensors' only the rank's own
+        assert len(stack.w2_input_scale) == (4 if name.startswith("modelopt") else 2)
+        held = moe_cutlass.to_runtime(stack)
+        assert check_experts(source, plan, held, moe_cutlass) == []
+        held["w2_weight"][0, 0, 0] ^= 1
+        assert check_experts(source, plan, held, moe_cutlass) == [f"{prefix}.2.down_proj: codes differ"]
+    with pytest.raises(RepackError, match="only 4 experts"):
+        plan_experts(read_source(PRODUCERS / "ct_moe_nvfp4"), 8, 0, ep=True)
 
 
 def test_compressed_tensors_input_scales_are_inverted_in_float32():

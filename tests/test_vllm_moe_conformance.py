@@ -57,18 +57,21 @@ def checkpoints(tmp_path_factory) -> dict:
     return out
 
 
+EP = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", *(f"{s}-{f}" for s in ("wide", "shared") for f in FORMATS)]
+
+
 @pytest.fixture(scope="module")
 def oracle(checkpoints, tmp_path_factory) -> dict:
-    """vLLM's FusedMoE state for every checkpoint, per TP size: ``{tp: folder}``."""
+    """vLLM's FusedMoE state per TP size, and at TP 2 with expert parallelism (``"ep"``): ``{key: folder}``."""
     python = _vllm_python()
     out = {}
-    for tp in (1, 2):
-        folder = tmp_path_factory.mktemp(f"vllm-moe-tp{tp}")
-        args = [arg for name, path in checkpoints.items() for arch in LAYOUTS
-                for arg in ("--job", f"{name}-{arch}={path}:{arch}-moe")]
+    for key, tp, names, suffix in ((1, 1, list(checkpoints), ""), (2, 2, list(checkpoints), ""), ("ep", 2, EP, "-ep")):
+        folder = tmp_path_factory.mktemp(f"vllm-moe-{key}")
+        args = [arg for name in names for arch in LAYOUTS
+                for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}-moe{suffix}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
                        check=True, timeout=1500, stdout=subprocess.DEVNULL)
-        out[tp] = folder
+        out[key] = folder
     return out
 
 
@@ -97,19 +100,39 @@ def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, arch, tp
         with pytest.raises(RepackError, match="not a multiple of 16"):
             plan_experts(source, tp, 0)
         return
+    _assert_ranks_identical(source, dumped, layout, tp, ep=False)
+
+
+def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool) -> None:
     for rank in range(tp):
         meta = json.loads((dumped / f"moe-rank-{rank}.json").read_text())
         theirs = load_file(dumped / f"moe-rank-{rank}.safetensors")
-        plans = plan_experts(source, tp, rank)
+        plans = plan_experts(source, tp, rank, ep=ep)
         assert sorted(meta) == sorted(f"{p}.routed_experts" for p in plans)
         for prefix, plan in plans.items():
             info = meta[f"{prefix}.routed_experts"]
             assert (info["backend"], info["experts"]) == (layout.BACKEND, layout.KERNEL)
             ours = layout.to_runtime(assemble_experts(source, plan), prefix)
             leftovers = CT_LEFTOVERS if source.format == "compressed-tensors" else set()
-            assert set(info["tensors"]) == set(ours) | leftovers, prefix
+            assert set(info["tensors"]) == set(ours) | leftovers | ({"_expert_map"} if ep else set()), prefix
+            if ep:  # global expert -> local index, -1 elsewhere
+                expected = torch.full((plan.group.experts,), -1, dtype=torch.int32)
+                expected[slice(*plan.experts)] = torch.arange(plan.experts[1] - plan.experts[0], dtype=torch.int32)
+                assert torch.equal(theirs[f"{prefix}.routed_experts._expert_map"], expected), (rank, prefix)
             for part, tensor in ours.items():
                 ref = theirs[f"{prefix}.routed_experts.{part}"]
                 assert (tensor.dtype, tensor.shape) == (ref.dtype, ref.shape), (prefix, part)
                 assert info["tensors"][part]["stride"] == list(tensor.stride()), (prefix, part)
                 assert torch.equal(tensor.view(torch.uint8), ref.view(torch.uint8)), (rank, prefix, part)
+
+
+EP_CASES = [(name, arch) for arch in LAYOUTS for name in EP]
+
+
+@pytest.mark.parametrize("name,arch", EP_CASES, ids=[f"{n}-{a}-ep2" for n, a in EP_CASES])
+def test_expert_parallel_ranks_are_byte_identical_to_vllm(name, arch, checkpoints, oracle):
+    """TP 2 with vLLM's --enable-expert-parallel: each rank holds whole experts ("linear" placement, 5 experts as
+    3 + 2); the input scale it shares is the largest of every expert's (ModelOpt) or of its own (compressed-tensors)."""
+    dumped = oracle["ep"] / f"{name}-{arch}"
+    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
+    _assert_ranks_identical(read_source(checkpoints[name]), dumped, LAYOUTS[arch], 2, ep=True)

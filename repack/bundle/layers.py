@@ -16,7 +16,7 @@ import torch
 
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
-from ..formats.moe import ExpertGroup, expert_groups, is_moe_config, read_input_scales
+from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, is_moe_config, read_input_scales
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
 
@@ -249,11 +249,13 @@ def rescale_error(source: SourceModel, layer: OutputLayer, assembled: NVFP4Weigh
 
 @dataclass(frozen=True)
 class ExpertPlan:
-    """One FusedMoE layer of one bundle: every expert of ``group``, its intermediate rows ``[rows)`` (vLLM's TP
-    split: w1, w3 and w2's K each cut to the rank's slice of the intermediate size)."""
+    """One FusedMoE layer of one bundle: experts ``[experts)`` of ``group``, their intermediate rows ``[rows)``.
+    vLLM's TP split cuts w1, w3 and w2's K to the rank's slice of the intermediate size for every expert; its expert
+    parallelism gives each rank whole experts instead."""
 
     group: ExpertGroup
     rows: tuple[int, int]
+    experts: tuple[int, int]
 
     @property
     def prefix(self) -> str:
@@ -264,18 +266,32 @@ class ExpertPlan:
         return self.rows[1] - self.rows[0]
 
 
-def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0) -> dict[str, ExpertPlan]:
-    """The FusedMoE layers of rank ``rank`` of ``tp``: experts stacked whole, the intermediate size split."""
+def expert_range(experts: int, ranks: int, rank: int) -> tuple[int, int]:
+    """vLLM's ``determine_expert_map`` ("linear"): ``experts // ranks`` each, one more for the first
+    ``experts % ranks`` ranks."""
+    base, extra = divmod(experts, ranks)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False) -> dict[str, ExpertPlan]:
+    """The FusedMoE layers of rank ``rank`` of ``tp``: every expert with the intermediate size split, or (``ep``,
+    vLLM's ``--enable-expert-parallel``) the rank's experts whole."""
     if source.quant_algo != "NVFP4":
         raise RepackError(f"{source.quant_algo} MoE (weight-only experts) is not supported: vLLM 0.33 serves it "
                           "with Marlin; supported: W4A4 (NVFP4) MoE checkpoints")
     plans = {}
     for prefix, group in expert_groups(source).items():
+        if ep:
+            if group.experts < tp:
+                raise RepackError(f"--tp {tp} with expert parallelism: {prefix} has only {group.experts} experts")
+            plans[prefix] = ExpertPlan(group, (0, group.intermediate), expert_range(group.experts, tp, rank))
+            continue
         per, left = divmod(group.intermediate, tp)
         if left or per % BLOCK_SIZE:
             raise RepackError(f"--tp {tp}: {prefix} intermediate size {group.intermediate} gives a per-rank size "
                               f"that is not a multiple of {BLOCK_SIZE}, as vLLM requires")
-        plans[prefix] = ExpertPlan(group, (rank * per, (rank + 1) * per))
+        plans[prefix] = ExpertPlan(group, (rank * per, (rank + 1) * per), (0, group.experts))
     return plans
 
 
@@ -287,17 +303,20 @@ def _stack(source: SourceModel, prefixes: tuple[str, ...]) -> tuple[torch.Tensor
 
 
 def assemble_experts(source: SourceModel, plan: ExpertPlan) -> ExpertStack:
-    """The canonical expert stack of one bundle's FusedMoE layer: read once, cut to the rank's rows by slicing
-    the stacked tensors (no per-expert work beyond the reads)."""
-    group, (r0, r1) = plan.group, plan.rows
-    gate, up, down = (_stack(source, p) for p in (group.gate, group.up, group.down))
+    """The canonical expert stack of one bundle's FusedMoE layer: the rank's experts read once, cut to its rows by
+    slicing the stacked tensors (no per-expert work beyond the reads). vLLM's FlashInfer MoE backends quantize the
+    inputs of all of a rank's experts with the largest input scale it loaded: every expert's for ModelOpt, the
+    rank's own for compressed-tensors (the same thing without expert parallelism)."""
+    group, (r0, r1), local = plan.group, plan.rows, slice(*plan.experts)
+    gate, up, down = (_stack(source, p[local]) for p in (group.gate, group.up, group.down))
+    scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else local
     return ExpertStack(
         w13_codes=torch.cat((gate[0][:, r0:r1], up[0][:, r0:r1]), dim=1),
         w13_scales=torch.cat((gate[1][:, r0:r1], up[1][:, r0:r1]), dim=1),
         w13_multiplier=torch.stack((gate[2], up[2]), dim=1),
-        w13_input_scale=read_input_scales(source, group.gate + group.up).view(2, -1).T.contiguous(),
+        w13_input_scale=read_input_scales(source, group.gate[scope] + group.up[scope]).view(2, -1).T.contiguous(),
         w2_codes=down[0][:, :, r0 // 2 : r1 // 2].contiguous(),
         w2_scales=down[1][:, :, r0 // BLOCK_SIZE : r1 // BLOCK_SIZE].contiguous(),
         w2_multiplier=down[2],
-        w2_input_scale=read_input_scales(source, group.down),
+        w2_input_scale=read_input_scales(source, group.down[scope]),
     )

@@ -24,6 +24,9 @@ INPUT_SCALES = {
     "modelopt": ("input_scale", lambda stored: stored.to(torch.float32)),
     "compressed-tensors": ("input_global_scale", lambda stored: 1.0 / stored.to(torch.float32)),
 }
+# Whose input scales a rank's FusedMoE loads under expert parallelism (vLLM 0.33, FlashInfer backends): ModelOpt's
+# method holds every expert's (global_sf_num_experts), compressed-tensors' only the rank's own.
+GLOBAL_INPUT_SCALES = {"modelopt": True, "compressed-tensors": False}
 
 
 @dataclass(frozen=True)

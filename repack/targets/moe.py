@@ -23,10 +23,12 @@ class ExpertStack:
         w13_codes (`torch.Tensor`): uint8 ``[E, 2I, H/2]``, each expert's gate (w1) rows then up (w3) rows.
         w13_scales (`torch.Tensor`): float8_e4m3fn ``[E, 2I, H/16]``.
         w13_multiplier (`torch.Tensor`): float32 ``[E, 2]``, the dequant multipliers of w1 and w3.
-        w13_input_scale (`torch.Tensor`): float32 ``[E, 2]``, the activations' dequant scales of w1 and w3
-            (ModelOpt ``input_scale``; compressed-tensors ``1 / input_global_scale``, in float32 as vLLM computes).
+        w13_input_scale (`torch.Tensor`): float32 ``[E', 2]``, the activations' dequant scales of w1 and w3 of the
+            experts vLLM loads them for (under expert parallelism, possibly more than this rank's E; ModelOpt
+            ``input_scale``; compressed-tensors ``1 / input_global_scale``, in float32 as vLLM computes): only their
+            largest is used.
         w2_codes, w2_scales: ``[E, H, I/2]`` and ``[E, H, I/16]``.
-        w2_multiplier, w2_input_scale: float32 ``[E]``.
+        w2_multiplier: float32 ``[E]``; w2_input_scale: float32 ``[E']``.
     """
 
     w13_codes: torch.Tensor

@@ -8,7 +8,7 @@ swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is a
 the versions are pinned, so that an upgrade fails loudly instead of testing something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
-        ARCH: sm100 | sm120 | sm100-moe | sm120-moe
+        ARCH: sm100 | sm120 | sm100-moe | sm120-moe | sm100-moe-ep | sm120-moe-ep
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
 for sm100 the 2-D buffer under vLLM's 6-D view) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
@@ -74,7 +74,8 @@ FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
-MOE_ARCH = {"sm100-moe": "sm100", "sm120-moe": "sm120"}  # MoE job -> the capability emulated (dense layers' arch)
+# MoE job -> the capability emulated (and the dense layers' arch); "-ep": with vLLM's --enable-expert-parallel
+MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120") for ep in ("", "-ep")}
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
@@ -208,12 +209,13 @@ def dump_moe(model, out: Path, rank: int) -> None:
 
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     """One model build (one VllmConfig each: attention layers register their names in it)."""
-    moe = arch in MOE_ARCH
+    moe, ep = arch in MOE_ARCH, arch.endswith("-ep")
     arch = MOE_ARCH.get(arch, arch)
     _current["arch"] = arch
     cfg = EngineArgs(
         model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
         linear_backend="flashinfer_cutedsl", tensor_parallel_size=tp, distributed_executor_backend="mp",
+        enable_expert_parallel=ep,
     ).create_engine_config()
     with set_current_vllm_config(cfg):
         if not torch.distributed.is_initialized():  # once per process, inside a config as vLLM wants
