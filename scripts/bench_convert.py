@@ -7,8 +7,9 @@
 
 A job is a target (`sm100`), several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync`
 (`convert --no-fsync`), or `verify:T` (`verify OUT --source MODEL` of target T's bundle; `verify:T1+T2`: of a
-several-target output). Each runs as `python -m repack.cli ...` under `/usr/bin/time`, which reports its wall
-time, CPU seconds and peak RSS. The baselines are `cp -r MODEL COPY` and `cp -r MODEL COPY && sync` (the goal of a
+several-target output). Each runs as `python -m repack.cli ...` in a process of its own, timed from its start to
+its exit, with its CPU seconds and peak RSS from the kernel (wait4; this script imports no torch, so a child's
+peak RSS is its own). To measure as on a machine of N cores, run the script under `taskset -c 0-(N-1)`. The baselines are `cp -r MODEL COPY` and `cp -r MODEL COPY && sync` (the goal of a
 durable convert, which fsyncs its bundle before publishing it). Every job and copy starts after a `sync`, so none
 pays for the writeback of an earlier one. Rounds alternate all jobs and copies, and the table gives medians:
 the machine may be shared, so each row also gives the 1-minute load average (median) when its runs started.
@@ -18,7 +19,6 @@ The run also prints the CPU seconds of hashing every byte of the checkpoint (sha
 from __future__ import annotations
 
 import argparse
-import hashlib
 import mmap
 import os
 import shutil
@@ -30,16 +30,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import blake3
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from repack.sample.synthetic import write_llama  # noqa: E402
-
-LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "head_dim": 128}
+REPO = Path(__file__).resolve().parents[1]
+MAKE_MODEL = """
+import sys, torch
+from pathlib import Path
+from repack.sample.synthetic import write_llama
+write_llama(Path(sys.argv[1]), "modelopt", hidden=4096, heads=32, kv_heads=8, intermediate=14336, head_dim=128,
+            generator=torch.Generator().manual_seed(0), layers=int(sys.argv[2]))
+"""  # Llama-3-8B decoder layers of random NVFP4 weights (ModelOpt, one shard)
 DEFAULT_JOBS = ["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync", "sm120:no-fsync",
                 "sm100+sm120+sm90:no-fsync", "verify:sm100", "verify:sm120", "verify:sm90"]
-TIME_FORMAT = "BENCH %e %U %S %M"  # wall s, user s, system s, peak RSS KB
 
 
 def goal(job: str) -> tuple[str, float] | None:
@@ -65,17 +65,20 @@ def cli_command(model: Path, job: str, out: Path) -> list[str]:
 
 
 def run_timed(command: list[str], repo: Path) -> dict:
-    """Run ``command`` under /usr/bin/time in ``repo``'s checkout: wall and CPU seconds, peak RSS."""
+    """Run ``command`` in ``repo``'s checkout: wall and CPU seconds, peak RSS (the kernel's, from wait4)."""
     os.sync()  # nothing of an earlier job still being written
     load = os.getloadavg()[0]
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    done = subprocess.run(["/usr/bin/time", "-f", TIME_FORMAT, *command], cwd=repo, env=env, capture_output=True,
-                          text=True)
-    lines = [line for line in done.stderr.splitlines() if line.startswith("BENCH ")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    wall, user, system, peak = lines[-1].split()[1:]
-    return {"seconds": float(wall), "cpu": float(user) + float(system), "peak_mb": int(peak) / 1e3, "load": load}
+    with tempfile.TemporaryFile() as log:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=log)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{log.read()[-3000:].decode()}")
+    return {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1e3, "load": load}
 
 
 def time_copy(model: Path, destination: Path, durable: bool) -> dict:
@@ -95,9 +98,14 @@ def hash_seconds(model: Path, algorithm: Callable) -> float:
     return time.thread_time() - started
 
 
-def make_model(root: Path, layers: int) -> None:
-    """``layers`` Llama-3-8B decoder layers of random NVFP4 weights (ModelOpt, one shard, as 8B models ship)."""
-    write_llama(root, "modelopt", **LLAMA_8B, generator=torch.Generator().manual_seed(0), layers=layers)
+def hash_costs(model: Path) -> str:
+    """:func:`hash_seconds` of sha256 and BLAKE3, measured in a child process: the mappings would otherwise
+    raise this process's peak RSS, which every later child's inherits."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import bench_convert as b, hashlib, blake3; "
+            f"m = b.Path(sys.argv[1]); print(f'sha256 {{b.hash_seconds(m, hashlib.sha256):.2f}}, BLAKE3 (one thread) "
+            f"{{b.hash_seconds(m, lambda d: blake3.blake3(d, max_threads=1)):.2f}}')")
+    return subprocess.run([sys.executable, "-c", code, str(model)], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def table(jobs: list[str], runs: dict[str, list[dict]]) -> str:
@@ -125,22 +133,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every job and copy, alternating.")
     parser.add_argument("--jobs", nargs="+", default=DEFAULT_JOBS)
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
-    parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1],
-                        help="The checkout whose CLI runs (default: this script's).")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="An existing checkpoint to time instead of a new synthetic one (--layers is then unused).")
+    parser.add_argument("--repo", type=Path, default=REPO, help="The checkout whose CLI runs (default: this script's).")
     args = parser.parse_args()
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir {args.dir}: no such folder")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: not a model folder (no config.json)")
     if not (args.repo / "repack" / "cli").is_dir():
         parser.error(f"--repo {args.repo}: not an nvfp4-repack checkout")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        model = Path(tmp) / "model"
+        model = args.model or Path(tmp) / "model"
         started = time.perf_counter()
-        make_model(model, args.layers)
+        if args.model is None:
+            subprocess.run([sys.executable, "-c", MAKE_MODEL, str(model), str(args.layers)], check=True, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
         size = sum(f.stat().st_size for f in model.iterdir())
-        print(f"wrote {size / 1e9:.2f} GB ({args.layers} Llama-3-8B layers) in {time.perf_counter() - started:.0f} s; "
-              f"{os.cpu_count()} cores; CLI of {args.repo}")
-        print(f"CPU seconds to hash the checkpoint once: sha256 {hash_seconds(model, hashlib.sha256):.2f}, "
-              f"BLAKE3 (one thread) {hash_seconds(model, lambda d: blake3.blake3(d, max_threads=1)):.2f}")
+        made = f"{args.layers} Llama-3-8B layers, made in {time.perf_counter() - started:.0f} s" if args.model is None else model
+        print(f"checkpoint: {size / 1e9:.2f} GB ({made}); {len(os.sched_getaffinity(0))} cores; CLI of {args.repo}")
+        print(f"CPU seconds to hash the checkpoint once: {hash_costs(model)}")
         runs: dict[str, list[dict]] = {}
         for job in args.jobs:  # the bundles verify jobs read
             name = job.partition(":")[2]
