@@ -44,7 +44,7 @@ DEFAULT_JOBS = ["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync", 
 
 def goal(job: str) -> tuple[str, float] | None:
     """The issue's goal for ``job``: (baseline, largest ratio to it)."""
-    targets, _, flag = job.partition(":")
+    targets, _, flag = job.removesuffix(BASE).partition(":")
     if job.startswith("verify:"):
         return ("cp", 2.0)
     if "+" in targets:
@@ -52,6 +52,9 @@ def goal(job: str) -> tuple[str, float] | None:
     if targets in ("sm100", "sm120"):
         return ("cp" if flag == "no-fsync" else "cp+sync", 1.5)
     return None
+
+
+BASE = " [base]"  # a job run with --base's CLI
 
 
 def cli_command(model: Path, job: str, out: Path) -> list[str]:
@@ -136,13 +139,18 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="An existing checkpoint to time instead of a new synthetic one (--layers is then unused).")
     parser.add_argument("--repo", type=Path, default=REPO, help="The checkout whose CLI runs (default: this script's).")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="Another checkout: each job also runs with its CLI, right after --repo's (A/B).")
     args = parser.parse_args()
     if args.dir is not None and not args.dir.is_dir():
         parser.error(f"--dir {args.dir}: no such folder")
     if args.model is not None and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: not a model folder (no config.json)")
-    if not (args.repo / "repack" / "cli").is_dir():
-        parser.error(f"--repo {args.repo}: not an nvfp4-repack checkout")
+    for repo in filter(None, (args.repo, args.base)):
+        if not (repo / "repack" / "cli").is_dir():
+            parser.error(f"{repo}: not an nvfp4-repack checkout")
+    clis = {"": args.repo, **({BASE: args.base} if args.base else {})}
+    labels = [job + suffix for job in args.jobs for suffix in clis]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         model = args.model or Path(tmp) / "model"
         started = time.perf_counter()
@@ -151,27 +159,31 @@ def main() -> None:
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         size = sum(f.stat().st_size for f in model.iterdir())
         made = f"{args.layers} Llama-3-8B layers, made in {time.perf_counter() - started:.0f} s" if args.model is None else model
-        print(f"checkpoint: {size / 1e9:.2f} GB ({made}); {len(os.sched_getaffinity(0))} cores; CLI of {args.repo}")
+        print(f"checkpoint: {size / 1e9:.2f} GB ({made}); {len(os.sched_getaffinity(0))} cores; CLI of {args.repo}"
+              + (f"; rows marked{BASE}: CLI of {args.base}" if args.base else ""))
         print(f"CPU seconds to hash the checkpoint once: {hash_costs(model)}")
         runs: dict[str, list[dict]] = {}
-        for job in args.jobs:  # the bundles verify jobs read
-            name = job.partition(":")[2]
-            if job.startswith("verify:") and not (Path(tmp) / f"for-{name}").exists():
-                run_timed(cli_command(model, name, Path(tmp) / f"for-{name}"), args.repo)
+        bundles = {}  # what each verify job reads, made by its own CLI
+        for label in labels:
+            job, suffix = label.removesuffix(BASE), label[len(label.removesuffix(BASE)):]
+            if job.startswith("verify:"):
+                bundles[label] = Path(tmp) / f"for-{job.partition(':')[2]}{suffix and '-base'}"
+                if not bundles[label].exists():
+                    run_timed(cli_command(model, job.partition(":")[2], bundles[label]), clis[suffix])
         for round_ in range(args.rounds):
-            for job in ["cp -r", "cp -r && sync", *args.jobs]:
+            for label in ["cp -r", "cp -r && sync", *labels]:
+                job, suffix = label.removesuffix(BASE), label[len(label.removesuffix(BASE)):]
                 if job.startswith("cp"):
                     result = time_copy(model, Path(tmp) / "copy", durable="sync" in job)
                 else:
-                    name = job.partition(":")[2]
-                    out = Path(tmp) / (f"for-{name}" if job.startswith("verify:") else "out")
-                    result = run_timed(cli_command(model, job, out), args.repo)
+                    out = bundles.get(label, Path(tmp) / "out")
+                    result = run_timed(cli_command(model, job, out), clis[suffix])
                     if not job.startswith("verify:"):
                         shutil.rmtree(out)
-                runs.setdefault(job, []).append(result)
-                print(f"round {round_ + 1}: {job}: {result['seconds']:.2f} s, load {result['load']:.1f}", flush=True)
+                runs.setdefault(label, []).append(result)
+                print(f"round {round_ + 1}: {label}: {result['seconds']:.2f} s, load {result['load']:.1f}", flush=True)
         print()
-        print(table(args.jobs, runs))
+        print(table(labels, runs))
 
 
 if __name__ == "__main__":
