@@ -19,6 +19,7 @@ The run also prints the CPU seconds of hashing every byte of the checkpoint (sha
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import shutil
@@ -90,6 +91,63 @@ def time_copy(model: Path, destination: Path, durable: bool) -> dict:
     result = run_timed(["sh", "-c", script], Path.cwd())
     shutil.rmtree(destination)
     return result
+
+
+# Library-level measurement, for tests/test_memory.py and scripts/bench_vllm_load.py.
+# VmHWM (peak RSS of this process image) rather than ru_maxrss, which Linux carries over from the parent.
+CHILD = """
+import json, re, sys, time
+import repack.convert, repack.verify
+hwm = lambda: int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+base = hwm()
+model, job, out = sys.argv[1:4]
+t = time.perf_counter()
+if job.startswith("verify:"):
+    report = repack.verify.verify_output(out, source=model)
+    assert report.passed, report.failures
+    result = {"bytes_in": 0, "bytes_out": 0}
+else:
+    targets, _, flag = job.partition(":")
+    targets = targets.split("+")
+    summary = repack.convert.convert(model, targets[0] if len(targets) == 1 else targets, out,
+                                     fsync=flag != "no-fsync")
+    summaries = summary if isinstance(summary, list) else [summary]
+    result = {"bytes_in": summaries[0].bytes_in, "bytes_out": sum(s.bytes_out for s in summaries)}
+print(json.dumps({"seconds": time.perf_counter() - t, "baseline_kb": base, "peak_kb": hwm(), **result}))
+"""
+
+
+def measure_child(child: str, *args: str) -> dict:
+    """Run the Python source ``child`` with ``args`` in a fresh process; its last line of output, as JSON.
+
+    The child runs with glibc's malloc as a user gets it: its peak RSS includes the freed blocks malloc keeps
+    for reuse (what the machine sees). Forcing ``MALLOC_MMAP_THRESHOLD_=1MB``, as an earlier version of this
+    script did to count live data only, made every tensor a fresh mapping whose page faults cost 20-30% of a
+    convert's time (docs/benchmarks.md).
+    """
+    done = subprocess.run([sys.executable, "-c", child, *args], check=True,
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(model: Path, job: str, out: Path) -> dict:
+    """Run one job through the library (not the CLI) in a child process; its timing and memory as a dict, with the
+    child's peak RSS above its baseline after the imports (tests/test_memory.py)."""
+    return measure_child(CHILD, str(model), job, str(out))
+
+
+def make_layers_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> int:
+    """Write ``gigabytes`` of NVFP4 layers of shape [n, k] (in 2 shards); returns the largest layer's bytes."""
+    import torch
+
+    from repack.sample.synthetic import random_nvfp4, write_checkpoint
+
+    layer_bytes = n * k // 2 + n * k // 16 + 4
+    count = max(1, int(gigabytes * 1e9 // layer_bytes))
+    gen = torch.Generator().manual_seed(0)
+    layers = {f"model.layers.{i}.mlp.down_proj": random_nvfp4(n, k, gen) for i in range(count)}
+    write_checkpoint(root, layers, {"model.norm.weight": torch.ones(n)}, fmt="modelopt", shards=2)
+    return layer_bytes
 
 
 def hash_seconds(model: Path, algorithm: Callable) -> float:
