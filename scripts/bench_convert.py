@@ -200,13 +200,17 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=None,
                         help="Another checkout: each job also runs with its CLI, right after --repo's (A/B).")
     args = parser.parse_args()
+    problem = None  # a usage error is one line, like the CLI's
     if args.dir is not None and not args.dir.is_dir():
-        parser.error(f"--dir {args.dir}: no such folder")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model}: not a model folder (no config.json)")
-    for repo in filter(None, (args.repo, args.base)):
-        if not (repo / "repack" / "cli").is_dir():
-            parser.error(f"{repo}: not an nvfp4-repack checkout")
+        problem = f"--dir {args.dir}: no such folder"
+    elif args.model is not None and not (args.model / "config.json").is_file():
+        problem = f"--model {args.model}: not a model folder (no config.json)"
+    else:
+        problem = next((f"{r}: not an nvfp4-repack checkout" for r in filter(None, (args.repo, args.base))
+                        if not (r / "repack" / "cli").is_dir()), None)
+    if problem is not None:
+        print(f"Error: {problem}", file=sys.stderr)
+        sys.exit(2)
     clis = {"": args.repo, **({BASE: args.base} if args.base else {})}
     labels = [job + suffix for job in args.jobs for suffix in clis]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
