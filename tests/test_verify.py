@@ -17,7 +17,7 @@ from repack.convert import convert
 from repack import targets
 from repack.formats.safetensors_io import DTYPE_NAMES, tensor_bytes
 from repack.targets import TARGETS, Target
-from repack.verify import verify_bundle
+from repack.verify import verify_bundle, verify_output
 
 from .conftest import PRODUCERS
 
@@ -289,3 +289,17 @@ def test_bundles_of_older_formats_still_verify(make_model, tmp_path, capsys, ver
     failed_files = [c for c in report.files if c.status == "fail"]
     assert [c.errors for c in failed_files] == [[f"{bundle.manifest.all_tensors[f'{LAYER}.weight'].file}: sha256 "
                                                   "digest differs from the manifest (file modified or truncated)"]]
+
+
+def test_a_several_target_output_of_mixed_formats_verifies_each_by_its_own(make_model, tmp_path):
+    """An output whose sm120 bundle is of format 3 (sha256) beside a format 4 sm100 (BLAKE3): the source is hashed
+    once per algorithm, each bundle checked by its own, and damage in the old one still fails it."""
+    model = make_model("modelopt", shards=2)
+    out = tmp_path / "out"
+    convert(model.path, ["sm100", "sm120"], out)
+    rewrite_as_old_format(out / "sm120", model.path, 3)
+    report = verify_output(out, source=model.path, seed=0)
+    assert report.passed, report.summary()
+    flip_tensor_byte(out / "sm120", f"{LAYER}.weight_scale", offset=0)
+    failed = verify_output(out, source=model.path, seed=0).failures
+    assert {c.name for c in failed} >= {f"sm120/{LAYER}"} and all(c.name.startswith("sm120/") for c in failed)
