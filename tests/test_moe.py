@@ -22,7 +22,7 @@ from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe, moe_cutlass, moe_trtllm
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
-from repack.verify_moe import EXPERT_REL_ERROR, check_experts, expert_numerics
+from repack.verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
 
 from .conftest import PRODUCERS, require
 from .vllm.ports import block_scale_interleave
@@ -289,6 +289,21 @@ def test_expert_numerics_by_index_formulas_match_the_float64_source(layout, tmp_
                 e = int(name.split(".")[-2])
                 ratio = float(stack.w13_multiplier[e, 0] / stack.w13_multiplier[e, 1])
                 assert error == pytest.approx(abs(ratio - 1), rel=1e-4), (name, error, ratio)
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_expert_w4a4_numerics_follow_the_fp4_gemm_and_catch_a_wrong_alpha(name, random_seed):
+    """FP4 x FP4 per expert: activations quantized as the GPU does with the held input scale, the held alpha,
+    against the format's definition on the float64 source; an alpha off by 5 % is caught."""
+    source = read_source(PRODUCERS / name)
+    plan = plan_experts(source, 2, 0)["model.layers.1.mlp.experts"]
+    held = moe_trtllm.to_runtime(assemble_experts(source, plan))
+    gen = torch.Generator().manual_seed(random_seed)
+    errors = expert_numerics(source, plan, held, moe_trtllm, [0, 3], gen, tokens=32, w4a4=True)
+    assert len(errors) == 6 and max(errors.values()) <= EXPERT_W4A4_REL_ERROR, errors
+    wrong = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"] * 1.05}
+    errors = expert_numerics(source, plan, wrong, moe_trtllm, [3], gen, tokens=32, w4a4=True)
+    assert errors["model.layers.1.mlp.experts.3.down_proj"] > EXPERT_W4A4_REL_ERROR
 
 
 def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
