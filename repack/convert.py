@@ -128,6 +128,8 @@ class _Writing:
         before: the next layer's transform runs while this one's waits for the lane, so at most one layer more
         than ``transformer``'s bound is in flight."""
         nbytes = weight.codes.nbytes + weight.block_scales.nbytes
+        if self.output.plan.target.scheme == "W4A4":
+            weight = replace(weight, input_scale=layer.input_scale)
         transformed = self.transforms.submit(self.output.plan.target.to_runtime, weight)
         self.transformer.submit(nbytes, self._queue_layer, layer, transformed)
 
@@ -234,6 +236,8 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         tp_size=plan.layers.tp_size,
         tp_rank=plan.layers.tp_rank,
         fusion=plan.layers.fusion,
+        scheme=plan.target.scheme,
+        kernels=list(plan.target.kernels),
     )
 
 
@@ -414,6 +418,7 @@ def convert(
     fuse: bool = False,
     tp: int = 1,
     rescale: bool = False,
+    weight_only: bool = False,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
 ) -> ConvertSummary | list[ConvertSummary]:
@@ -427,6 +432,10 @@ def convert(
     ``fuse``: vLLM's fused modules (qkv_proj, gate_up_proj); ``tp > 1``: one bundle per tensor-parallel rank in
     ``out/rank-R`` (one summary for them all); ``rescale``: fold unequal partition scales into block scales.
     These take one target, and no ``resume`` with ``tp > 1``.
+
+    The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
+    sm120; sm90 is weight-only for every checkpoint), a weight-only one the W4A16 layout. ``weight_only``: the
+    W4A16 layout for every checkpoint (activations stay bf16), as before W4A4 layouts existed.
     """
     targets = resolve_targets(target_name)
     parse_size(max_shard_size)  # a bad shard size fails before any work
@@ -439,12 +448,14 @@ def convert(
     source = read_source(model, revision=revision)
     if not single:
         _prepare_root(out, protected=source.checkpoint.root)
+    targets = [t.for_scheme("W4A16" if weight_only else source.activation_scheme) for t in targets]
+    input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         plans = [plan_bundle(source, targets[0], layers, max_shard_size)
-                 for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
+                 for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales)]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
-        layers = plan_layers(source)[0]
+        layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
                    for t in targets]
     if on_plan is not None:

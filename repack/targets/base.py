@@ -50,13 +50,23 @@ class RuntimeLayer:
     weight_scale: torch.Tensor
     weight_global_scale: torch.Tensor
     weights_padding_cols: int
+    input_global_scale: torch.Tensor | None = None  # W4A4 layouts: float32 [] each, as vLLM computes them
+    input_global_scale_inv: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
+        out = {
             "weight": self.weight,
             "weight_scale": self.weight_scale,
             "weight_global_scale": self.weight_global_scale,
         }
+        for name in W4A4_SCALARS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+W4A4_SCALARS = ("input_global_scale", "input_global_scale_inv", "alpha")
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,10 @@ class Target:
         stack_rows: ``(runtime layers, their n, k)`` -> the runtime layer of their weights stacked along N (one
             multiplier, the layers'), made by copying where the layout allows it, else ``None``; lets the runtime
             fuse q/k/v and gate/up at load (``patch_model``) without running ``to_runtime`` again. ``None``: never.
+        scheme: ``W4A16`` (activations stay bf16) or ``W4A4`` (activations quantized to NVFP4 by the kernel).
+        kernels: the vLLM 0.33 kernel classes that read this layout after their ``process_weights_after_loading``.
+        variants: the family's other layouts (its W4A4 one), each a Target of the same family: a target family has
+            one layout per activation scheme (and, later, layer kind); :meth:`for_scheme` picks one.
     """
 
     name: str
@@ -92,7 +106,23 @@ class Target:
     runtime_specs: Callable[[int, int], dict[str, TensorSpec]]
     geometry: Callable[[int, int], LayerGeometry]
     stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
+    scheme: str = "W4A16"
+    kernels: tuple[str, ...] = ()
+    variants: tuple["Target", ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    @property
+    def layouts(self) -> tuple["Target", ...]:
+        return (self, *self.variants)
+
+    def for_scheme(self, scheme: str) -> "Target":
+        """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
+        for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
+        return next((t for t in self.layouts if t.scheme == scheme), self)
+
+    def with_layout(self, layout_id: str) -> "Target | None":
+        """The family's layout ``layout_id``, if it has one."""
+        return next((t for t in self.layouts if t.layout_id == layout_id), None)

@@ -8,9 +8,12 @@ buffer itself is what a bundle persists. weight_global_scale: the float32 ``[1]`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from . import w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
@@ -42,7 +45,7 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-TARGET = Target(
+WEIGHT_ONLY = Target(
     name="sm100",
     aliases=("sm103", "sm107"),
     layout_id="sm100-cute-dsl-v1",
@@ -54,4 +57,6 @@ TARGET = Target(
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
+    kernels=("FlashInferCuteDslNvFp4W4A16LinearKernel",),
 )
+TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

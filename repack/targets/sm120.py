@@ -14,9 +14,12 @@ weight_scale: uint8 ``[Kp/16, Np]``: linear scales transposed, each e4m3 byte re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from . import w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_2d, pad_codes, vllm_geometry
 
@@ -119,7 +122,7 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-TARGET = Target(
+WEIGHT_ONLY = Target(
     name="sm120",
     aliases=("sm121",),
     layout_id="sm120-cute-dsl-v1",
@@ -131,4 +134,6 @@ TARGET = Target(
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
+    kernels=("FlashInferCuteDslNvFp4W4A16LinearKernel",),
 )
+TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

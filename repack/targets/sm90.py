@@ -296,4 +296,5 @@ TARGET = Target(
     runtime_specs=runtime_specs,
     geometry=lambda n, k: LayerGeometry(*padded_shape(n, k), weights_padding_cols=0),
     stack_rows=stack_rows,
+    kernels=("RepackSm90NvFp4LinearKernel",),  # the plugin's; weight-only for every checkpoint (no FP4 MMA)
 )
