@@ -121,3 +121,32 @@ def dequantize(weight: NVFP4Weight, dtype: torch.dtype = torch.float64) -> torch
     values.mul_(weight.block_scales.to(dtype).unsqueeze(-1))
     values.mul_(weight.multiplier.to(dtype).reshape(()))
     return values.view(n, k)
+
+
+# --- STUB of the activation quantization the `actq` branch writes here: delete at the merge, actq's wins. ---
+def quantize_activations(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 activations as vLLM's ``ref_nvfp4_quant``: uint8 codes ``[M, K/2]``, e4m3 scales ``[M, K/16]``."""
+    m, k = x.shape
+    gs = global_scale.to(torch.float32).reshape(())
+    blocks = x.to(torch.float32).reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    scale = (gs * (blocks.abs().amax(-1, keepdim=True) * (1 / 6))).clamp(max=448).to(torch.float8_e4m3fn)
+    s32 = scale.to(torch.float32)
+    out_scale = torch.where(s32 == 0, 0.0, 1 / (s32 * (1 / gs)))
+    a = (blocks * out_scale).clamp(-6, 6).reshape(m, k)
+    mag = a.abs()
+    index = ((mag > 0.25).int() + (mag >= 0.75).int() + (mag > 1.25).int() + (mag >= 1.75).int() + (mag > 2.5).int()
+             + (mag >= 3.5).int() + (mag > 5.0).int())
+    nibbles = torch.where((a < 0) & (index > 0), index + 8, index)
+    return pack_codes(nibbles), scale.squeeze(-1)
+
+
+def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    codes, scales = quantize_activations(x, global_scale)
+    m, k = x.shape
+    values = e2m1_to_float(unpack_codes(codes), torch.float64).view(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    return (values * scales.to(torch.float64).unsqueeze(-1) / global_scale.to(torch.float64).reshape(())).view(m, k)
+
+
+def w4a4_reference(x: torch.Tensor, weight_f64: torch.Tensor, input_global_scale: torch.Tensor) -> torch.Tensor:
+    return fake_quantize_activations(x, input_global_scale) @ weight_f64.t()
+# --- end of STUB ---

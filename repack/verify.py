@@ -42,7 +42,7 @@ from .formats.checkpoint import contained_file
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, map_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
-from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, w4a4_reference
 from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform
 from .targets import TARGETS, RuntimeLayer
@@ -229,10 +229,11 @@ def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
     return None
 def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight | torch.Tensor,
                     check: TensorCheck, gen: torch.Generator, one_call: bool,
-                    transforms: dict[str, torch.Tensor]) -> None:
+                    transforms: dict[str, torch.Tensor], input_scale: InputScale | None = None) -> None:
     """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (a weight, or the float64
     ``[n, k]`` function of a rescaled layer's source), with the layer's online ``transforms`` (location ->
-    float64 normalized matrix) applied around it."""
+    float64 normalized matrix) applied around it. ``input_scale``: a W4A4 layer's, whose activations the float64
+    reference quantizes with it first (``w4a4_reference``), as the layer's FP4 x FP4 GEMM must."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
         ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
@@ -240,7 +241,12 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
         ys = [layer(x.to(device)).to("cpu", torch.float64) for x in xs]
     worst = 0.0
     inputs = [_block64(x.to(torch.float64), transforms.get("input")) for x in xs]
-    refs = [_block64(r, transforms.get("output")) for r in _reference_products(reference, inputs)]
+    if input_scale is not None:
+        weight = reference if isinstance(reference, torch.Tensor) else dequantize(reference)
+        products = [w4a4_reference(x, weight, input_scale.inverse) for x in inputs]
+    else:
+        products = _reference_products(reference, inputs)
+    refs = [_block64(r, transforms.get("output")) for r in products]
     for y, ref in zip(ys, refs):
         worst = max(worst, _relative_error(y, ref))
     _judge(check, worst, prefix)
@@ -321,6 +327,17 @@ def check_source_identity(bundle: Bundle, src: SourceModel, digests: dict[str, s
                           f"({differing[0]}: sha256 or file list differs from the manifest's)")
 
 
+def _check_input_scale(src: SourceModel, planned: OutputLayer, decoded: InputScale, check: TensorCheck) -> InputScale:
+    """A W4A4 layer's input scales are the ones vLLM keeps from the source's (the format's rule over the
+    partitions); returns the source's, the numerics' reference."""
+    expected = src.scheme.fuse_input_scales([src.read_input_scale(p.source) for p in planned.pieces])
+    for what, a, b in (("input_global_scale", decoded.scale, expected.scale),
+                       ("input_global_scale_inv", decoded.inverse, expected.inverse)):
+        if not _same_bits(a, b):
+            check.fail(f"{planned.prefix}: {what} differs from the source's", "exactness")
+    return expected
+
+
 def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, numerics: bool,
                  gen: torch.Generator, matrices: dict[str, torch.Tensor | None], bad: set[str]) -> TensorCheck:
     """Integrity and layout of one layer's tensors, exactness against the source, numerics if asked."""
@@ -331,6 +348,9 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         return check
     decoded = bundle.target.from_runtime(runtime, record.n, record.k)
     reference = decoded
+    input_scale = decoded.input_scale
+    if input_scale is not None and not _same_bits(runtime.alpha, input_scale.scale * decoded.multiplier.reshape(())):
+        check.fail(f"{prefix}: alpha is not input_global_scale * weight_global_scale", "exactness")
     if src is not None:
         planned = output_layer(prefix, record)
         layer = src.layers.get(prefix)
@@ -347,6 +367,8 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
             rescaled = any(p.scale_ratio != 1.0 for p in planned.pieces)
             reference = source_function(src, planned) if rescaled else assembled
         _check_layer_transforms(bundle, src, prefix, check)
+        if input_scale is not None:
+            input_scale = _check_input_scale(src, planned, input_scale, check)
     for t in record.transforms:  # whether or not numerics run on this layer
         if t.matrix in bad:
             check.fail(f"{prefix}: its {t.location} transform {t.matrix} failed its checks", "exactness")
@@ -355,7 +377,7 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
     elif numerics:
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
-                        loaded.backend == "reference", transforms)
+                        loaded.backend == "reference", transforms, input_scale)
     return check
 
 
@@ -459,7 +481,8 @@ def verify_bundle(
         for prefix in sorted(set(src.layers) - covered):
             report.layers.append(TensorCheck(prefix, "fail", [f"{prefix}: source layer missing from the bundle"],
                                              kinds=["exactness"]))
-        for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough)):
+        consumed = {src.input_scale_name(p) for p in covered} if bundle.target.scheme == "W4A4" else set()
+        for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough) - consumed):  # W4A4: in layers
             report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"],
                                                   kinds=["exactness"]))
     return report
@@ -503,10 +526,17 @@ def _prefixed(checks: list[TensorCheck], label: str) -> list[TensorCheck]:
     return checks
 
 
+def outputs_scales(ranks: list[Bundle], regions) -> list[torch.Tensor]:
+    """The ``input_global_scale_inv`` of each W4A4 rank layer that holds a region (none for W4A16 bundles)."""
+    return [ranks[r].read(f"{prefix}.input_global_scale_inv") for r, prefix, _ in regions
+            if ranks[r].target.scheme == "W4A4"]
+
+
 def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator) -> list[TensorCheck]:
     """Every source layer rebuilt from the ranks' outputs: column pieces placed at their rows, row-parallel
     partial sums added, each source element covered exactly once (replicated kv heads counted once); then
-    compared with the float64 GEMM of the source layer."""
+    compared with the float64 GEMM of the source layer (W4A4: of the activations quantized with the input scale
+    the ranks' layers hold, checked against the source's in each rank's own verify)."""
     loaded = [load_bundle(b, device) for b in ranks]
     pieces: dict[str, list[tuple[int, str, PartitionRecord]]] = {}
     for r, bundle in enumerate(ranks):
@@ -536,7 +566,9 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
                     module = loaded[r].layer(prefix)
                     outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
                 y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
-            worst = max(worst, _relative_error(y, x.to(torch.float64) @ weight.t()))
+            scale = next(iter(outputs_scales(ranks, regions.values())), None)
+            ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_reference(x.to(torch.float64), weight, scale)
+            worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
     return checks
 
