@@ -48,9 +48,9 @@ def random_nvfp4(
 
 def input_scale(weight: NVFP4Weight) -> torch.Tensor:
     """A W4A4 layer's activation dequant scale (ModelOpt's ``input_scale``, the reciprocal of compressed-tensors'
-    ``input_global_scale``): float32 ``[]``, drawn from the layer's own random multiplier so that the layers, and
-    the q/k/v and gate/up of one block, differ (vLLM's fused modules keep one of them)."""
-    return (weight.multiplier.reshape(()) * 7 + 2e-3).to(torch.float32)
+    ``input_global_scale``): float32 ``[]``, drawn from the layer's own random block scales so that the layers, and
+    the q/k/v and gate/up of one block (which share a multiplier), differ: vLLM's fused modules keep one of them."""
+    return (weight.block_scales.to(torch.float32).mean() * 1e-3 + 2e-3).to(torch.float32)
 
 
 def layer_tensors(prefix: str, weight: NVFP4Weight, fmt: str, w4a4: bool) -> dict[str, torch.Tensor]:
