@@ -96,9 +96,8 @@ class LoadedBundle:
         record = self.bundle.layer(prefix)
         runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
         transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms}
-        target = self.bundle.target
-        layout = target.layout_id if target.scheme == "W4A4" else target.name  # the W4A4 layout: by its id
-        return PackedLinear(runtime, record.n, record.k, layout, self.backend, self.device, bias, transforms)
+        return PackedLinear(runtime, record.n, record.k, self.bundle.target.layout_key, self.backend, self.device, bias,
+                            transforms)
 
     def matrix(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One online-transform matrix on this device, read once per dtype."""

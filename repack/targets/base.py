@@ -118,6 +118,12 @@ class Target:
     def layouts(self) -> tuple["Target", ...]:
         return (self, *self.variants)
 
+    @property
+    def layout_key(self) -> str:
+        """How the runtime (backends, index formulas) names this layout: the family for its W4A16 layout, the
+        layout id for the W4A4 one, which the families share."""
+        return self.name if self.scheme == "W4A16" else self.layout_id
+
     def for_scheme(self, scheme: str) -> "Target":
         """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
         for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
