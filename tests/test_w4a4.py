@@ -113,6 +113,7 @@ def test_weight_only_writes_the_bundles_of_before(key, tmp_path):
     ("ct_nvfp4", "sm90", "sm90-triton-v2", "RepackSm90NvFp4LinearKernel"),
     ("modelopt_w4a16_nvfp4", "sm100", "sm100-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),
     ("ct_nvfp4a16", "sm120", "sm120-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),
+    ("ct_quip_vu_had32_nvfp4", "sm100", "sm100-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),  # transforms
 ])
 def test_default_layout_is_vllm_auto(name, target, layout, kernel, tmp_path):
     convert(PRODUCERS / name, target, tmp_path / "b")
