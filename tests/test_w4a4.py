@@ -216,3 +216,41 @@ def test_verify_fails_a_backend_that_skips_activation_quantization(monkeypatch, 
     monkeypatch.setattr(reference, "quantized_activations", lambda x, scale: x.to(torch.float32) * scale)
     report = verify_output(tmp_path / "b", numerics="all")
     assert not report.passed and set(report.summary()) == {"numerics"}
+
+
+def test_cli_weight_only_flag_and_inspect(tmp_path, capsys):
+    from repack.cli import main
+
+    assert main(["convert", str(PRODUCERS / "modelopt_nvfp4"), "--target", "sm120", "-o", str(tmp_path / "a")]) == 0
+    assert main(["convert", str(PRODUCERS / "modelopt_nvfp4"), "--target", "sm120", "-o", str(tmp_path / "b"),
+                 "--weight-only"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "a")]) == 0
+    assert "scheme W4A4; vLLM kernels: FlashInferCutlassNvFp4LinearKernel" in " ".join(capsys.readouterr().out.split())
+    assert open_bundle(tmp_path / "b").manifest.layout_id == "sm120-cute-dsl-v1"
+
+
+def _w4a4_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    capability = torch.cuda.get_device_capability()
+    return any(capability in t.compute_capabilities and t.for_scheme("W4A4").scheme == "W4A4"
+               for t in (resolve_target("sm100"), resolve_target("sm120")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _w4a4_gpu(), reason="needs an sm100 / sm120 GPU (FlashInfer's FP4 x FP4 GEMM)")
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
+def test_flashinfer_w4a4_matches_the_reference_backend(n, k, tmp_path):
+    """FlashInfer's fp4_quantize + mm_fp4 on the bundle's tensors against the reference backend (never run yet:
+    written without a Blackwell GPU)."""
+    from repack.runtime.backends import flashinfer
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    runtime = w4a4.to_runtime(_random_w4a4(n, k, gen))
+    x = torch.randn(33, k, generator=gen).to(torch.bfloat16)
+    scales = reference.w4a4_scales(runtime.alpha, runtime.input_global_scale_inv)
+    expected = reference.linear(x.float(), runtime.weight, runtime.weight_scale, scales, n, k, w4a4.LAYOUT_ID)
+    got = flashinfer.linear(x.cuda(), runtime.weight.cuda(), runtime.weight_scale.cuda(), scales.cuda(), n, k,
+                            w4a4.LAYOUT_ID)
+    assert _relative(got.float().cpu(), expected.double()) < 1e-2
