@@ -567,7 +567,8 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
                     outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
                 y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
             scale = next(iter(outputs_scales(ranks, regions.values())), None)
-            ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_reference(x.to(torch.float64), weight, scale)
+            x64 = x.to(torch.float64)
+            ref = x64 @ weight.t() if scale is None else w4a4_reference(x64, weight, scale)
             worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
     return checks

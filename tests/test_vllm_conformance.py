@@ -81,8 +81,8 @@ TP2 = _jobs([f"tp-{f}" for f in SYNTHETIC_FORMATS]) + [
     (name, "sm100") for name in PRODUCER_FIXTURES[::2] + [f"odd-{f}" for f in SYNTHETIC_FORMATS]]
 W4A4_TP1 = [(name, f"{arch}-w4a4") for name in W4A4_FIXTURES + [f"odd-{f}-w4a4" for f in SYNTHETIC_FORMATS]
             for arch in ARCHS]
-W4A4_TP2 = [(name, f"{arch}-w4a4") for name in W4A4_FIXTURES + [f"{s}-{f}-w4a4" for s in SYNTHETIC for f in SYNTHETIC_FORMATS]
-            for arch in ARCHS]
+W4A4_TP2 = [(name, f"{arch}-w4a4")
+            for name in W4A4_FIXTURES + [f"{s}-{f}-w4a4" for s in SYNTHETIC for f in SYNTHETIC_FORMATS] for arch in ARCHS]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,8 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     out = {}
     for tp, jobs in ((1, TP1 + W4A4_TP1), (2, TP2 + W4A4_TP2)):
         folder = tmp_path_factory.mktemp(f"vllm-tp{tp}")
-        args = [arg for name, arch in jobs for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{harness_arch(arch)}")]
+        args = [arg for name, arch in jobs
+                for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{harness_arch(arch)}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
                        check=True, timeout=1500, stdout=subprocess.DEVNULL)
         out[tp] = folder

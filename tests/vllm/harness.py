@@ -2,9 +2,10 @@
 every fused linear layer holds after process_weights_after_loading.
 
 Runs in the vLLM virtualenv (tests/vllm/make_env.sh), never in the project's env, and imports nothing
-from the project. Only four GPU-only leaf calls are replaced (the blocks marked PATCH); vLLM's config,
-model construction, weight loading and fusion, the quantization scheme's post-processing, padding,
-swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
+from the project. Only GPU-only leaf calls are replaced (the five blocks marked PATCH, one of them the emulated
+capability the W4A4 kernels' is_supported read); vLLM's config, model construction, kernel selection (its auto,
+for W4A4 jobs), weight loading and fusion, the quantization scheme's post-processing, padding, swizzle and
+FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
 the versions are pinned, so that an upgrade fails loudly instead of testing something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR

@@ -3,7 +3,7 @@
     python -m pytest tests/vllm/plugin_checks.py      # in tests/vllm/make_env.sh's env, PYTHONPATH=<repo>
 
 (tests/test_vllm_plugin.py runs it so from the project's suite.) Oracle: vLLM's ``DefaultModelLoader`` on the
-source checkpoint, through harness.py's four patches (q/k/v and gate/up fusion, TP sharding, the schemes'
+source checkpoint, through harness.py's patches (q/k/v and gate/up fusion, TP sharding, the schemes'
 post-processing, padding, swizzle and FlashInfer's per-arch preparation all run unmodified). The model the
 plugin loads from the bundle, after the source's safetensors are deleted, must hold the same state: every
 parameter and buffer (class, dtype, shape, strides, storage offset, the bytes of its whole storage, so a view is
