@@ -243,7 +243,8 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
     inputs = [_block64(x.to(torch.float64), transforms.get("input")) for x in xs]
     if input_scale is not None:
         weight = reference if isinstance(reference, torch.Tensor) else dequantize(reference)
-        products = [w4a4_reference(x, weight, input_scale.inverse) for x in inputs]
+        # the bf16 activations themselves (W4A4 layers have no online transforms: convert keeps those weight-only)
+        products = [w4a4_reference(x, weight, input_scale.inverse) for x in xs]
     else:
         products = _reference_products(reference, inputs)
     refs = [_block64(r, transforms.get("output")) for r in products]
@@ -567,8 +568,7 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
                     outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
                 y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
             scale = next(iter(outputs_scales(ranks, regions.values())), None)
-            x64 = x.to(torch.float64)
-            ref = x64 @ weight.t() if scale is None else w4a4_reference(x64, weight, scale)
+            ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_reference(x, weight, scale)
             worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
     return checks

@@ -41,8 +41,9 @@ def w4a4_scales(alpha: torch.Tensor, input_global_scale_inv: torch.Tensor) -> to
 
 def quantized_activations(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """float32 ``[M, K]``: ``e2m1(code) * block_scale`` of ``x`` quantized with ``global_scale`` (exact; the
-    ``1 / global_scale`` is in ``alpha``)."""
+    ``1 / global_scale`` is in ``alpha``). The kernels quantize bf16 activations: a float32 ``x`` (bf16 values, as
+    tests pass to keep a float32 output) is taken as bf16."""
     m = x.shape[0]
-    codes, scales = quantize_activations(x, global_scale)
+    codes, scales = quantize_activations(x if x.dtype == torch.float16 else x.to(torch.bfloat16), global_scale)
     values = e2m1_to_float(unpack_codes(codes)).view(m, k_blocks := codes.shape[1] * 2 // BLOCK_SIZE, BLOCK_SIZE)
     return (values * scales.to(torch.float32).view(m, k_blocks, 1)).view(m, -1)
