@@ -123,6 +123,13 @@ def dequantize(weight: NVFP4Weight, dtype: torch.dtype = torch.float64) -> torch
     return values.view(n, k)
 
 
+def dequantize_activations(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``[M, K]``: ``e2m1(code) * block_scale / global_scale`` of quantized activations, exactly what an
+    FP4 x FP4 GEMM with alpha multiplies them as (``global_scale``: the quantizer's, ``input_global_scale_inv``)."""
+    ones = torch.ones(1, dtype=torch.float32, device=codes.device)
+    return dequantize(NVFP4Weight(codes, block_scales, ones)) / global_scale.to(torch.float64).reshape(())
+
+
 # --- STUB of the activation quantization the `actq` branch writes here: delete at the merge, actq's wins. ---
 def quantize_activations(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 activations as vLLM's ``ref_nvfp4_quant``: uint8 codes ``[M, K/2]``, e4m3 scales ``[M, K/16]``."""

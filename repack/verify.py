@@ -42,7 +42,7 @@ from .formats.checkpoint import contained_file
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, map_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
-from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, w4a4_reference
+from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
 from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform
 from .targets import TARGETS, RuntimeLayer
@@ -196,6 +196,15 @@ def _reference_products(weight: NVFP4Weight | torch.Tensor, xs: list[torch.Tenso
     return list(out.split([len(x) for x in xs]))
 
 
+def w4a4_products(x: torch.Tensor, weight: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ weight.T`` of bf16 ``x`` quantized as the W4A4 kernels quantize it (``quantize_activations``).
+
+    Not ``w4a4_reference``'s float64 definition of the quantizer: with calibrated scales (``input_scale =
+    amax / 2688`` of a bf16 ``amax``) ``gs * amax / 6`` lands on exact e4m3 ties for many blocks, where the kernel's
+    float32 arithmetic and the definition round apart by a whole scale step (a percent of a layer's output)."""
+    return dequantize_activations(*quantize_activations(x, global_scale), global_scale) @ weight.t()
+
+
 def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
     """The float64 reference's online transform: the runtime's own ``block_transform``, in float64 here."""
     return value if matrix is None else block_transform(value, matrix)
@@ -232,8 +241,8 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
                     transforms: dict[str, torch.Tensor], input_scale: InputScale | None = None) -> None:
     """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (a weight, or the float64
     ``[n, k]`` function of a rescaled layer's source), with the layer's online ``transforms`` (location ->
-    float64 normalized matrix) applied around it. ``input_scale``: a W4A4 layer's, whose activations the float64
-    reference quantizes with it first (``w4a4_reference``), as the layer's FP4 x FP4 GEMM must."""
+    float64 normalized matrix) applied around it. ``input_scale``: a W4A4 layer's, with which the reference
+    quantizes the activations first, as the layer's FP4 x FP4 GEMM must (:func:`w4a4_products`)."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
         ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
@@ -244,7 +253,7 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
     if input_scale is not None:
         weight = reference if isinstance(reference, torch.Tensor) else dequantize(reference)
         # the bf16 activations themselves (W4A4 layers have no online transforms: convert keeps those weight-only)
-        products = [w4a4_reference(x, weight, input_scale.inverse) for x in xs]
+        products = [w4a4_products(x, weight, input_scale.inverse) for x in xs]
     else:
         products = _reference_products(reference, inputs)
     refs = [_block64(r, transforms.get("output")) for r in products]
@@ -568,7 +577,7 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
                     outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
                 y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
             scale = next(iter(outputs_scales(ranks, regions.values())), None)
-            ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_reference(x, weight, scale)
+            ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_products(x, weight, scale)
             worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
     return checks

@@ -9,10 +9,11 @@ from torch import nn
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
-from repack.nvfp4 import dequantize, w4a4_reference
+from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
 from repack.targets import TARGETS, resolve_target
 from repack.targets.layout import vllm_geometry
+from repack.verify import w4a4_products
 
 from .conftest import ODD_SHAPES, PRODUCERS
 
@@ -218,8 +219,8 @@ def test_whole_model_logits(tmp_path, target, fixture):
 @pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "ct_nvfp4"])
 def test_patched_w4a4_layers_quantize_their_activations(tmp_path, target, fixture):
     """A W4A4 bundle (the default) through patch_model: each layer of the model, on fresh bf16 activations, is the
-    float64 GEMM of those activations fake-quantized with the source's input scale (a whole model's logits are no
-    test: one bf16 rounding moves an activation across an FP4 step, and that compounds layer after layer)."""
+    float64 GEMM of those activations quantized with the source's input scale as the kernels do (a whole model's
+    logits are no test: one bf16 rounding moves an activation across an FP4 step, compounding layer after layer)."""
     source = read_source(PRODUCERS / fixture)
     convert(PRODUCERS / fixture, target, tmp_path / "bundle")
     patched = dequantized_llama(fixture).to(torch.bfloat16)
@@ -227,7 +228,7 @@ def test_patched_w4a4_layers_quantize_their_activations(tmp_path, target, fixtur
     for prefix, layer in source.layers.items():
         x = (torch.randn(9, layer.k) * torch.rand(9, 1) * 4).to(torch.bfloat16)
         weight = dequantize(source.load_layer(layer))
-        expected = w4a4_reference(x, weight, source.read_input_scale(prefix).inverse)
+        expected = w4a4_products(x, weight, source.read_input_scale(prefix).inverse)
         with torch.no_grad():
             got = patched.get_submodule(prefix)(x).double()
         error, apart = (float((got - r).norm() / r.norm()) for r in (expected, x.double() @ weight.t()))

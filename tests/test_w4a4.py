@@ -19,13 +19,13 @@ from safetensors.torch import load_file, save_file
 from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
-from repack.nvfp4 import InputScale, NVFP4Weight, dequantize, quantize_activations, w4a4_reference
+from repack.nvfp4 import InputScale, NVFP4Weight, dequantize, w4a4_reference
 from repack.runtime.backends import reference
 from repack.runtime.formulas import decode
 from repack.sample.synthetic import random_nvfp4, write_llama
 from repack.targets import resolve_target
 from repack.targets import w4a4
-from repack.verify import verify_output
+from repack.verify import verify_output, w4a4_products
 
 from .conftest import ODD_SHAPES, PRODUCERS
 
@@ -195,13 +195,6 @@ def _relative(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.to(torch.float64) - ref).norm() / ref.norm())
 
 
-def _dequantized_activations(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """float64 ``e2m1(code) * block_scale / global_scale`` of ``quantize_activations``' output."""
-    codes, scales = quantize_activations(x, global_scale)
-    values = NVFP4Weight(codes, scales, torch.ones(1, dtype=torch.float32))
-    return dequantize(values) / global_scale.to(torch.float64).reshape(())
-
-
 @pytest.mark.parametrize("n,k", ODD_SHAPES)
 @pytest.mark.parametrize("m", [1, 7, 33])
 def test_reference_backend_computes_the_w4a4_gemm(n, k, m):
@@ -216,7 +209,7 @@ def test_reference_backend_computes_the_w4a4_gemm(n, k, m):
     y = reference.linear(x.float(), runtime.weight, runtime.weight_scale, scales, n, k, w4a4.LAYOUT_ID)  # float32 out
     w64 = dequantize(weight)
     inverse = weight.input_scale.inverse
-    exact = _relative(y, _dequantized_activations(x, inverse) @ w64.t())
+    exact = _relative(y, w4a4_products(x, w64, inverse))
     assert exact < EXACT_TOLERANCE, f"relative error {exact:.3g} (n={n}, k={k}, m={m})"
     error = _relative(y, w4a4_reference(x, w64, inverse))
     assert error < REFERENCE_TOLERANCE, f"relative error {error:.3g} (n={n}, k={k}, m={m})"
