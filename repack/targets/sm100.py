@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import w4a4
+from . import families, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
@@ -45,18 +45,11 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-WEIGHT_ONLY = Target(
-    name="sm100",
-    aliases=("sm103", "sm107"),
-    layout_id="sm100-cute-dsl-v1",
-    compute_capabilities=((10, 0), (10, 3), (10, 7)),
-    backend="flashinfer",
-    description="B200, GB200, B300",
-    flashinfer_versions=("0.7.2.post1", "0.7.4"),  # 0.7.4: the project env; 0.7.2.post1: the vLLM oracle env
+WEIGHT_ONLY = Target.of(
+    families.SM100,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
-    kernels=("FlashInferCuteDslNvFp4W4A16LinearKernel",),
 )
 TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

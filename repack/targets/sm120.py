@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import w4a4
+from . import families, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_2d, pad_codes, vllm_geometry
 
@@ -122,18 +122,11 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-WEIGHT_ONLY = Target(
-    name="sm120",
-    aliases=("sm121",),
-    layout_id="sm120-cute-dsl-v1",
-    compute_capabilities=((12, 0), (12, 1)),
-    backend="flashinfer",
-    description="RTX 50xx, RTX PRO 6000, GB10",
-    flashinfer_versions=("0.7.2.post1", "0.7.4"),  # 0.7.4: the project env; 0.7.2.post1: the vLLM oracle env
+WEIGHT_ONLY = Target.of(
+    families.SM120,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
-    kernels=("FlashInferCuteDslNvFp4W4A16LinearKernel",),
 )
 TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

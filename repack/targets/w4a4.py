@@ -24,9 +24,10 @@ import torch
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight
 from .base import W4A4_SCALARS, RuntimeLayer, Target, TensorSpec
+from .families import W4A4_LAYOUT_ID
 from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
-LAYOUT_ID = "w4a4-cutlass-v1"
+LAYOUT_ID = W4A4_LAYOUT_ID
 ALIGNMENT = 32  # pad_nvfp4_weight_for_cutlass's default, which every W4A4 kernel calls it with
 SCHEME = "W4A4"
 geometry = partial(vllm_geometry, alignment=ALIGNMENT)
@@ -76,16 +77,8 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-# vLLM 0.33's W4A4 kernels whose process_weights_after_loading leaves exactly this layout.
-KERNELS = ("FlashInferCuteDslNvFp4LinearKernel", "FlashInferCutlassNvFp4LinearKernel",
-           "FlashInferCudnnNvFp4LinearKernel", "CutlassNvFp4LinearKernel")
-# The one vLLM's auto picks per family (init_nvfp4_linear_kernel: the first of its CUDA list that is supported).
-AUTO_KERNEL = {"sm100": "FlashInferCuteDslNvFp4LinearKernel", "sm120": "FlashInferCutlassNvFp4LinearKernel"}
-
-
 def variant(family: Target) -> Target:
-    """``family``'s W4A4 layout: this module's transform under the family's names, GPUs and backend."""
-    auto = AUTO_KERNEL[family.name]
+    """``family``'s W4A4 layout: this module's transform under the family's names, GPUs, backend and kernels."""
     return replace(family, layout_id=LAYOUT_ID, scheme=SCHEME, to_runtime=to_runtime, from_runtime=from_runtime,
-                   runtime_specs=runtime_specs, geometry=geometry, stack_rows=None,
-                   kernels=(auto, *(k for k in KERNELS if k != auto)), variants=())
+                   runtime_specs=runtime_specs, geometry=geometry, stack_rows=None, kernels=family.w4a4_kernels,
+                   variants=())
