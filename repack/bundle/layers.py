@@ -9,7 +9,7 @@ goes through the target's one transform, so fusion and sharding never touch layo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
 from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, is_moe_config, read_input_scales
-from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
@@ -42,10 +42,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class OutputLayer:
-    """One bundle layer: its pieces stacked along N, in order."""
+    """One bundle layer: its pieces stacked along N, in order; ``input_scale``: a W4A4 plan's activation global
+    scale, the one vLLM keeps for the module (its partitions' by the format's rule)."""
 
     prefix: str
     pieces: tuple[Piece, ...]
+    input_scale: InputScale | None = None
 
     @property
     def n(self) -> int:
@@ -184,13 +186,26 @@ def _equalise(layer: OutputLayer, multipliers: dict[str, torch.Tensor], rescale:
     return OutputLayer(layer.prefix, pieces)
 
 
-def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False) -> list[LayerPlan]:
+def with_input_scales(layers: dict[str, OutputLayer], source: SourceModel) -> dict[str, OutputLayer]:
+    """Each layer with the activation global scale vLLM keeps for it: its source layer's, or for a fused module
+    the one the format's rule picks from its partitions' (vLLM only warns when they differ: the partitions share
+    one input, and ``alpha`` follows the kept scale, so the output is scaled right, only quantized on that
+    scale's grid; --tp ranks keep the whole layer's scale, as vLLM's do)."""
+    read = {p: source.read_input_scale(p) for p in source.layers}
+    return {prefix: replace(layer, input_scale=source.scheme.fuse_input_scales([read[p.source] for p in layer.pieces]))
+            for prefix, layer in layers.items()}
+
+
+def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
+                input_scales: bool = False) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
-    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules)."""
+    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules).
+    ``input_scales``: read each layer's activation global scale (for W4A4 layouts)."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
     if not (fuse or tp > 1):
-        return [LayerPlan({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}, {})]
+        return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
     if source.transforms.layers:  # a fused or sharded layer would need its partitions' rotations merged or cut
         raise RepackError("--fuse and --tp are not supported yet for checkpoints with online transforms "
                           "(transform_config); convert without them")
@@ -200,7 +215,7 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     plans = []
     for rank in range(tp):
         layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
-        plans.append(LayerPlan(layers, fusion, tp, rank))
+        plans.append(LayerPlan(scaled(layers), fusion, tp, rank))
     return plans
 
 
@@ -277,7 +292,7 @@ def expert_range(experts: int, ranks: int, rank: int) -> tuple[int, int]:
 def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False) -> dict[str, ExpertPlan]:
     """The FusedMoE layers of rank ``rank`` of ``tp``: every expert with the intermediate size split, or (``ep``,
     vLLM's ``--enable-expert-parallel``) the rank's experts whole."""
-    if source.quant_algo != "NVFP4":
+    if source.activation_scheme != "W4A4":
         raise RepackError(f"{source.quant_algo} MoE (weight-only experts) is not supported: vLLM 0.33 serves it "
                           "with Marlin; supported: W4A4 (NVFP4) MoE checkpoints")
     plans = {}

@@ -19,11 +19,6 @@ from .source import QuantizedLayer, SourceModel
 
 EXPERT = re.compile(r"^(?P<owner>.+)\.experts\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# A W4A4 expert's activation scale: the stored tensor, and how vLLM turns it into the dequant scale it maxes over.
-INPUT_SCALES = {
-    "modelopt": ("input_scale", lambda stored: stored.to(torch.float32)),
-    "compressed-tensors": ("input_global_scale", lambda stored: 1.0 / stored.to(torch.float32)),
-}
 # Whose input scales a rank's FusedMoE loads under expert parallelism (vLLM 0.33, FlashInfer backends): ModelOpt's
 # method holds every expert's (global_sf_num_experts), compressed-tensors' only the rank's own.
 GLOBAL_INPUT_SCALES = {"modelopt": True, "compressed-tensors": False}
@@ -98,20 +93,9 @@ def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
 
 
 def read_input_scales(source: SourceModel, prefixes: tuple[str, ...]) -> torch.Tensor:
-    """float32 ``[len(prefixes)]``: each layer's activation dequant scale as vLLM computes it (4 bytes each)."""
-    suffix, to_scale = INPUT_SCALES[source.format]
-    values = []
-    for prefix in prefixes:
-        name = f"{prefix}.{suffix}"
-        entry = source.checkpoint.tensors.get(name)
-        if entry is None or entry.dtype != torch.float32 or entry.nbytes != 4:
-            found = "is missing" if entry is None else f"is {entry.dtype_name} {list(entry.shape)}"
-            raise RepackError(f"{name}: a W4A4 expert's input scale must be one F32, but it {found}")
-        values.append(source.checkpoint.read(name).reshape(()))
-    scales = to_scale(torch.stack(values))
-    if not bool((torch.isfinite(scales) & (scales > 0)).all()):
-        raise RepackError(f"{prefixes[0]}...: input scales must be finite and positive")
-    return scales
+    """float32 ``[len(prefixes)]``: each layer's activation dequant scale as vLLM computes it (ModelOpt
+    ``input_scale``, compressed-tensors ``1 / input_global_scale`` in float32), 4 bytes read each."""
+    return torch.stack([source.read_input_scale(prefix).scale.reshape(()) for prefix in prefixes])
 
 
 SHARED = re.compile(r"^(?P<module>.+\.shared_experts?)\.")

@@ -2,23 +2,28 @@
 every fused linear layer holds after process_weights_after_loading.
 
 Runs in the vLLM virtualenv (tests/vllm/make_env.sh), never in the project's env, and imports nothing
-from the project. Only four GPU-only leaf calls are replaced (the blocks marked PATCH); vLLM's config,
-model construction, weight loading and fusion, the quantization scheme's post-processing, padding,
-swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
+from the project. Only GPU-only leaf calls are replaced (the five blocks marked PATCH, one of them the emulated
+capability the W4A4 kernels' is_supported read); vLLM's config, model construction, kernel selection (its auto,
+for W4A4 jobs), weight loading and fusion, the quantization scheme's post-processing, padding, swizzle and
+FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
 the versions are pinned, so that an upgrade fails loudly instead of testing something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
-        ARCH: sm100 | sm120 | sm100-moe | sm120-moe | sm100-moe-ep | sm120-moe-ep
+        ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
+        among its W4A4 kernels for that capability) | sm100-moe | sm120-moe | sm100-moe-ep | sm120-moe-ep
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
-for sm100 the 2-D buffer under vLLM's 6-D view) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
-view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
+for sm100 the 2-D buffer under vLLM's 6-D view; W4A4 jobs: every tensor the layer holds, each as its whole
+storage's bytes) and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's shape/stride/offset, the kernel
+class; W4A4 jobs: each tensor's dtype/shape/stride/offset and the layer's non-tensor state), or
+``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
 
-MoE jobs (``sm100-moe``, ``sm120-moe``): vLLM's ``auto`` NVFP4 MoE backend is chosen under the emulated capability
-(PATCH MoE 1), FlashInfer's JIT-built ``nvfp4_block_scale_interleave`` runs as a torch port of its C++ host code
-(tests/vllm/ports.py), and every tensor of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor
-whole, plus ``moe-rank-R.json``: dtype, shape, stride, offset, the backend and experts class); dense layers load
-as for ``sm100`` / ``sm120`` and are not dumped.
+MoE jobs (``sm100-moe``, ``sm120-moe``; ``-ep``: with vLLM's --enable-expert-parallel): vLLM's ``auto`` NVFP4 MoE
+backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-built
+``nvfp4_block_scale_interleave`` runs as a torch port of its C++ host code (tests/vllm/ports.py), and every tensor
+of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor whole, plus ``moe-rank-R.json``: dtype,
+shape, stride, offset, the backend and experts class); dense layers load as for ``sm100`` / ``sm120`` (the W4A16
+kernel) and are not dumped.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from vllm.distributed import (  # noqa: E402
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.kernels import linear as vlinear  # noqa: E402
 from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: E402
 from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vfi  # noqa: E402
 from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as moe_oracle  # noqa: E402
@@ -59,6 +65,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 )
 from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as vfi_moe  # noqa: E402
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
+from vllm.model_executor.layers.quantization.utils import nvfp4_utils  # noqa: E402
 from vllm.platforms import PlatformEnum  # noqa: E402
 from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
@@ -70,6 +77,12 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 
 KERNEL = vfi.FlashInferCuteDslNvFp4W4A16LinearKernel
 ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute._prepare_cute_dsl_sm12x)}
+# vLLM's auto order for W4A4 on CUDA starts with these two: cute-dsl answers on sm10x, FlashInfer's CUTLASS on
+# any other >= sm100 (sm12x). The CPU platform gets exactly this head of the CUDA list for W4A4 jobs.
+W4A4_KERNELS = [vfi.FlashInferCuteDslNvFp4LinearKernel, vfi.FlashInferCutlassNvFp4LinearKernel]
+NVFP4_KERNELS = vlinear._POSSIBLE_NVFP4_KERNELS
+assert NVFP4_KERNELS[PlatformEnum.CUDA][:2] == W4A4_KERNELS, NVFP4_KERNELS[PlatformEnum.CUDA][:2]
+assert hasattr(nvfp4_utils, "cutlass_fp4_supported") and hasattr(CpuPlatform, "get_device_capability")
 FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
@@ -89,9 +102,35 @@ register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU
 _current = {"arch": "sm100"}  # the job being loaded: which capability and FlashInfer layout to emulate
 
 
+def is_w4a4(arch: str) -> bool:
+    return arch.endswith("-w4a4")
+
+
+def select(arch: str) -> tuple[str, str]:
+    """``(FlashInfer arch, linear_backend)`` of a job, and the CPU platform's NVFP4 kernels set to match."""
+    NVFP4_KERNELS[PlatformEnum.CPU][:] = W4A4_KERNELS if is_w4a4(arch) else [KERNEL]
+    _current["arch"] = arch.removesuffix("-w4a4")
+    return _current["arch"], "auto" if is_w4a4(arch) else "flashinfer_cutedsl"
+
+
 def patch() -> None:
     def cc() -> int:
         return ARCH[_current["arch"]][0]
+
+    # PATCH W4A4: the W4A4 kernels' is_supported read the platform's capability and (FlashInfer CUTLASS)
+    # cutlass_fp4_supported(), False on a CPU build; run vLLM's own checks with the platform answering the
+    # emulated capability and CUTLASS FP4 present (as a CUDA 12.8+ build answers on sm100 / sm120).
+    for kernel in W4A4_KERNELS:
+        def emulated(cls, compute_capability=None, _original=kernel.is_supported.__func__):
+            saved, fp4 = CpuPlatform.get_device_capability, nvfp4_utils.cutlass_fp4_supported
+            CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(cc() // 10, 0))
+            nvfp4_utils.cutlass_fp4_supported = lambda: True
+            try:
+                return _original(cls, compute_capability)
+            finally:
+                CpuPlatform.get_device_capability, nvfp4_utils.cutlass_fp4_supported = saved, fp4
+
+        kernel.is_supported = classmethod(emulated)
 
     # PATCH 1: is_supported answers "requires CUDA" on CPU; run the original with the emulated capability.
     original = KERNEL.is_supported.__func__
@@ -162,6 +201,38 @@ def patch() -> None:
     torch.accelerator.current_device_index = lambda: 0
 
 
+NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths",
+              "is_w4a16_nvfp4")
+
+
+def layer_tensors(layer) -> dict[str, torch.Tensor]:
+    """Every tensor a layer holds after its load: parameters, buffers and plain tensor attributes."""
+    found = {**dict(layer.named_parameters(recurse=False)), **dict(layer.named_buffers(recurse=False))}
+    found.update({k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor)})
+    return found
+
+
+def dump_w4a4(model, out: Path, rank: int) -> None:
+    """Every tensor of every fused NVFP4 layer as its whole storage's bytes, with its view in the json."""
+    tensors, meta = {}, {}
+    for li in range(len(model.model.layers)):
+        for fused in FUSED:
+            prefix = f"model.layers.{li}.{fused}"
+            layer = model.get_submodule(prefix)
+            kernel = getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
+            info = {"kernel": type(kernel).__name__, "tensors": {}}
+            info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+            for name, value in sorted(layer_tensors(layer).items()):
+                storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+                tensors[f"{prefix}.{name}"] = storage.clone()
+                info["tensors"][name] = {"class": type(value).__name__, "dtype": str(value.dtype).replace("torch.", ""),
+                                         "shape": list(value.shape), "stride": list(value.stride()),
+                                         "offset": value.storage_offset()}
+            meta[prefix] = info
+    save_file(tensors, out / f"rank-{rank}.safetensors")
+    (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
+
+
 def dump(model, out: Path, rank: int) -> None:
     tensors, meta = {}, {}
     for li in range(len(model.model.layers)):
@@ -193,8 +264,7 @@ def dump_moe(model, out: Path, rank: int) -> None:
     for prefix, module in model.named_modules():
         if not isinstance(getattr(module, "w13_weight", None), torch.Tensor):
             continue
-        found = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
-        found.update({k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+        found = layer_tensors(module)
         method = module.quant_method
         info = {"backend": method.nvfp4_backend.value, "experts": type(method.moe_kernel.fused_experts).__name__,
                 "tensors": {}}
@@ -210,11 +280,10 @@ def dump_moe(model, out: Path, rank: int) -> None:
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     """One model build (one VllmConfig each: attention layers register their names in it)."""
     moe, ep = arch in MOE_ARCH, arch.endswith("-ep")
-    arch = MOE_ARCH.get(arch, arch)
-    _current["arch"] = arch
+    _, backend = select(MOE_ARCH.get(arch, arch))
     cfg = EngineArgs(
         model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
-        linear_backend="flashinfer_cutedsl", tensor_parallel_size=tp, distributed_executor_backend="mp",
+        linear_backend=backend, tensor_parallel_size=tp, distributed_executor_backend="mp",
         enable_expert_parallel=ep,
     ).create_engine_config()
     with set_current_vllm_config(cfg):
@@ -223,7 +292,7 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")
             initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
-        (dump_moe if moe else dump)(model, out, rank)
+        (dump_moe if moe else dump_w4a4 if is_w4a4(arch) else dump)(model, out, rank)
 
 
 def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:
