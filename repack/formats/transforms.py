@@ -295,5 +295,7 @@ def model_dtype(config: dict) -> torch.dtype:
 
 
 def runtime_matrix(checkpoint: Checkpoint, matrix: SourceMatrix, dtype: torch.dtype) -> torch.Tensor:
-    """``T`` with the normalization fused in, in ``dtype``: what the runtime multiplies by."""
-    return (load_matrix(checkpoint, matrix) / matrix.scale).to(dtype).contiguous()
+    """``T`` with the normalization fused in, in ``dtype``: what the runtime multiplies by. Cast first, then divided
+    in ``dtype``, as vLLM's ``HadamardTransform`` does, so that a bundle holds vLLM's bytes (for +-1 entries the
+    same as the rounded float64 quotient in bfloat16 and float16; in float32 not for every block size)."""
+    return load_matrix(checkpoint, matrix).to(dtype).div_(matrix.scale).contiguous()

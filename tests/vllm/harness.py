@@ -10,8 +10,10 @@ the versions are pinned, so that an upgrade fails loudly instead of testing some
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120)
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
-for sm100 the 2-D buffer under vLLM's 6-D view) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
-view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
+for sm100 the 2-D buffer under vLLM's 6-D view; for online transforms each ``P.<scheme>_<location>.weight.partitions.I``)
+and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's shape/stride/offset, the kernel class), or
+``OUT/NAME/refused.txt`` with vLLM's error when it refuses. Between jobs it clears the one piece of class-wide
+state a load leaves (``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ from vllm.distributed import (  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: E402
 from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vfi  # noqa: E402
+from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import (  # noqa: E402
+    HadamardTransform,
+)
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.platforms import PlatformEnum  # noqa: E402
 
@@ -57,6 +62,7 @@ FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
+assert isinstance(HadamardTransform.scaled_data_ptrs, set)
 
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
@@ -96,6 +102,14 @@ def patch() -> None:
     torch.accelerator.empty_cache = lambda: None
 
 
+def transform_state(layer, prefix: str) -> dict[str, torch.Tensor]:
+    """The online-transform matrices the layer holds, per partition: ``P.<scheme>_<location>.weight.partitions.I``
+    (vLLM's attribute path; partitions that share one tensor in vLLM are dumped once each)."""
+    return {f"{prefix}.{name}.weight.partitions.{i}": part.data.detach().clone()
+            for name, child in layer.named_children() if isinstance(child, HadamardTransform)
+            for i, part in sorted(child.weight.partitions.items())}
+
+
 def dump(model, out: Path, rank: int) -> None:
     tensors, meta = {}, {}
     for li in range(len(model.model.layers)):
@@ -107,6 +121,7 @@ def dump(model, out: Path, rank: int) -> None:
             scale = layer.weight_scale
             buffer = scale.detach() if scale.is_contiguous() else (  # sm100: the buffer its 6-D view looks at
                 torch.empty(0, dtype=scale.dtype).set_(scale.untyped_storage()))
+            tensors.update(transform_state(layer, prefix))
             tensors[f"{prefix}.weight"] = layer.weight.detach().contiguous()
             tensors[f"{prefix}.weight_scale"] = buffer.contiguous().view(torch.uint8).clone()
             tensors[f"{prefix}.weight_global_scale"] = layer.weight_global_scale.detach().reshape(-1).clone()
@@ -124,6 +139,9 @@ def dump(model, out: Path, rank: int) -> None:
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     """One model build (one VllmConfig each: attention layers register their names in it)."""
     _current["arch"] = arch
+    # a fresh process's state: vLLM normalizes each transform tensor once per data_ptr, remembered class-wide, so
+    # a later model's tensor at a freed address would be left unnormalized
+    HadamardTransform.scaled_data_ptrs.clear()
     cfg = EngineArgs(
         model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
         linear_backend="flashinfer_cutedsl", tensor_parallel_size=tp, distributed_executor_backend="mp",
