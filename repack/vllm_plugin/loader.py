@@ -10,8 +10,11 @@ repacks the weight into the kernel's layout. A bundle already holds that layout 
 3. for each quantized layer: makes the layer's NVFP4 kernel the one the bundle was made for, points the
    scheme's weight and block-scale parameters at the bundle's tensors, and sets its per-partition global
    scales so that the scheme derives the bundle's multiplier;
-4. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
-5. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
+4. for each layer with online transforms (vLLM builds their modules from the bundle's transform_config): copies
+   the bundle's matrices, already normalized, into the tensors vLLM shares between partitions and layers, and
+   marks them normalized (:func:`_install_transforms`);
+5. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
+6. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
    ``process_weights_after_loading`` (the padding, swizzle and FlashInfer repack) is replaced, for that one
    call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
    tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer).
@@ -33,6 +36,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
 from vllm.model_executor.layers.fusion.quant_activation import expose_input_quant_key
+from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
@@ -93,9 +97,6 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
             f"{folder}: the bundle keeps the checkpoint's unfused modules (q/k/v_proj, gate/up_proj); vLLM holds "
             f"qkv_proj and gate_up_proj: re-convert with --fuse"
         )
-    if bundle.config.get("quantization_config", {}).get("transform_config") or bundle.config.get("transform_config"):
-        raise RepackError(f"{folder}: bundles with online transforms (transform_config) cannot be served by the "
-                          f"{LOAD_FORMAT} loader yet; serve the source checkpoint with --load-format auto")
     _check_device(bundle.target)
     _check_flashinfer(bundle)
     return bundle
@@ -165,6 +166,34 @@ def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record
     del kernel.process_weights_after_loading  # the instance hook; the class's method is untouched
 
 
+def _install_transforms(module: nn.Module, prefix: str, bundle: Bundle, installed: set[int]) -> None:
+    """Give the layer's online-transform modules (vLLM builds them from the bundle's transform_config) the bundle's
+    matrices, copied into vLLM's own tensors so that its sharing between partitions and layers stays as it built
+    it; each is marked as normalized, so vLLM's post-load does not divide it by sqrt(block) a second time.
+    ``installed``: the tensors this load has filled (a shared one must get one value)."""
+    held = {f"{name}.weight.partitions.{i}": partition
+            for name, child in module.named_children() if isinstance(child, HadamardTransform)
+            for i, partition in child.weight.partitions.items()}
+    stored = bundle.vllm_transforms(prefix)
+    if set(held) != set(stored):
+        missing = sorted(set(held) ^ set(stored))[0]
+        raise RepackError(f"{prefix}.{missing}: vLLM's online transforms (from config.json's transform_config) are "
+                          f"not the bundle's; re-convert the source with --fuse")
+    with torch.no_grad():
+        for name, partition in held.items():
+            value = stored[name]
+            if (partition.dtype, partition.shape) != (value.dtype, value.shape):
+                raise RepackError(f"{prefix}.{name}: vLLM holds it as {partition.dtype} {list(partition.shape)}, "
+                                  f"the bundle as {value.dtype} {list(value.shape)}; serve with --dtype "
+                                  f"{str(value.dtype).removeprefix('torch.')}")
+            pointer = partition.data_ptr()
+            if pointer in installed and not torch.equal(partition, value.to(partition.device)):
+                raise RepackError(f"{prefix}.{name}: differs from the matrix vLLM shares it with; run verify")
+            partition.copy_(value)
+            installed.add(pointer)
+            HadamardTransform.scaled_data_ptrs.add(pointer)
+
+
 class BundleModelLoader(BaseModelLoader):
     """Loads an nvfp4-repack bundle (``vllm serve BUNDLE --load-format nvfp4_repack``)."""
 
@@ -202,8 +231,10 @@ class BundleModelLoader(BaseModelLoader):
         absent = sorted(set(layers) - set(bundle.manifest.layers))
         if absent:
             raise RepackError(f"{bundle.root}: vLLM's NVFP4 layer {absent[0]!r} has no tensors in the bundle")
+        installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)
+            _install_transforms(module, name, bundle, installed)
         model.load_weights(self._passthrough(bundle))
 
     @staticmethod

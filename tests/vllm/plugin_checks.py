@@ -32,6 +32,7 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
 from vllm.model_executor.model_loader import get_model_loader
 
 from repack.convert import convert
@@ -68,6 +69,7 @@ def world(tp_size: int = 1, rank: int = 0, init_file: str | None = None) -> Iter
 def load(model: str | Path, load_format: str, target: str, tp_size: int = 1) -> nn.Module:
     """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces)."""
     harness._current["arch"] = "sm120" if target == "sm120" else "sm100"
+    HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
     config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
                         load_format=load_format, linear_backend="flashinfer_cutedsl",
                         tensor_parallel_size=tp_size).create_engine_config()
@@ -80,12 +82,31 @@ def tensor_state(t: torch.Tensor) -> tuple:
             bytes(t.untyped_storage()))
 
 
+def transform_state(name: str, module: HadamardTransform, first: dict[int, str]) -> dict[str, object]:
+    """An online-transform module's matrices (not parameters: a dict on its SharedWeightParameter): per partition
+    its tensor, the first partition of the model it shares memory with, whether vLLM counts it as normalized; and
+    the schemes it applies."""
+    state: dict[str, object] = {f"{name}:transforms": repr(module.transforms)}
+    for i, part in sorted(module.weight.partitions.items()):
+        key = f"{name}.weight.partitions.{i}"
+        state[key] = tensor_state(part)
+        state[f"{key}:shares"] = first.setdefault(part.data_ptr(), key)
+        state[f"{key}:normalized"] = part.data_ptr() in HadamardTransform.scaled_data_ptrs
+    return state
+
+
 def layer_state(model: nn.Module) -> dict[str, object]:
-    """Every parameter and buffer of ``model``, and each NVFP4 layer's kernel class and kernel-read attributes."""
+    """Every parameter and buffer of ``model``, each NVFP4 layer's kernel class and kernel-read attributes, its
+    quantization method's class, and its online-transform modules' state."""
     state: dict[str, object] = {}
+    first: dict[int, str] = {}
     for name, module in model.named_modules():
         for part, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             state[f"{name}.{part}"] = tensor_state(t)
+        if isinstance(module, HadamardTransform):
+            state.update(transform_state(name, module, first))
+        if hasattr(module, "quant_method"):
+            state[f"{name}:quant_method"] = type(module.quant_method).__name__
         holder = getattr(module, "scheme", None) or getattr(module, "quant_method", None)
         kernel = getattr(holder, "kernel", None)
         if kernel is not None:
@@ -132,6 +153,32 @@ def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
     got = layer_state(load(bundle, LOAD_FORMAT, target))
     assert any(k.endswith("qkv_proj:kernel") for k in expected)
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+def test_plugin_serves_transform_bundles_as_vllm_loads_them(vllm_world, tmp_path, fixture, target):
+    """A QuIP (input and output rotations, W4A4) and a SpinQuant (whole-K R4, W4A16) bundle: the same state as
+    vLLM's load of the source, transform matrices, their sharing and vLLM's transform method included."""
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    reference = load(source, "safetensors", target)
+    expected = layer_state(reference)
+    _delete_weights(source)
+    served = load(bundle, LOAD_FORMAT, target)
+    got = layer_state(served)
+    assert any(k.endswith(":transforms") for k in expected)
+    assert any(v == "CompressedTensorsLinearTransformMethod" for v in expected.values())
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+def test_plugin_refuses_a_bundle_whose_transforms_vllm_does_not_build(vllm_world, tmp_path):
+    convert(PRODUCERS / "ct_quip_v_had16_nvfp4a16", "sm100", tmp_path / "bundle", fuse=True)
+    _edit_json(tmp_path / "bundle" / "config.json",
+               lambda c: c["quantization_config"]["transform_config"]["config_groups"]["v"]["apply"][0]["ignore"]
+               .append("re:.*down_proj$"))
+    assert "down_proj.v_input.weight.partitions.0: vLLM's online transforms" in _refused(tmp_path / "bundle")
 
 
 def _tp2_rank(rank: int, cases: list[tuple[str, str, str]], init_file: str, results: str) -> None:
@@ -256,13 +303,3 @@ def test_refuses_another_tp_size(vllm_world, tmp_path):
 def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
-
-
-HADAMARD = {"config_groups": {"u": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "weight_input"},
-                                                                    {"targets": ["Linear"], "location": "input"}]}}}
-
-
-def test_refuses_online_transforms(vllm_world, sm100_bundle):
-    _edit_json(sm100_bundle / "config.json",
-               lambda c: c["quantization_config"].update(transform_config=HADAMARD))
-    assert "online transforms" in _refused(sm100_bundle)
