@@ -66,10 +66,17 @@ def nvfp4_matmul(
     target: str,
     backend: str,
     bias: torch.Tensor | None = None,
+    input_transform: torch.Tensor | None = None,
+    fuse_input: bool = False,
+    input_walsh: str = "",
 ) -> torch.Tensor:
-    """``F.linear(x, dequant(W), bias)`` from a layer's runtime tensors, through the op: for modules that hold the
-    tensors themselves (vLLM's layers, whose engine compiles and captures the model)."""
-    y = _linear(_rows(x, k), weight, weight_scale, weight_global_scale, n, k, target, backend)
+    """``F.linear(x @ T_in, dequant(W), bias)`` from a layer's runtime tensors, through the op: for modules that hold
+    the tensors themselves (vLLM's layers, whose engine compiles and captures the model). ``T_in``, the online
+    input transform if any, goes into the backend's kernels when ``fuse_input`` (``fuses_input_transform``, with
+    ``input_walsh`` the key of its Walsh-Hadamard factors, "" if none), else it runs first as ``block_transform``."""
+    fused = input_transform if fuse_input else None
+    y = _linear(_rows(x, k, None if fuse_input else input_transform), weight, weight_scale, weight_global_scale, n, k,
+                target, backend, fused, input_walsh)  # fmt: skip
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], n)
     return y + bias if bias is not None else y

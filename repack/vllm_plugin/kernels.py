@@ -19,7 +19,9 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from ..nvfp4 import NVFP4Weight
+from ..runtime.backends import fuses_input_transform
 from ..runtime.op import nvfp4_matmul
+from ..runtime.transforms import walsh_factors
 from ..targets import Target, sm90
 
 
@@ -58,14 +60,31 @@ class RepackSm90NvFp4LinearKernel(NvFp4LinearKernel):
             replace_parameter(layer, name, tensor.to(device))
         layer.weights_padding_cols = runtime.weights_padding_cols
 
+    input_transform: torch.Tensor | None = None  # the layer's online input transform T (x @ T), once taken over
+    fuse_input = False
+    input_walsh = ""
+
+    def take_input_transform(self, layer: torch.nn.Module, matrix: torch.Tensor) -> None:
+        """Apply the layer's online input transform ``x @ matrix`` here instead of in vLLM's separate transform
+        module (the caller stops calling that one): inside the Triton kernels where they fuse it (their activation
+        pre-pass; the in-kernel Walsh-Hadamard at M = 1 for Sylvester-type matrices), else just before the GEMM."""
+        self.input_transform = matrix.to(layer.weight.device)
+        self.fuse_input = fuses_input_transform(_backend(layer), self.input_transform)
+        walsh = walsh_factors(self.input_transform) if self.fuse_input else None
+        self.input_walsh = walsh.key() if walsh is not None else ""
+
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"nvfp4-repack sm90 W4A16 requires BF16 input, got {x.dtype}")
-        backend = "triton" if layer.weight.is_cuda else "reference"
         return nvfp4_matmul(
             x, layer.weight, layer.weight_scale, layer.weight_global_scale,
-            layer.output_size_per_partition, layer.input_size_per_partition, sm90.TARGET.name, backend, bias,
+            layer.output_size_per_partition, layer.input_size_per_partition, sm90.TARGET.name, _backend(layer), bias,
+            self.input_transform, self.fuse_input, self.input_walsh,
         )
+
+
+def _backend(layer: torch.nn.Module) -> str:
+    return "triton" if layer.weight.is_cuda else "reference"
 
 
 KERNEL_FOR_TARGET: dict[str, type[NvFp4LinearKernel]] = {

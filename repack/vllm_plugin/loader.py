@@ -17,7 +17,9 @@ repacks the weight into the kernel's layout. A bundle already holds that layout 
 6. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
    ``process_weights_after_loading`` (the padding, swizzle and FlashInfer repack) is replaced, for that one
    call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
-   tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer).
+   tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer);
+7. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
+   its kernels (:func:`_kernels_take_input_transforms`); sm100 and sm120 run vLLM's transform method as it is.
 
 Everything else vLLM does after loading (its schemes' Python-side state, W4A4 activation scales, KV-cache
 scales, attention, tied embeddings, the model's own hook) runs as in a load from the source. vLLM's
@@ -194,6 +196,22 @@ def _install_transforms(module: nn.Module, prefix: str, bundle: Bundle, installe
             HadamardTransform.scaled_data_ptrs.add(pointer)
 
 
+def _kernels_take_input_transforms(model: nn.Module, bundle: Bundle) -> None:
+    """sm90: each layer's online input transform runs inside this project's kernel class (its activation pre-pass
+    and in-kernel Walsh-Hadamard) instead of vLLM's separate dense GEMM or hadacore call before it; vLLM's transform
+    module keeps its state, its method stops calling it. Output transforms stay vLLM's."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.linear import (  # circular at import
+        CompressedTensorsLinearTransformMethod,
+    )
+
+    for prefix, module in _nvfp4_layers(model).items():
+        method = module.quant_method
+        inputs = [t for t in bundle.layer(prefix).transforms if t.location == "input"]
+        if inputs and type(method) is CompressedTensorsLinearTransformMethod and method.input_transform is not None:
+            _kernel_holder(module).kernel.take_input_transform(module, bundle.transform_matrix(inputs[0].matrix))
+            method.input_transform = None
+
+
 class BundleModelLoader(BaseModelLoader):
     """Loads an nvfp4-repack bundle (``vllm serve BUNDLE --load-format nvfp4_repack``)."""
 
@@ -215,6 +233,8 @@ class BundleModelLoader(BaseModelLoader):
         missed = sorted(set(self._opened.manifest.layers) - self._restored)
         if missed:
             raise RepackError(f"vLLM never post-processed bundle layer {missed[0]!r} ({len(missed)} in all)")
+        if self._opened.target.name == "sm90":
+            _kernels_take_input_transforms(model, self._opened)
         return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:

@@ -38,6 +38,7 @@ from vllm.model_executor.model_loader import get_model_loader
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
+from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample.synthetic import write_llama
 from repack.vllm_plugin import register
@@ -250,6 +251,57 @@ def test_sm90_kernel_class_matches_float64(vllm_world, tmp_path, fixture):
         err = float((y.double() - ref).norm() / ref.norm())
         assert y.dtype == torch.bfloat16 and y.shape == ref.shape
         assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
+
+
+def _float64_transforms(weights, prefix: str) -> dict[str, torch.Tensor]:
+    """The source's online transforms of the (fused) layer ``prefix``, normalized, float64 (its partitions share
+    them: convert refuses fused modules whose partitions differ)."""
+    parent, _, leaf = prefix.rpartition(".")
+    first = f"{parent}.{PARTITIONS.get(leaf, (leaf,))[0]}"
+    return {t.location: load_matrix(weights.checkpoint, t.matrix) / t.matrix.scale
+            for t in weights.transforms.layers.get(first, ())}
+
+
+def _blockdiag(x: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
+    return x if matrix is None else (x.unflatten(-1, (-1, matrix.shape[0])) @ matrix).flatten(-2)
+
+
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+def test_sm90_kernel_class_applies_the_input_transform(vllm_world, tmp_path, fixture):
+    """sm90 transform bundles: the input transform runs in RepackSm90NvFp4LinearKernel (on CPU its reference
+    backend applies it before the GEMM; on the GPU the Triton kernels fuse blocks of 16-128: tests/
+    test_gpu_transforms.py), vLLM's module no longer; the output transform stays vLLM's (its dense GEMM does not run
+    on vLLM's CPU platform, so it is not run here). The scheme's GEMM = float64 (x T_in) W^T with the source's
+    dequantized partitions and matrix."""
+    source = _source(tmp_path, fixture)
+    convert(source, "sm90", tmp_path / "bundle", fuse=True)
+    weights = read_source(source)
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    taken = 0
+    for name, layer in model.named_modules():
+        if not hasattr(layer, "weights_padding_cols"):
+            continue
+        matrices = _float64_transforms(weights, name)
+        kernel = layer.scheme.kernel
+        assert type(kernel) is RepackSm90NvFp4LinearKernel
+        assert (kernel.input_transform is not None) == ("input" in matrices), name
+        if "input" in matrices:
+            assert layer.quant_method.input_transform is None, "vLLM's own input transform no longer runs"
+            assert not kernel.fuse_input, "the reference backend applies it before its GEMM"
+            taken += 1
+        parent, _, leaf = name.rpartition(".")
+        w = torch.cat([dequantize(weights.load_layer(weights.layers[f"{parent}.{p}"]))
+                       for p in PARTITIONS.get(leaf, (leaf,))])
+        x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(torch.bfloat16)
+        assert (getattr(layer.quant_method, "output_transform", None) is not None) == ("output" in matrices), name
+        y = layer.scheme.apply_weights(layer, x)
+        ref = _blockdiag(x.double(), matrices.get("input")) @ w.t()
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
+    assert taken, "some layer has an input transform"
 
 
 def _refused(path: Path, target: str = "sm100") -> str:
