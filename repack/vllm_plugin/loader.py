@@ -251,6 +251,12 @@ class BundleModelLoader(BaseModelLoader):
         absent = sorted(set(layers) - set(bundle.manifest.layers))
         if absent:
             raise RepackError(f"{bundle.root}: vLLM's NVFP4 layer {absent[0]!r} has no tensors in the bundle")
+        qutlass = [name for name, module in layers.items()
+                   if type(module.quant_method).__name__ == "QutlassNvFP4LinearMethod"]
+        if qutlass:  # its own W4A4 GEMM (fused Hadamard + activation quantization) reads another weight layout
+            raise RepackError(f"{qutlass[0]}: vLLM serves this W4A4 layer with its input Hadamard through "
+                              f"QutlassNvFP4LinearMethod, which the {bundle.target.name} bundle's W4A16 layout cannot "
+                              f"feed; serve the source checkpoint with --load-format auto")
         installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)

@@ -37,7 +37,7 @@ from vllm.model_executor.model_loader import get_model_loader
 
 from repack.convert import convert
 from repack.errors import RepackError
-from repack.formats import read_source
+from repack.formats import SourceModel, read_source
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample.synthetic import write_llama
@@ -182,6 +182,20 @@ def test_plugin_refuses_a_bundle_whose_transforms_vllm_does_not_build(vllm_world
     assert "down_proj.v_input.weight.partitions.0: vLLM's online transforms" in _refused(tmp_path / "bundle")
 
 
+def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch):
+    """On sm100 vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does not
+    read the W4A16 layout; emulated here by answering vLLM's capability question as a Blackwell GPU would."""
+    from vllm.platforms import current_platform
+
+    convert(PRODUCERS / "ct_quip_vu_rhad16_nvfp4", "sm100", tmp_path / "bundle", fuse=True)
+    def blackwell(capability, device_id=0) -> bool:
+        return (capability if isinstance(capability, int) else capability[0] * 10 + capability[1]) <= 100
+
+    monkeypatch.setattr(current_platform, "has_device_capability", blackwell)
+    message = _refused(tmp_path / "bundle")
+    assert "through QutlassNvFP4LinearMethod" in message and "--load-format auto" in message
+
+
 def _tp2_rank(rank: int, cases: list[tuple[str, str, str]], init_file: str, results: str) -> None:
     """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's."""
     import torch.distributed as dist
@@ -226,17 +240,20 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
         assert all(not diff for diff in result.values()), f"rank {rank}: {result}"
 
 
+def _sm90_model(tmp_path: Path, fixture: str) -> tuple[SourceModel, nn.Module, torch.Generator, int]:
+    """The fixture's source, the model vLLM loads from its fused sm90 bundle, a seeded generator and its seed."""
+    source = _source(tmp_path, fixture)
+    convert(source, "sm90", tmp_path / "bundle", fuse=True)
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    return read_source(source), load(tmp_path / "bundle", LOAD_FORMAT, "sm90"), torch.Generator().manual_seed(seed), seed
+
+
 @pytest.mark.parametrize("fixture", ["modelopt_w4a16_nvfp4", "ct_nvfp4"])
 def test_sm90_kernel_class_matches_float64(vllm_world, tmp_path, fixture):
     """vLLM's own layer objects, loaded from an sm90 bundle, run through RepackSm90NvFp4LinearKernel (reference
     backend on CPU) = a float64 GEMM with the source's dequantized partitions."""
-    source = _source(tmp_path, fixture)
-    convert(source, "sm90", tmp_path / "bundle", fuse=True)
-    weights = read_source(source)
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"seed={seed}")
-    gen = torch.Generator().manual_seed(seed)
-    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    weights, model, gen, seed = _sm90_model(tmp_path, fixture)
     layers = {name: m for name, m in model.named_modules() if hasattr(m, "weights_padding_cols")}
     assert len(layers) == 8
     for name, layer in layers.items():
@@ -273,13 +290,7 @@ def test_sm90_kernel_class_applies_the_input_transform(vllm_world, tmp_path, fix
     test_gpu_transforms.py), vLLM's module no longer; the output transform stays vLLM's (its dense GEMM does not run
     on vLLM's CPU platform, so it is not run here). The scheme's GEMM = float64 (x T_in) W^T with the source's
     dequantized partitions and matrix."""
-    source = _source(tmp_path, fixture)
-    convert(source, "sm90", tmp_path / "bundle", fuse=True)
-    weights = read_source(source)
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"seed={seed}")
-    gen = torch.Generator().manual_seed(seed)
-    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    weights, model, gen, seed = _sm90_model(tmp_path, fixture)
     taken = 0
     for name, layer in model.named_modules():
         if not hasattr(layer, "weights_padding_cols"):
