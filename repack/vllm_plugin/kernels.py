@@ -5,7 +5,8 @@ layers, so they run that class unchanged. vLLM has no NVFP4 layout of its own fo
 kernels read, so sm90 bundles run :class:`RepackSm90NvFp4LinearKernel`: ``apply_weights`` is this project's
 ``nvfp4_repack::linear`` op (the Triton kernels on the GPU, the reference backend on CPU), and
 ``process_weights_after_loading`` is the offline transform run at load time, so the class also serves a
-source checkpoint through vLLM's own loader.
+source checkpoint through vLLM's own loader. A bundle layer's online input transform, handed over by the
+plugin's loader (``take_input_transform``), runs inside that op instead of in vLLM's transform module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from ..targets import Target, sm90
 
 class RepackSm90NvFp4LinearKernel(NvFp4LinearKernel):
     """BF16 x NVFP4 GEMM on Hopper with nvfp4-repack's sm90 layout (``sm90-triton-v2``) and Triton kernels."""
+
+    input_transform: torch.Tensor | None = None  # the layer's online input transform T (x @ T), once taken over
+    fuse_input = False
+    input_walsh = ""
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -59,10 +64,6 @@ class RepackSm90NvFp4LinearKernel(NvFp4LinearKernel):
         for name, tensor in runtime.tensors().items():
             replace_parameter(layer, name, tensor.to(device))
         layer.weights_padding_cols = runtime.weights_padding_cols
-
-    input_transform: torch.Tensor | None = None  # the layer's online input transform T (x @ T), once taken over
-    fuse_input = False
-    input_walsh = ""
 
     def take_input_transform(self, layer: torch.nn.Module, matrix: torch.Tensor) -> None:
         """Apply the layer's online input transform ``x @ matrix`` here instead of in vLLM's separate transform

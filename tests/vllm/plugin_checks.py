@@ -183,8 +183,8 @@ def test_plugin_refuses_a_bundle_whose_transforms_vllm_does_not_build(vllm_world
 
 
 def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch):
-    """On sm100 vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does not
-    read the W4A16 layout; emulated here by answering vLLM's capability question as a Blackwell GPU would."""
+    """On Blackwell vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does
+    not read the W4A16 layout; emulated here by answering vLLM's capability question as sm100 would."""
     from vllm.platforms import current_platform
 
     convert(PRODUCERS / "ct_quip_vu_rhad16_nvfp4", "sm100", tmp_path / "bundle", fuse=True)
