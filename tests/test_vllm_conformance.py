@@ -40,13 +40,14 @@ SYNTHETIC_FORMATS = {"modelopt": False, "compressed-tensors": True}  # format ->
 # Online-transform checkpoints: the producer fixtures, and variants of one that vLLM cannot hold as they mean
 # (TRANSFORM_VARIANTS). vLLM refuses every one of them at TP = 2.
 TRANSFORM_BASE = "ct_quip_v_had16_nvfp4a16"
-TRANSFORM_VARIANTS = ("partial-input", "randomized", "orthogonal-matrix")
+TRANSFORM_VARIANTS = ("partial-input", "split-input", "randomized", "orthogonal-matrix")
 TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VARIANTS)
 
 
 def transform_variant(root: Path, variant: str, seed: int = 0) -> Path:
     """``TRANSFORM_BASE`` with its ``v`` rotation changed: ``partial-input`` leaves k_proj out (q and v, fused
-    with it, keep theirs), ``randomized`` adds compressed-tensors' permutation, ``orthogonal-matrix`` makes it a
+    with it, keep theirs), ``split-input`` gives k_proj the same rotation through an apply entry of its own,
+    ``randomized`` adds compressed-tensors' permutation, ``orthogonal-matrix`` makes it a
     random-matrix transform with a random orthogonal matrix (condition number 1: convert accepts it unfused)."""
     gen = torch.Generator().manual_seed(seed)
     root.mkdir(parents=True)
@@ -54,8 +55,10 @@ def transform_variant(root: Path, variant: str, seed: int = 0) -> Path:
     tensors = load_file(PRODUCERS / TRANSFORM_BASE / "model.safetensors")
     v = config["quantization_config"]["transform_config"]["config_groups"]["v"]
     stored = "model.layers.0.self_attn.q_proj.v_input"
-    if variant == "partial-input":
+    if variant in ("partial-input", "split-input"):
         v["apply"][0]["ignore"].append("re:.*k_proj$")
+        if variant == "split-input":
+            v["apply"].append(dict(v["apply"][0], targets=["re:.*k_proj$"], ignore=[]))
     elif variant == "randomized":
         v["randomize"] = True
         tensors[f"{stored}.perm"] = torch.randperm(16, generator=gen)
@@ -182,6 +185,7 @@ VLLM_TRANSFORM_REFUSALS = {
     "ct_spinquant_r3_had16_nvfp4a16": ("There is no module or parameter named 'layers.0.self_attn.R3_q_attn'",
                                        "location 'q_attn' is not supported"),
     "partial-input": ("KeyError: 1", "vLLM requires the same input transform on every partition"),
+    "split-input": ("ValueError: Must have same input", "on every partition, from one apply entry"),
     "randomized": ("'QKVParallelLinear' object has no attribute 'data'", "cannot load randomized transforms"),
 }
 
@@ -226,7 +230,8 @@ def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch
 def test_tp2_transform_checkpoints_are_refused_as_vllm_refuses_them(name, checkpoints, oracle, tmp_path):
     """vLLM refuses every one (most for the TP itself, some for what it refuses at TP = 1 too, found first)."""
     theirs = _refused(name, oracle[2] / f"{name}-sm100")
-    first = {"ct_spinquant_r3_had16_nvfp4a16": "no module or parameter named", "partial-input": "KeyError: 1"}
+    first = {"ct_spinquant_r3_had16_nvfp4a16": "no module or parameter named", "partial-input": "KeyError: 1",
+             "split-input": "ValueError: Must have same input"}
     assert first.get(name, "Online transforms with tensor parallelism is not supported") in theirs, theirs[:300]
     ours = REFUSED_FIXTURES.get(name, "--tp 2: vLLM 0.33 does not support online transforms")
     with pytest.raises(RepackError, match=ours):

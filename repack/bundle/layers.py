@@ -229,11 +229,13 @@ def layer_transforms(transforms: SourceTransforms, layer: OutputLayer) -> tuple[
     would be cut per row range, which bundles do not record)."""
     own = [transforms.layers.get(p.source, ()) for p in layer.pieces]
     for location in ("input", "output"):
-        found = [next((t for t in ts if t.location == location), None) for ts in own]
+        # vLLM compares input transforms with their apply entry; output ones need only their matrix to agree here
+        found = [next((t if location == "input" else t.matrix for t in ts if t.location == location), None)
+                 for ts in own]
         if any(t != found[0] for t in found):
             a, b = (p.source for p, t in zip(layer.pieces, found) if t != found[0]), layer.pieces[0].source
-            why = "vLLM requires the same input transform on every partition" if location == "input" else (
-                "output transforms that differ between partitions are not supported")
+            why = ("vLLM requires the same input transform on every partition, from one apply entry"
+                   if location == "input" else "output transforms that differ between partitions are not supported")
             raise RepackError(f"{layer.prefix}: cannot fuse, {next(a)} and {b} have different online {location} "
                               f"transforms ({why})")
     return own[0]
