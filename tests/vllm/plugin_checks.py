@@ -182,6 +182,15 @@ def test_plugin_refuses_a_bundle_whose_transforms_vllm_does_not_build(vllm_world
     assert "down_proj.v_input.weight.partitions.0: vLLM's online transforms" in _refused(tmp_path / "bundle")
 
 
+def test_plugin_refuses_transforms_in_another_dtype_than_the_servers(vllm_world, tmp_path):
+    """A float16 model's bundle holds float16 matrices; served in bfloat16, vLLM would have rounded the source's
+    matrix to bfloat16 itself: no cast of the bundle's reproduces that, so it is refused."""
+    source = _source(tmp_path, "ct_quip_v_had16_nvfp4a16")
+    _edit_json(source / "config.json", lambda c: c.update(dtype="float16"))
+    convert(source, "sm100", tmp_path / "bundle", fuse=True)
+    assert "vLLM holds it as torch.bfloat16 [16, 16], the bundle as torch.float16" in _refused(tmp_path / "bundle")
+
+
 def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch):
     """On Blackwell vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does
     not read the W4A16 layout; emulated here by answering vLLM's capability question as sm100 would."""
