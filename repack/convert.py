@@ -40,7 +40,7 @@ from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_byt
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
-from .targets import TARGETS, Target, resolve_target
+from .targets import Target, resolve_families, resolve_target, several_families
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 
@@ -392,15 +392,8 @@ def convert_bundles(
 
 
 def resolve_targets(names: str | Sequence[str]) -> list[Target]:
-    """Targets by name or alias, ``all`` for every family; each once, in the order given."""
-    wanted: list[Target] = []
-    for name in [names] if isinstance(names, str) else names:
-        for target in TARGETS if name.strip().lower() == "all" else [resolve_target(name)]:
-            if target not in wanted:
-                wanted.append(target)
-    if not wanted:
-        raise RepackError("no target given")
-    return wanted
+    """Targets by name or alias, ``all`` for every family; each family once, in the order given."""
+    return [resolve_target(family.name) for family in resolve_families(names)]
 
 
 def convert(
@@ -421,8 +414,9 @@ def convert(
 ) -> ConvertSummary | list[ConvertSummary]:
     """Convert ``model`` (a folder, or a Hub repo id at ``revision``) into bundles; all-or-nothing per bundle.
 
-    One target name: ``out`` is the bundle, and one summary is returned. A list of names (``all`` for every
-    family): one pass writes ``out/<target>`` for each, and a list of summaries is returned.
+    One target family (a name, or names that are aliases of one family): ``out`` is the bundle, and one summary
+    is returned. Several families (``all`` for every one): one pass writes ``out/<target>`` for each, and a list
+    of summaries is returned.
 
     ``fsync`` False: bundles are published without waiting for the disk: faster where the disk is slow, for
     CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
@@ -432,7 +426,7 @@ def convert(
     """
     targets = resolve_targets(target_name)
     parse_size(max_shard_size)  # a bad shard size fails before any work
-    single = isinstance(target_name, str) and target_name.strip().lower() != "all"
+    single = not several_families(target_name)
     if (fuse or tp > 1) and not single:
         raise RepackError("--fuse/--tp take one target; convert each target in a run of its own")
     if resume and tp > 1:

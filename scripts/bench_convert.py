@@ -134,6 +134,9 @@ def main() -> None:
                                                       "verify:sm100+sm120+sm90"])
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     args = parser.parse_args()
+    if args.dir is not None and not args.dir.is_dir():  # a usage error, one line like the CLI's
+        print(f"Error: --dir {args.dir}: no such folder", file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         model = Path(tmp) / "model"
         t = time.perf_counter()

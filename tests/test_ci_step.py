@@ -304,6 +304,20 @@ def test_a_local_folder_wins_over_a_hub_id(make_model, tmp_path, offline_hub):
     assert __import__("repack.bundle.manifest", fromlist=["x"]).read_manifest(tmp_path / "out").source.repo_id is None
 
 
+def test_inspect_a_hub_repo_id_from_the_cache(make_model, tmp_path, offline_hub, capsys):
+    """inspect resolves a repo id (and --revision) as convert and verify do, and names the commit it read."""
+    model = make_model("compressed-tensors", shapes=[(64, 128), (48, 96)], seed=fresh_seed())
+    snapshot = make_hub_cache(offline_hub, "acme/tiny-ct", model.path)
+    capsys.readouterr()
+    for argv in (["acme/tiny-ct"], ["acme/tiny-ct", "--revision", snapshot.name]):
+        assert main(["inspect", *argv, "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["path"] == f"acme/tiny-ct@{snapshot.name}" and info["format"] == "compressed-tensors"
+        assert info["layer_shapes"] == [{"n": 48, "k": 96, "count": 1}, {"n": 64, "k": 128, "count": 1}]
+    assert main(["inspect", "acme/tiny-ct", "--revision", "v9"]) == 1
+    assert "acme/tiny-ct@v9" in capsys.readouterr().err
+
+
 def test_cli_hub_id_with_revision_in_a_fresh_process(make_model, tmp_path):
     """The real CLI with HF_HUB_CACHE / HF_HUB_OFFLINE from the environment, as a CI job runs it."""
     model = make_model("compressed-tensors", seed=fresh_seed())

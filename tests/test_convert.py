@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from repack.cli import main
 from repack.convert import convert
 from repack.errors import OutputExists, RepackError
 from repack.formats import read_source
+from repack.sample import SAMPLE_DIR
 from repack.targets import TARGETS
 
 from .conftest import PRODUCERS, REFUSED_FIXTURES
@@ -164,6 +168,74 @@ def test_cli_sample_then_inspect(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["target"] == "sm100"
     assert main(["targets", "--json"]) == 0
     assert {t["name"] for t in json.loads(capsys.readouterr().out)} >= {"sm100", "sm120"}
+
+
+@pytest.mark.parametrize("flags,members", [(["--fuse"], [""]), (["--tp", "2"], ["rank-0", "rank-1"])])
+def test_the_sample_shows_fuse_and_tp(tmp_path, capsys, flags, members):
+    """The built-in sample converts fused and per TP rank without --rescale (one global scale per fused module,
+    per-rank K a multiple of 16), and verify passes; the tokenizer `vllm serve OUT` reads is at OUT's top."""
+    out = tmp_path / "out"
+    assert main(["convert", "--sample", "-t", "sm100", *flags, "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rescaled"] == {}
+    for member in members:
+        manifest = open_bundle(out / member).manifest
+        assert sorted(manifest.fusion) == ["mlp.gate_up_proj", "self_attn.qkv_proj"]
+        assert manifest.tp_size == len(members) and "model.layers.1.mlp.gate_up_proj" in manifest.layers
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= {p.name for p in out.iterdir()}
+    assert main(["verify", str(out), "--json"]) == 0, capsys.readouterr().out[-3000:]
+
+
+def test_inspect_sample(capsys):
+    assert main(["inspect", "--sample", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    source = read_source(SAMPLE_DIR)
+    assert (info["path"], info["quantized_layers"]) == (str(SAMPLE_DIR), len(source.layers))
+    assert sum(row["count"] for row in info["layer_shapes"]) == len(source.layers)
+    assert main(["inspect", "--sample", str(SAMPLE_DIR)]) == 2  # one or the other
+    assert "either PATH or --sample" in capsys.readouterr().err
+
+
+def test_aliases_of_one_family_write_one_plain_bundle(tmp_path, monkeypatch, capsys):
+    """`-t sm100 -t sm103` is one family: one bundle at OUT (default <model>-sm100), not OUT/sm100; --fuse takes it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "--sample", "-t", "sm100", "-t", "SM103", "--fuse"]) == 0
+    out = tmp_path / "tiny-llama-nvfp4-sm100"
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    assert open_bundle(out).manifest.target == "sm100" and not (out / "sm100").exists()
+    summary = convert(SAMPLE_DIR, ["sm103", "sm107"], tmp_path / "lib")
+    assert not isinstance(summary, list) and summary.target == "sm100"
+    assert isinstance(convert(SAMPLE_DIR, ["sm103", "sm120"], tmp_path / "two"), list)
+
+
+@pytest.mark.parametrize("size,nbytes", [("4GiB", 4 * 2**30), ("1.5 MiB", 3 * 2**19), ("64kib", 2**16),
+                                         ("2TiB", 2 * 2**40), ("64KB", 64_000), ("5GB", 5 * 10**9)])
+def test_shard_sizes_take_decimal_and_binary_units(size, nbytes):
+    from repack.bundle.plan import parse_size
+
+    assert parse_size(size) == nbytes
+
+
+@pytest.mark.parametrize("size", ["4Gi", "5", "GiB", "-1MiB", "0KiB"])
+def test_shard_sizes_need_a_unit_and_a_positive_number(size, capsys, tmp_path):
+    assert main(["convert", "--sample", "-t", "sm100", "--max-shard-size", size, "-o", str(tmp_path / "o")]) == 1
+    assert "such as 5GB, 500MB or 4GiB" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_binary_shard_size_on_the_cli(tmp_path, capsys):
+    """64KiB (65536 bytes) and 64KB (64000) plan differently on the sample: the unit is read, not ignored."""
+    shards = {}
+    for size in ("64KiB", "64KB", "1MiB"):
+        assert main(["convert", "--sample", "-t", "sm100", "--max-shard-size", size, "-o", str(tmp_path / size)]) == 0
+        shards[size] = len(list((tmp_path / size).glob("*.safetensors")))
+    assert shards["1MiB"] == 1 and shards["64KiB"] >= 2
+
+
+def test_bench_convert_with_a_missing_dir_is_a_one_line_usage_error(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "scripts" / "bench_convert.py"), "--dir", str(tmp_path / "no")],
+                         capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stderr) == (2, f"Error: --dir {tmp_path / 'no'}: no such folder\n")
+    assert not (tmp_path / "no").exists()
 
 
 @pytest.mark.parametrize(

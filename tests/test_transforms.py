@@ -27,6 +27,7 @@ from repack.formats.safetensors_io import file_sha256, tensor_bytes
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
+from repack.sample import SAMPLE_DIR
 from repack.runtime.backends import fuses_input_transform, prepare_backend
 from repack.runtime.transforms import WalshFactors, block_transform, walsh_factors
 from repack.runtime.transforms import sylvester as runtime_sylvester
@@ -177,6 +178,24 @@ def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
     with torch.no_grad():
         got = patched(TOKENS).logits.double()
     assert rel_error(got, reference_logits(fixture, "float reference")) < MODEL_REL_TOL
+
+
+@pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)
+def test_dense_weight_folds_the_online_transforms(fixture):
+    """``SourceModel.dense_weight``, the docs' reference model for a checkpoint with online transforms: a dense
+    model holding it computes what the hook-based float reference and compressed-tensors' own model compute."""
+    source = read_source(PRODUCERS / fixture)
+    model = dequantized_llama(fixture).float()
+    state = model.state_dict()
+    with torch.no_grad():
+        for prefix in source.layers:
+            state[f"{prefix}.weight"].copy_(source.dense_weight(prefix))
+        got = model(TOKENS).logits.double()
+    assert rel_error(got, reference_logits(fixture, "float reference")) < 1e-5
+    assert rel_error(got, reference_logits(fixture, "compressed-tensors")) < MODEL_REL_TOL
+    plain = read_source(SAMPLE_DIR)  # no online transforms: the dequantized weight as it is
+    for prefix, layer in plain.layers.items():
+        assert torch.equal(plain.dense_weight(prefix), dequantize(plain.load_layer(layer), torch.float32))
 
 
 def test_stored_matrix_is_the_normalized_source_matrix(tmp_path):

@@ -76,11 +76,14 @@ def _layer_outputs(layer: OutputLayer, target: Target) -> list[PlannedTensor]:
     ]
 
 
-SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+# Binary units first: "4GIB" must not be read as "4GI" bytes.
+SIZE_UNITS = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
+              "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
 
 
 def parse_size(size: int | str) -> int:
-    """``5GB``, ``500MB``, ``1.5GB``, ``5000000B`` or an int byte count, as a positive number of bytes.
+    """``5GB``, ``500MB``, ``1.5GB``, ``4GiB``, ``5000000B`` or an int byte count, as a positive number of bytes
+    (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB powers of 1024; any letter case).
 
     A string must name its unit: a bare ``5`` is far more likely a forgotten ``GB`` than five bytes."""
     if isinstance(size, int) and not isinstance(size, bool):
@@ -94,7 +97,7 @@ def parse_size(size: int | str) -> int:
             number = math.nan
         value = int(number * SIZE_UNITS[unit]) if math.isfinite(number) else 0
     if value <= 0:
-        raise RepackError(f"shard size {str(size)[:40]!r}: expected a positive size with a unit, such as 5GB or 500MB")
+        raise RepackError(f"shard size {str(size)[:40]!r}: expected a positive size with a unit, such as 5GB, 500MB or 4GiB")
     return value
 
 

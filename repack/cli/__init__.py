@@ -1,119 +1,28 @@
-"""The ``nvfp4-repack`` command: thin Typer commands over the library, one error handler.
+"""The ``nvfp4-repack`` entry point, kept import-free so that Ctrl-C at any moment is one line.
 
-Errors the user can cause are :class:`~repack.errors.RepackError`: printed as one ``Error: ...`` line on
-stderr, exit code 1. Usage errors exit 2. Anything else is a bug: one line too, with the traceback shown
-only when ``NVFP4_REPACK_DEBUG=1``.
+The console script imports this module and then calls :func:`run`; a KeyboardInterrupt raised by an import
+outside :func:`main`'s ``try`` would print a traceback. So the commands (:mod:`.app`: Typer, rich) are imported
+inside it, and torch only inside the commands that touch tensors: ``--help``, ``--version`` and ``targets`` never
+load it.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 
-from typing import Annotated
-
-import typer
-
-from .. import __version__
-from ..errors import Interrupted, OutputExists, RepackError
-from . import commands
-from .commands import printable
-
-ERROR_LIMIT = 2000  # characters: an error is one line, whatever a hostile name holds
-
-DEBUG = os.environ.get("NVFP4_REPACK_DEBUG", "") not in ("", "0")
-
-HELP_OPTIONS = ["-h", "--help"]
-
-app = typer.Typer(
-    name="nvfp4-repack",
-    help="Repack NVFP4 checkpoints (ModelOpt, compressed-tensors) into serving kernels' runtime layouts, offline.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": HELP_OPTIONS},
-)
-
-
-def _show_version(value: bool) -> None:
-    if value:
-        print(f"nvfp4-repack {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool, typer.Option("--version", metavar="", is_eager=True, callback=_show_version, help="Print the version.")
-    ] = False,
-) -> None:
-    """Repack NVFP4 checkpoints (ModelOpt, compressed-tensors) into serving kernels' runtime layouts, offline."""
-
-
-commands.register(app)
-
-
-def _quiet_flags(command, info_name: str) -> None:
-    """Show flags as flags in --help (Typer labels them ``<bool>``, as if they took a value)."""
-    for param in command.params:
-        if getattr(param, "is_flag", False):
-            param.metavar = ""
-    with typer.Context(command, info_name=info_name, help_option_names=HELP_OPTIONS) as ctx:
-        help_option = command.get_help_option(ctx)
-        if help_option is not None:
-            help_option.metavar = ""
-    for name, sub in getattr(command, "commands", {}).items():
-        _quiet_flags(sub, name)
-
-
-def _report_interrupt(exc: BaseException) -> int:
-    """One line on stderr; for a convert, what it kept and how to resume; exit code 130."""
-    line = "Interrupted."
-    if isinstance(exc, Interrupted) and exc.kept:
-        parts = [f"{done} of {total} shards of {out} kept" if staging else
-                 f"nothing of {out} kept (--resume does not cover --tp conversions: run the command again)"
-                 for out, staging, done, total in exc.kept]
-        resume = "; run the same command with --resume to continue" if any(s for _, s, _, _ in exc.kept) else ""
-        line = f"Interrupted: {'; '.join(parts)}{resume}"
-    print(printable(line, ERROR_LIMIT), file=sys.stderr)
-    return 130
+INTERRUPTED = "Interrupted."
+INTERRUPTED_EXIT = 130
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI and return its exit code (0 ok, 1 bad input, 2 usage)."""
-    command = typer.main.get_command(app)
-    _quiet_flags(command, "nvfp4-repack")
+    """Run the CLI and return its exit code (0 ok, 1 bad input, 2 usage, 130 interrupted)."""
     try:
-        result = command.main(args=argv, prog_name="nvfp4-repack", standalone_mode=False)
-        return result if isinstance(result, int) else 0
-    except RepackError as exc:
-        hint = " (pass --overwrite to replace it)" if isinstance(exc, OutputExists) else ""
-        print(f"Error: {printable(f'{exc}{hint}', ERROR_LIMIT)}", file=sys.stderr)
-        return 1
-    except typer.Exit as exc:
-        return exc.exit_code
-    except (Interrupted, typer.Abort, KeyboardInterrupt) as exc:
-        return _report_interrupt(exc)
-    except OSError as exc:  # files, permissions, disk space: the environment, reported like bad input
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"Error: {printable(where + (exc.strerror or str(exc)), ERROR_LIMIT)}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        if _is_usage_error(exc):
-            exc.show()  # type: ignore[attr-defined]
-            return int(exc.exit_code)  # type: ignore[attr-defined]
-        # A bug: still one line unless debugging.
-        if DEBUG:
-            traceback.print_exc()
-        print(f"Error: internal error: {type(exc).__name__}: {printable(exc, ERROR_LIMIT)} "
-              "(set NVFP4_REPACK_DEBUG=1 for a traceback)", file=sys.stderr)
-        return 1
+        from .app import run_app
 
-
-def _is_usage_error(exc: Exception) -> bool:
-    """Click's usage errors; Typer >= 0.26 bundles Click privately, so match by behaviour, not by class."""
-    return callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None), int)
+        return run_app(argv)
+    except KeyboardInterrupt:  # while importing: the commands handle their own
+        print(INTERRUPTED, file=sys.stderr)
+        return INTERRUPTED_EXIT
 
 
 def run() -> None:

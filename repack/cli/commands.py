@@ -16,7 +16,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ..errors import Interrupted, RepackError
-from ..targets import TARGETS
+from ..targets import FAMILIES, several_families
 
 stdout = Console()
 stderr = Console(stderr=True)
@@ -53,10 +53,20 @@ def _flag(help: str, *names: str):
     return typer.Option(*names, metavar="", help=help)
 
 
+def _model_or_sample(model: str | None, sample: bool, argument: str) -> str:
+    """The model a command was given: its ARGUMENT, or the built-in sample's folder for --sample (not both)."""
+    from ..sample import SAMPLE_DIR
+
+    if sample == (model is not None):
+        raise typer.BadParameter(f"give either {argument} or --sample")
+    return str(SAMPLE_DIR) if sample else str(model)
+
+
 def _default_out(model: Path | str, targets: list[str]) -> Path:
-    """``<model>-<target>``, or ``<model>-bundles`` for several targets (a Hub id's name part)."""
+    """``<model>-<target>`` (the first name given), or ``<model>-bundles`` for several target families (a Hub id's
+    name part)."""
     name = Path(model).expanduser().resolve().name if Path(model).expanduser().exists() else str(model).rsplit("/")[-1]
-    suffix = targets[0].strip().lower() if len(targets) == 1 and targets[0].strip().lower() != "all" else "bundles"
+    suffix = "bundles" if several_families(targets) else targets[0].strip().lower()
     return Path(f"{name}-{suffix}")
 
 
@@ -80,7 +90,9 @@ def convert(
     no_fsync: Annotated[bool, _flag(
         "Publish without waiting for the disk (faster where it is slow; for CI jobs that rerun a failed step): "
         "a kill still leaves OUT whole or absent, a machine crash may leave data unwritten.", "--no-fsync")] = False,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, with a unit: 5GB, 500MB.")] = "5GB",
+    max_shard_size: Annotated[
+        str, typer.Option(help="Largest output shard, with a unit: 5GB, 500MB (powers of 1000), 4GiB (of 1024).")
+    ] = "5GB",
     sample: Annotated[bool, _flag("Convert the built-in tiny sample checkpoint.", "--sample")] = False,
     fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
@@ -98,16 +110,12 @@ def convert(
     """
     from ..bundle.plan import parse_size
     from ..convert import convert as run_convert
-    from ..sample import SAMPLE_DIR
 
-    if sample == (model is not None):
-        raise typer.BadParameter("give either MODEL or --sample")
+    source = _model_or_sample(model, sample, "MODEL")
     try:
         parse_size(max_shard_size)
     except RepackError as exc:
         raise RepackError(f"--max-shard-size: {exc}") from None
-    source = str(SAMPLE_DIR) if sample else model
-    assert source is not None
     destination = out or _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -197,22 +205,24 @@ def _transform_summary(source) -> list[dict]:
             for (s, kind, loc, b), layers in sorted(groups.items())]
 
 
-def _inspect_source(path: Path, as_json: bool) -> None:
+def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
     from ..formats import read_source
 
-    source = read_source(path)
+    source = read_source(model, revision=revision)
+    origin = source.checkpoint.origin
+    path = f"{origin.repo_id}@{origin.commit}" if origin.repo_id else model
     shapes: dict[tuple[int, int], int] = {}
     for layer in source.layers.values():
         shapes[(layer.n, layer.k)] = shapes.get((layer.n, layer.k), 0) + 1
     info = {
-        "path": str(path),
+        "path": path,
         "format": source.format,
         "quant_algo": source.quant_algo,
         "quantized_layers": len(source.layers),
         "passthrough_tensors": len(source.passthrough),
         "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
         "transforms": _transform_summary(source),
-        "targets": [t.name for t in TARGETS],
+        "targets": [t.name for t in FAMILIES],
     }
     if as_json:
         print(json.dumps(info, indent=2))
@@ -236,7 +246,13 @@ def _inspect_source(path: Path, as_json: bool) -> None:
 
 
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A source model folder or a bundle folder.")],
+    path: Annotated[
+        Optional[str], typer.Argument(help="A bundle folder, or a source model: a folder or a Hub repo id.")
+    ] = None,
+    revision: Annotated[
+        Optional[str], typer.Option(help="Hub branch, tag or commit of a repo-id PATH (default: its main branch).")
+    ] = None,
+    sample: Annotated[bool, _flag("Describe the built-in tiny sample checkpoint.", "--sample")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Describe a source checkpoint (format, layers, shapes) or a bundle (its manifest).
@@ -245,16 +261,24 @@ def inspect(
 
     Examples:
       nvfp4-repack inspect ./Llama-3.1-8B-NVFP4
+      nvfp4-repack inspect nvidia/Llama-3.1-8B-Instruct-FP4
+      nvfp4-repack inspect --sample
       nvfp4-repack inspect sample-sm100 --json
     """
     from ..bundle.reader import is_bundle
     from ..verify import member_bundles
 
-    if not path.exists():
-        raise RepackError(f"{path}: no such file or directory")
-    members = member_bundles(path) if path.is_dir() else [path]
-    if members == [path]:
-        (_inspect_bundle if is_bundle(path) else _inspect_source)(path, as_json)
+    model = _model_or_sample(path, sample, "PATH")
+    local = Path(model).expanduser()
+    if revision is not None or not local.exists():  # a Hub repo id, resolved as convert and verify do
+        _inspect_source(model, revision, as_json)
+        return
+    members = member_bundles(local) if local.is_dir() else [local]
+    if members == [local]:
+        if is_bundle(local):
+            _inspect_bundle(local, as_json)
+        else:
+            _inspect_source(model, None, as_json)
     elif as_json:
         from ..bundle.reader import open_bundle
 
@@ -275,7 +299,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "layout_id": t.layout_id,
             "description": t.description,
         }
-        for t in TARGETS
+        for t in FAMILIES
     ]
     if as_json:
         print(json.dumps(rows, indent=2))

@@ -13,9 +13,9 @@ from typing import Callable
 import torch
 
 from ..errors import RepackError
-from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from .checkpoint import Checkpoint
-from .transforms import SourceTransforms
+from .transforms import SourceTransforms, load_matrix
 from .safetensors_io import TensorEntry, read_tensor
 
 
@@ -62,6 +62,23 @@ class SourceModel:
             block_scales=scales,
             multiplier=self.scheme.to_multiplier(global_scale.reshape(1)),
         ).validate(layer.prefix)
+
+    def dense_weight(self, prefix: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` weight of the function layer ``prefix`` computes: dequantized, its online transforms
+        folded in (float64 until the cast). A dense model holding these is the reference for this checkpoint:
+        the plain dequantized weight is not, where a layer rotates its input or output at run time.
+
+        An input transform ``x -> x @ blockdiag(T)`` before the GEMM folds in as ``W @ blockdiag(T)^T``; an
+        output one ``y -> y @ blockdiag(T)`` after it as ``blockdiag(T)^T @ W`` (``T`` normalized, as applied).
+        """
+        weight = dequantize(self.load_layer(self.layers[prefix]), torch.float64)
+        for t in self.transforms.layers.get(prefix, ()):
+            matrix = load_matrix(self.checkpoint, t.matrix) / t.matrix.scale
+            if t.location == "input":
+                weight = (weight.unflatten(1, (-1, t.matrix.size)) @ matrix.T).flatten(1)
+            else:
+                weight = (matrix.T @ weight.unflatten(0, (-1, t.matrix.size))).flatten(0, 1)
+        return weight.to(dtype)
 
 
 def _layer_from_headers(checkpoint: Checkpoint, scheme: NamingScheme, prefix: str) -> QuantizedLayer:

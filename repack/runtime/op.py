@@ -12,6 +12,8 @@ the string ``input_walsh``, a constant of the traced graph), else it runs first 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .backends import get_backend
@@ -56,6 +58,11 @@ def _rows(x: torch.Tensor, k: int, transform: torch.Tensor | None = None) -> tor
     return x2d.contiguous()
 
 
+def eager(x2d: torch.Tensor) -> bool:
+    """Whether a call may skip the op: a plain tensor (no subclass, no fake tensor) outside any compiler trace."""
+    return type(x2d) is torch.Tensor and not torch.compiler.is_compiling()
+
+
 def nvfp4_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -66,17 +73,23 @@ def nvfp4_matmul(
     target: str,
     backend: str,
     bias: torch.Tensor | None = None,
+    prepared: Callable[[torch.Tensor], torch.Tensor] | None = None,
     input_transform: torch.Tensor | None = None,
     fuse_input: bool = False,
     input_walsh: str = "",
 ) -> torch.Tensor:
-    """``F.linear(x @ T_in, dequant(W), bias)`` from a layer's runtime tensors, through the op: for modules that hold
-    the tensors themselves (vLLM's layers, whose engine compiles and captures the model). ``T_in``, the online
-    input transform if any, goes into the backend's kernels when ``fuse_input`` (``fuses_input_transform``, with
-    ``input_walsh`` the key of its Walsh-Hadamard factors, "" if none), else it runs first as ``block_transform``."""
-    fused = input_transform if fuse_input else None
-    y = _linear(_rows(x, k, None if fuse_input else input_transform), weight, weight_scale, weight_global_scale, n, k,
-                target, backend, fused, input_walsh)  # fmt: skip
+    """``F.linear(x @ T_in, dequant(W), bias)`` from a layer's runtime tensors: for modules that hold the tensors
+    themselves (vLLM's layers, whose engine compiles and captures the model). Eager calls go to ``prepared``
+    (``prepare_backend`` on the same tensors and fused transform) when given, traced ones through the op.
+    ``T_in``, the online input transform if any, goes into the backend's kernels when ``fuse_input``
+    (``fuses_input_transform``; ``input_walsh``: its Walsh-Hadamard factors' key, "" if none), else it runs first
+    as ``block_transform``."""
+    x2d = _rows(x, k, None if fuse_input else input_transform)
+    if prepared is not None and eager(x2d):
+        y = prepared(x2d)
+    else:
+        y = _linear(x2d, weight, weight_scale, weight_global_scale, n, k, target, backend,
+                    input_transform if fuse_input else None, input_walsh)  # fmt: skip
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], n)
     return y + bias if bias is not None else y
@@ -92,7 +105,7 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
     k = layer.k
     fused = layer.fused_input_transform
     x2d = _rows(x, k, None if fused is not None else layer.input_transform)
-    if type(x2d) is torch.Tensor and not torch.compiler.is_compiling():  # eager, no tensor subclass or fake tensor
+    if eager(x2d):
         y = layer.prepared()(x2d)
     else:
         y = _linear(x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, k, layer.target,

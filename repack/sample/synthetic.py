@@ -20,11 +20,16 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 
 
-def quantize_nvfp4(weight: torch.Tensor) -> NVFP4Weight:
-    """Quantize a real ``[N, K]`` matrix to NVFP4 (codes, e4m3 block scales, float32 multiplier)."""
+def quantize_nvfp4(weight: torch.Tensor, amax: torch.Tensor | None = None) -> NVFP4Weight:
+    """Quantize a real ``[N, K]`` matrix to NVFP4 (codes, e4m3 block scales, float32 multiplier).
+
+    ``amax`` (default: the matrix's own) sets the multiplier: give the partitions of one fused module (q/k/v,
+    gate/up) their largest, and they share one global scale, as llm-compressor and ModelOpt write them.
+    """
     w = weight.to(torch.float32)
     n, k = w.shape
-    multiplier = (w.abs().max().clamp(min=1e-12) / (E2M1_MAX * E4M3_MAX)).reshape(1)
+    amax = w.abs().max() if amax is None else amax.to(torch.float32)
+    multiplier = (amax.clamp(min=1e-12) / (E2M1_MAX * E4M3_MAX)).reshape(1)
     blocks = w.reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     block_scales = (blocks.abs().amax(-1) / E2M1_MAX / multiplier).to(torch.float8_e4m3fn)
     denom = block_scales.to(torch.float32).unsqueeze(-1) * multiplier
@@ -150,13 +155,14 @@ def llama_layers(
 def write_llama(
     root: Path, fmt: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int, generator: torch.Generator,
     layers: int = 1, head_dim: int = 16, vocab: int = 64, w4a4: bool = False,
-    quantized: dict[str, NVFP4Weight] | None = None,
+    quantized: dict[str, NVFP4Weight] | None = None, max_positions: int = 128, plain_std: float = 1.0,
 ) -> Path:
-    """A tiny Llama checkpoint that vLLM can build (config.json, embeddings, norms, bf16 lm_head)."""
+    """A Llama checkpoint that vLLM can build (config.json, embeddings and bf16 lm_head of standard deviation
+    ``plain_std``, norms); tiny by default."""
     quantized = quantized or llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers,
                                           head_dim=head_dim)
-    plain = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
-             "lm_head.weight": torch.randn(vocab, hidden, generator=generator).to(torch.bfloat16),
+    plain = {"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=generator) * plain_std).bfloat16(),
+             "lm_head.weight": (torch.randn(vocab, hidden, generator=generator) * plain_std).bfloat16(),
              "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     for i in range(layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -164,7 +170,8 @@ def write_llama(
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 128,
+        "head_dim": head_dim, "num_hidden_layers": layers, "vocab_size": vocab,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     }
     return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=["lm_head"])

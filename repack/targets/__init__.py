@@ -1,34 +1,55 @@
 """Target layouts: one module per GPU family, each a pure transform with its exact inverse.
 
-This registry is the one capability table: the CLI's ``targets`` command, runtime dispatch and the
-tests' skips all read it.
+This package is the one capability table (its rows in :mod:`.families`, each joined to its layout module's
+functions): the CLI's ``targets`` command, runtime dispatch and the tests' skips all read it. Importing the
+package loads no torch; the layouts (``TARGETS``, ``Target``, ...) are imported on first use, so the CLI starts
+fast and reads the table without them.
 """
 
 from __future__ import annotations
 
-from ..errors import RepackError
-from . import sm90, sm100, sm120
-from .base import RuntimeLayer, Target, TensorSpec
+from typing import TYPE_CHECKING
 
-TARGETS: tuple[Target, ...] = (sm100.TARGET, sm120.TARGET, sm90.TARGET)
+from .families import FAMILIES, Family, family_for_capability, resolve_families, resolve_family, several_families
+
+if TYPE_CHECKING:
+    from .base import RuntimeLayer, Target, TensorSpec
+
+_FROM_BASE = ("RuntimeLayer", "Target", "TensorSpec")
+
+
+def __getattr__(name: str) -> object:
+    """``TARGETS`` and the layout types, imported (with torch) when first asked for."""
+    if name == "TARGETS":
+        from . import sm90, sm100, sm120
+
+        value: object = (sm100.TARGET, sm120.TARGET, sm90.TARGET)
+    elif name in _FROM_BASE:
+        from . import base
+
+        value = getattr(base, name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def resolve_target(name: str) -> Target:
     """The target called ``name`` (or one of its aliases), case-insensitive."""
-    wanted = name.strip().lower()
-    for target in TARGETS:
-        if wanted in target.names:
-            return target
-    valid = ", ".join(n for t in TARGETS for n in t.names)
-    raise RepackError(f"unknown target {name!r}; valid targets: {valid}")
+    return _target(resolve_family(name))
 
 
 def target_for_capability(major: int, minor: int) -> Target | None:
     """The target whose kernels run on compute capability ``major.minor``, if any."""
-    for target in TARGETS:
-        if (major, minor) in target.compute_capabilities:
-            return target
-    return None
+    family = family_for_capability(major, minor)
+    return None if family is None else _target(family)
 
 
-__all__ = ["TARGETS", "RuntimeLayer", "Target", "TensorSpec", "resolve_target", "target_for_capability"]
+def _target(family: Family) -> Target:
+    from . import TARGETS
+
+    return next(t for t in TARGETS if t.name == family.name)
+
+
+__all__ = ["FAMILIES", "TARGETS", "Family", "RuntimeLayer", "Target", "TensorSpec", "resolve_families",
+           "resolve_family", "resolve_target", "several_families", "target_for_capability"]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
 from ..nvfp4 import NVFP4Weight
+from .families import Family
 
 
 @dataclass(frozen=True)
@@ -60,17 +61,10 @@ class RuntimeLayer:
 
 
 @dataclass(frozen=True)
-class Target:
-    """A target family: names, the SMs it runs on, its layout transform and that transform's inverse.
+class Target(Family):
+    """A target family's row of the capability table (:class:`~.families.Family`) with its layout's functions.
 
     Attributes:
-        name: canonical name (``sm100``).
-        aliases: other accepted names (``sm103``, ``sm107``).
-        layout_id: versioned id of the byte layout, recorded in manifests.
-        compute_capabilities: ``(major, minor)`` pairs whose kernels consume this layout.
-        backend: runtime backend used on those GPUs.
-        description: the GPUs, for people.
-        flashinfer_versions: FlashInfer releases whose preparation this layout was checked against.
         to_runtime: canonical weight -> runtime layer.
         from_runtime: ``(runtime layer, n, k)`` -> canonical weight, the exact inverse.
         runtime_specs: ``(n, k)`` -> dtype and shape of each runtime tensor.
@@ -80,19 +74,13 @@ class Target:
             fuse q/k/v and gate/up at load (``patch_model``) without running ``to_runtime`` again. ``None``: never.
     """
 
-    name: str
-    aliases: tuple[str, ...]
-    layout_id: str
-    compute_capabilities: tuple[tuple[int, int], ...]
-    backend: str
-    description: str
-    flashinfer_versions: tuple[str, ...]
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
     from_runtime: Callable[[RuntimeLayer, int, int], NVFP4Weight]
     runtime_specs: Callable[[int, int], dict[str, TensorSpec]]
     geometry: Callable[[int, int], LayerGeometry]
     stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
+    @classmethod
+    def of(cls, family: Family, **layout: Callable | None) -> Target:
+        """``family``'s row joined to its layout's functions (``to_runtime=...``, ...)."""
+        return cls(**{f.name: getattr(family, f.name) for f in fields(Family)}, **layout)  # type: ignore[arg-type]

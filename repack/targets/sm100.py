@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from . import families
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
@@ -42,14 +43,8 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-TARGET = Target(
-    name="sm100",
-    aliases=("sm103", "sm107"),
-    layout_id="sm100-cute-dsl-v1",
-    compute_capabilities=((10, 0), (10, 3), (10, 7)),
-    backend="flashinfer",
-    description="B200, GB200, B300",
-    flashinfer_versions=("0.7.2.post1", "0.7.4"),  # 0.7.4: the project env; 0.7.2.post1: the vLLM oracle env
+TARGET = Target.of(
+    families.SM100,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,

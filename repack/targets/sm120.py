@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from . import families
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_2d, pad_codes, vllm_geometry
 
@@ -119,14 +120,8 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-TARGET = Target(
-    name="sm120",
-    aliases=("sm121",),
-    layout_id="sm120-cute-dsl-v1",
-    compute_capabilities=((12, 0), (12, 1)),
-    backend="flashinfer",
-    description="RTX 50xx, RTX PRO 6000, GB10",
-    flashinfer_versions=("0.7.2.post1", "0.7.4"),  # 0.7.4: the project env; 0.7.2.post1: the vLLM oracle env
+TARGET = Target.of(
+    families.SM120,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,

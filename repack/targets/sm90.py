@@ -43,6 +43,7 @@ from functools import cache
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
+from . import families
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .layout import aligned, pad_2d, round_up
 
@@ -283,14 +284,8 @@ def dequantize_runtime(layer: RuntimeLayer, n: int, k: int) -> torch.Tensor:
     return (dense * scales * mult)[:n, :k]
 
 
-TARGET = Target(
-    name="sm90",
-    aliases=("sm90a",),
-    layout_id="sm90-triton-v2",
-    compute_capabilities=((9, 0),),
-    backend="triton",
-    description="H100, H200",
-    flashinfer_versions=(),
+TARGET = Target.of(
+    families.SM90,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,

@@ -40,6 +40,7 @@ from repack.errors import RepackError
 from repack.formats import SourceModel, read_source
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
+from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama
 from repack.vllm_plugin import register
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
@@ -242,6 +243,9 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
             convert(source, target, case / "bundle", fuse=True, tp=2)
             cases.append((str(source), str(case / "bundle"), target))  # OUT itself, as `vllm serve OUT` is given
+    sample = shutil.copytree(SAMPLE_DIR, tmp_path / "sample" / "source")  # the docs' serving example, as written
+    convert(sample, "sm100", tmp_path / "sample" / "bundle", fuse=True, tp=2)
+    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100"))
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
@@ -256,6 +260,20 @@ def _sm90_model(tmp_path: Path, fixture: str) -> tuple[SourceModel, nn.Module, t
     seed = int(torch.randint(0, 2**31, ()))
     print(f"seed={seed}")
     return read_source(source), load(tmp_path / "bundle", LOAD_FORMAT, "sm90"), torch.Generator().manual_seed(seed), seed
+
+
+def test_sample_tp2_output_holds_what_vllm_serve_reads(tmp_path):
+    """`vllm serve OUT --tensor-parallel-size 2` on the built-in sample's --tp 2 output: vLLM's engine config and
+    tokenizer come from OUT's top (the weights: test_plugin_state_equals_vllm_load_tp2)."""
+    from vllm.tokenizers import get_tokenizer
+
+    out = tmp_path / "sample-sm100-tp2"
+    convert(SAMPLE_DIR, "sm100", out, tp=2)
+    config = EngineArgs(model=str(out), load_format=LOAD_FORMAT, tensor_parallel_size=2).create_engine_config()
+    assert (config.parallel_config.tensor_parallel_size, config.model_config.hf_config.intermediate_size) == (2, 160)
+    tokenizer = get_tokenizer(out)
+    ids = tokenizer.encode("Hello, NVFP4 bundle!")
+    assert max(ids) < config.model_config.get_vocab_size() and tokenizer.decode(ids) == "Hello, NVFP4 bundle!"
 
 
 @pytest.mark.parametrize("fixture", ["modelopt_w4a16_nvfp4", "ct_nvfp4"])
@@ -322,6 +340,32 @@ def test_sm90_kernel_class_applies_the_input_transform(vllm_world, tmp_path, fix
         err = float((y.double() - ref).norm() / ref.norm())
         assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
     assert taken, "some layer has an input transform"
+
+
+def test_sm90_kernel_class_eager_calls_skip_the_op(vllm_world, tmp_path, monkeypatch):
+    """Eager ``apply_weights`` runs the layer's prepared launch, never the op's dispatch (its per-call CPU cost made
+    enforce_eager 0.56x Humming on the H200), bound once per layer and rebound when vLLM installs a new weight."""
+    import repack.runtime.op as op
+    from vllm.model_executor.utils import replace_parameter
+
+    convert(_source(tmp_path, "ct_nvfp4a16"), "sm90", tmp_path / "bundle", fuse=True)
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    layer = next(m for n, m in model.named_modules() if n.endswith("mlp.down_proj"))
+    kernel = layer.scheme.kernel
+    x = torch.randn(3, layer.input_size_per_partition).to(torch.bfloat16)
+    expected = op._linear(x, layer.weight, layer.weight_scale, layer.weight_global_scale,
+                          layer.output_size_per_partition, layer.input_size_per_partition, "sm90", "reference")
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("an eager call went through the op")
+
+    monkeypatch.setattr(op, "_linear", no_op)
+    assert torch.equal(kernel.apply_weights(layer, x), expected)
+    bound = layer.__dict__["_nvfp4_repack_prepared"]
+    assert torch.equal(kernel.apply_weights(layer, x.clone()), expected)
+    assert layer.__dict__["_nvfp4_repack_prepared"] is bound
+    replace_parameter(layer, "weight", torch.zeros_like(layer.weight))  # all codes 0: every weight +0.0
+    assert torch.equal(kernel.apply_weights(layer, x), torch.zeros_like(expected))
 
 
 def _refused(path: Path, target: str = "sm100") -> str:

@@ -1,0 +1,86 @@
+"""The capability table's rows: each target family's names, SMs, runtime backend and layout id.
+
+Torch-free on purpose: ``nvfp4-repack targets``, ``--help`` and the argument checks read it without loading a
+tensor library. Each layout module (``sm100.py``, ...) joins its family's row to its transform functions in a
+:class:`~repack.targets.base.Target`, so the facts here are stated once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import RepackError
+
+FLASHINFER_CHECKED = ("0.7.2.post1", "0.7.4")  # 0.7.4: the project env; 0.7.2.post1: the vLLM oracle env
+
+
+@dataclass(frozen=True)
+class Family:
+    """A target family: the GPUs one runtime layout serves.
+
+    Attributes:
+        name: canonical name (``sm100``).
+        aliases: other accepted names (``sm103``, ``sm107``).
+        layout_id: versioned id of the byte layout, recorded in manifests.
+        compute_capabilities: ``(major, minor)`` pairs whose kernels consume this layout.
+        backend: runtime backend used on those GPUs.
+        description: the GPUs, for people.
+        flashinfer_versions: FlashInfer releases whose preparation this layout was checked against.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    layout_id: str
+    compute_capabilities: tuple[tuple[int, int], ...]
+    backend: str
+    description: str
+    flashinfer_versions: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+SM100 = Family("sm100", ("sm103", "sm107"), "sm100-cute-dsl-v1", ((10, 0), (10, 3), (10, 7)), "flashinfer",
+               "B200, GB200, B300", FLASHINFER_CHECKED)
+SM120 = Family("sm120", ("sm121",), "sm120-cute-dsl-v1", ((12, 0), (12, 1)), "flashinfer",
+               "RTX 50xx, RTX PRO 6000, GB10", FLASHINFER_CHECKED)
+SM90 = Family("sm90", ("sm90a",), "sm90-triton-v2", ((9, 0),), "triton", "H100, H200", ())
+
+FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90)
+ALL = "all"  # the target name that asks for every family
+
+
+def resolve_family(name: str) -> Family:
+    """The family called ``name`` (or one of its aliases), case-insensitive."""
+    wanted = name.strip().lower()
+    for family in FAMILIES:
+        if wanted in family.names:
+            return family
+    valid = ", ".join(n for f in FAMILIES for n in f.names)
+    raise RepackError(f"unknown target {name!r}; valid targets: {valid}")
+
+
+def family_for_capability(major: int, minor: int) -> Family | None:
+    """The family whose kernels run on compute capability ``major.minor``, if any."""
+    return next((f for f in FAMILIES if (major, minor) in f.compute_capabilities), None)
+
+
+def resolve_families(names: str | Sequence[str]) -> list[Family]:
+    """Families by name or alias, ``all`` for every family; each once, in the order given (aliases of one
+    family, ``sm100`` and ``sm103``, are that family once)."""
+    wanted: list[Family] = []
+    for name in [names] if isinstance(names, str) else names:
+        for family in FAMILIES if name.strip().lower() == ALL else [resolve_family(name)]:
+            if family not in wanted:
+                wanted.append(family)
+    if not wanted:
+        raise RepackError("no target given")
+    return wanted
+
+
+def several_families(names: str | Sequence[str]) -> bool:
+    """Whether ``names`` ask for one bundle per family (``out/<target>`` each): ``all``, or two families or more."""
+    listed = [names] if isinstance(names, str) else list(names)
+    return any(n.strip().lower() == ALL for n in listed) or len(resolve_families(listed)) > 1

@@ -1,0 +1,87 @@
+"""The CLI starts without torch, and Ctrl-C at any moment of its start is one line and exit code 130.
+
+Guards issue 26: ``--version`` took 3-4 s and ``--help`` 7 s because torch was imported before any command ran,
+and a Ctrl-C during those imports printed a 12-line traceback. Each check runs the real entry point in a fresh
+interpreter, so nothing this test process imported can hide an import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from repack.targets import TARGETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _imported_modules(argv: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime -m repack.cli ARGV``; the modules the interpreter imported, by name."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "repack.cli", *argv], capture_output=True,
+                         text=True, env=_child_env(), cwd=ROOT, timeout=120)
+    modules = {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    return run, modules
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["targets"], ["targets", "--json"], ["convert", "--help"],
+                                  ["verify", "--help"], ["inspect", "--help"]], ids=" ".join)
+def test_help_version_and_targets_never_import_torch(argv):
+    run, modules = _imported_modules(argv)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "repack.cli.app" in modules  # the importtime listing really covers the CLI's imports
+    heavy = sorted(m for m in modules if m.split(".")[0] in ("torch", "numpy", "safetensors", "flashinfer", "triton"))
+    assert not heavy, f"{' '.join(argv)} imported {heavy[:5]}"
+
+
+def test_targets_lists_the_capability_table_without_the_layouts():
+    """``targets`` reads the table's torch-free rows: they are the very facts the layouts' Targets carry."""
+    run = subprocess.run([sys.executable, "-m", "repack.cli", "targets", "--json"], capture_output=True, text=True,
+                         env=_child_env(), cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr
+    expected = [{"name": t.name, "aliases": list(t.aliases),
+                 "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
+                 "backend": t.backend, "layout_id": t.layout_id, "description": t.description} for t in TARGETS]
+    assert json.loads(run.stdout) == expected
+
+
+# A real SIGINT, sent to the child by itself when it is about to import MODULE (so always at the same point).
+# SIGINT's default handler is restored first: a child started from a background job inherits "ignore SIGINT".
+_INTERRUPT_DURING_IMPORT = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+class InterruptAt:
+    def find_spec(self, name, path=None, target=None):
+        if name == module:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptAt())
+module, sys.argv = sys.argv[1], ["nvfp4-repack", *sys.argv[2:]]
+from repack.cli import run
+run()
+"""
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("typer", ["--help"]),                                  # while the CLI imports its commands
+    ("rich.table", ["targets"]),
+    ("torch", ["convert", "--sample", "-t", "sm100", "-o", "{out}"]),  # while a command imports what it needs
+], ids=["typer", "rich", "torch-in-convert"])
+def test_ctrl_c_during_startup_is_one_line_and_exit_130(tmp_path, module, argv):
+    out = tmp_path / "out"
+    argv = [a.format(out=out) for a in argv]
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_DURING_IMPORT, module, *argv], capture_output=True,
+                         text=True, env=_child_env(), cwd=tmp_path, timeout=120)
+    assert (run.returncode, run.stderr) == (130, "Interrupted.\n"), run.stderr[-2000:]
+    assert run.stdout == ""
+    assert sorted(tmp_path.iterdir()) == []  # nothing written
