@@ -91,7 +91,7 @@ def test_vllm_kernel_class_route_on_sm90(tmp_path, fixture):
     Walsh-Hadamard factors of a Sylvester matrix at M = 1; before them otherwise) = float64 (x T_in) W^T."""
     from repack.bundle.reader import open_bundle
     from repack.bundle.layers import source_function
-    from repack.runtime.backends import fuses_input_transform
+    from repack.runtime.backends import fuses_input_transform, prepare_backend
     from repack.runtime.op import nvfp4_matmul
     from repack.runtime.transforms import walsh_factors
     from repack.verify import output_layer
@@ -113,11 +113,13 @@ def test_vllm_kernel_class_route_on_sm90(tmp_path, fixture):
         weight = source_function(source, planned)
         first = source.transforms.layers[planned.pieces[0].source][0].matrix
         exact = load_matrix(source.checkpoint, first) / first.scale
-        tensors = {k: v.cuda() for k, v in bundle.runtime_layer(prefix).tensors().items()}
-        for m in (1, 5, 33):
+        tensors = [v.cuda() for v in bundle.runtime_layer(prefix).tensors().values()]  # weight, scale, global
+        # eager calls take the prepared launch (bound with the fused transform), traced ones the op
+        launch = prepare_backend("triton", *tensors, record.n, record.k, "sm90", matrix if fuse else None, walsh)
+        for m, prepared in ((1, launch), (1, None), (5, launch), (33, None)):
             x = torch.randn(m, record.k).to(torch.bfloat16)
-            y = nvfp4_matmul(x.cuda(), tensors["weight"], tensors["weight_scale"], tensors["weight_global_scale"],
-                             record.n, record.k, "sm90", "triton", None, matrix, fuse, walsh.key() if walsh else "")
+            y = nvfp4_matmul(x.cuda(), *tensors, record.n, record.k, "sm90", "triton", prepared=prepared,
+                             input_transform=matrix, fuse_input=fuse, input_walsh=walsh.key() if walsh else "")
             assert rel_error(y.cpu(), blockdiag64(x.double(), exact) @ weight.t()) < BF16_REL_TOL, (prefix, m)
     assert seen == {"ct_quip_v_had16_nvfp4a16": {(True, True)}, FIXTURE: {(True, True)},
                     WHOLE_K: {(False, False)}}[fixture], seen
