@@ -170,7 +170,8 @@ def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
     manifest = open_bundle(out).manifest
     source = read_source(PRODUCERS / fixture)
     for prefix, record in manifest.layers.items():
-        own = {(t.location, t.matrix.name) for p in record.partitions for t in source.transforms.layers.get(p.source, ())}
+        own = {(t.location, t.matrix.name)
+               for p in record.partitions for t in source.transforms.layers.get(p.source, ())}
         assert {(t.location, t.matrix) for t in record.transforms} == own, prefix
     assert verify_bundle(out, seed=0).passed
     patched = dequantized_llama(fixture).to(torch.bfloat16)
@@ -321,8 +322,10 @@ def paley(q: int) -> torch.Tensor:
     i = torch.arange(q)
     squares = set(((i * i) % q).tolist()) - {0}
     diff = (i[None, :] - i[:, None]) % q
-    jacobsthal = torch.tensor([[0.0 if d == 0 else (1.0 if d in squares else -1.0) for d in row] for row in diff.tolist()])
-    core = torch.cat([torch.cat([torch.zeros(1, 1), torch.ones(1, q)], 1), torch.cat([-torch.ones(q, 1), jacobsthal], 1)])
+    jacobsthal = torch.tensor([[0.0 if d == 0 else (1.0 if d in squares else -1.0) for d in row]
+                               for row in diff.tolist()])
+    core = torch.cat([torch.cat([torch.zeros(1, 1), torch.ones(1, q)], 1),
+                      torch.cat([-torch.ones(q, 1), jacobsthal], 1)])
     return (torch.eye(q + 1) + core).double()
 
 
@@ -332,7 +335,8 @@ def test_matrix_is_cast_then_divided_as_vllm_does(make_model, tmp_path):
     float32 model not for every b, e.g. 24."""
     ones = torch.ones(1, dtype=torch.float64)
     for dtype in (torch.bfloat16, torch.float16):
-        assert all(torch.equal((ones / math.sqrt(b)).to(dtype), ones.to(dtype).div_(math.sqrt(b))) for b in range(1, 4097))
+        assert all(torch.equal((ones / math.sqrt(b)).to(dtype), ones.to(dtype).div_(math.sqrt(b)))
+                   for b in range(1, 4097))
     model = make_model(shapes=[(48, 96)])
     h = paley(23)
     assert torch.equal(h @ h.t(), 24 * torch.eye(24, dtype=torch.float64))

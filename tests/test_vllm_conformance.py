@@ -64,7 +64,8 @@ def transform_variant(root: Path, variant: str, seed: int = 0) -> Path:
         tensors[f"{stored}.perm"] = torch.randperm(16, generator=gen)
     else:
         v["type"] = "random-matrix"
-        tensors[f"{stored}.weight"] = torch.linalg.qr(torch.randn(16, 16, generator=gen, dtype=torch.float64))[0].contiguous()
+        orthogonal = torch.linalg.qr(torch.randn(16, 16, generator=gen, dtype=torch.float64))[0]
+        tensors[f"{stored}.weight"] = orthogonal.contiguous()
     (root / "config.json").write_text(json.dumps(config))
     save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
     return root

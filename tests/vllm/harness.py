@@ -9,11 +9,12 @@ the versions are pinned, so that an upgrade fails loudly instead of testing some
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120)
 
-loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
-for sm100 the 2-D buffer under vLLM's 6-D view; for online transforms each ``P.<scheme>_<location>.weight.partitions.I``)
-and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's shape/stride/offset, the kernel class), or
-``OUT/NAME/refused.txt`` with vLLM's error when it refuses. Between jobs it clears the one piece of class-wide
-state a load leaves (``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
+loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
+``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
+online transforms each ``P.<scheme>_<location>.weight.partitions.I``) and ``OUT/rank-R.json``
+(``weights_padding_cols``, the view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with
+vLLM's error when it refuses. Between jobs it clears the one piece of class-wide state a load leaves
+(``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
 """
 
 from __future__ import annotations

@@ -259,7 +259,8 @@ def _sm90_model(tmp_path: Path, fixture: str) -> tuple[SourceModel, nn.Module, t
     convert(source, "sm90", tmp_path / "bundle", fuse=True)
     seed = int(torch.randint(0, 2**31, ()))
     print(f"seed={seed}")
-    return read_source(source), load(tmp_path / "bundle", LOAD_FORMAT, "sm90"), torch.Generator().manual_seed(seed), seed
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    return read_source(source), model, torch.Generator().manual_seed(seed), seed
 
 
 def test_sample_tp2_output_holds_what_vllm_serve_reads(tmp_path):
