@@ -255,8 +255,8 @@ class BundleModelLoader(BaseModelLoader):
                    if type(module.quant_method).__name__ == "QutlassNvFP4LinearMethod"]
         if qutlass:  # its own W4A4 GEMM (fused Hadamard + activation quantization) reads another weight layout
             raise RepackError(f"{qutlass[0]}: vLLM serves this W4A4 layer with its input Hadamard through "
-                              f"QutlassNvFP4LinearMethod, which the {bundle.target.name} bundle's W4A16 layout cannot "
-                              f"feed; serve the source checkpoint with --load-format auto")
+                              f"QutlassNvFP4LinearMethod, whose W4A4 GEMM the bundle's {bundle.manifest.layout_id} "
+                              f"layout does not feed (issue 30, part 3); serve the source with --load-format auto")
         installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)
