@@ -27,11 +27,13 @@ from .bundle.layers import (
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
-    TransformRecord,
+    TransformRecord, read_output_record,
 )
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.resume import Journal, find_resumable, source_identity
-from .bundle.writer import ShardWriter, check_destination, recover_interrupted, staged_folder, write_json
+from .bundle.writer import (
+    ShardWriter, check_destination, recover_interrupted, remove_stale, staged_folder, write_json, write_output_record,
+)
 from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
@@ -40,9 +42,10 @@ from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_byt
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
-from .targets import Target, resolve_families, resolve_target, several_families
+from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
+Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class OutputBundle:
     out: Path
     plan: BundlePlan
     folder: str = ""  # inside ``out``: rank-R of a --tp conversion, whose ranks are staged (and installed) together
+    rescale_errors: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added
 
 
 def bundle_config(config: dict, target: Target, layers: LayerPlan) -> dict:
@@ -208,6 +212,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
                         for t in layer_transforms(source.transforms, layer)],
             partitions=_partitions(layer),
+            rescale_error=writing.output.rescale_errors.get(prefix),
         )
     transforms = {
         name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
@@ -327,6 +332,7 @@ def convert_bundles(
     resume: bool = False,
     fsync: bool = True,
     progress: Progress | None = None,
+    notify: Notice | None = None,
 ) -> list[ConvertSummary]:
     """Write every bundle of ``outputs`` in one pass over ``source``; each destination is all-or-nothing on its
     own (the ``folder``s of one ``out``, a --tp conversion's ranks, are staged and installed together).
@@ -335,6 +341,8 @@ def convert_bundles(
     shards its journal records (when the source and plan are the same and each file still hashes as
     recorded); everything else is written again, so the result is byte-identical to an uninterrupted run.
     ``fsync`` False: publish without waiting for the disk (see ``bundle/writer.py`` for what that gives up).
+    What interrupted converts to the destinations left (hidden staging folders) is removed, but for the one a
+    resume continues; ``notify`` is told, in one line.
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
@@ -342,7 +350,12 @@ def convert_bundles(
     for out in destinations:
         recover_interrupted(out)  # a replace killed between its two renames left OUT missing
         check_destination(out, overwrite, protected=[source.checkpoint.root])
+        if resume and any(output.folder for output in outputs if output.out == out):
+            raise RepackError(f"{out}: --resume is not supported for tensor-parallel (--tp) conversions")
     identity = source_identity(source.checkpoint)
+    reused = {out: find_resumable(out, next(o.plan for o in outputs if o.out == out), identity) if resume else None
+              for out in destinations}
+    remove_leftovers({out: journal and journal.folder for out, journal in reused.items()}, resume, notify)
     with ExitStack() as stack:
         reader = HashingReader(source.checkpoint)
         stack.callback(reader.close)
@@ -353,9 +366,7 @@ def convert_bundles(
             for out in destinations:
                 group = [output for output in outputs if output.out == out]
                 ranked = any(output.folder for output in group)
-                if resume and ranked:
-                    raise RepackError(f"{out}: --resume is not supported for tensor-parallel (--tp) conversions")
-                reuse = find_resumable(out, group[0].plan, identity) if resume else None
+                reuse = reused[out]
                 root = stack.enter_context(staged_folder(out, overwrite, reuse=reuse and reuse.folder,
                                                          keep_interrupted=not ranked, fsync=fsync))
                 for output in group:
@@ -374,6 +385,8 @@ def convert_bundles(
             for writing in writings:
                 if writing.output.folder == rank_folder(0):
                     _serve_from_root(source, writing.staging)
+                    write_output_record(writing.staging.parent, [w.output.folder for w in writings
+                                                                 if w.output.out == writing.output.out])
         except KeyboardInterrupt:  # finish the writes already queued (bounded by LANE_BYTES), keep them for a resume
             for writing in writings:
                 writing.drain()
@@ -389,6 +402,19 @@ def convert_bundles(
                        bundles=[str(w.output.out / w.output.folder) if w.output.folder else str(w.output.out)])
         for w in writings
     ]
+
+
+def remove_leftovers(outs: dict[Path, Path | None], resume: bool, notify: Notice | None) -> None:
+    """Remove the hidden folders interrupted converts to each ``out`` left (but the one a resume continues, its
+    value), and say so in one line."""
+    removed = {out: remove_stale(out, keep) for out, keep in outs.items()}
+    names = [str(out) for out, (folders, _) in removed.items() if folders]
+    if names and notify is not None:
+        folders, nbytes = (sum(r[i] for r in removed.values()) for i in (0, 1))
+        why = ("nothing in them matches this run's plan and source" if resume else
+               "a run with --resume would have continued from them")
+        notify(f"{', '.join(names)}: removed {folders} hidden folder(s) that interrupted converts left "
+               f"({nbytes / 1e6:.1f} MB); {why}")
 
 
 def resolve_targets(names: str | Sequence[str]) -> list[Target]:
@@ -411,6 +437,7 @@ def convert(
     rescale: bool = False,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
+    notify: Notice | None = None,
 ) -> ConvertSummary | list[ConvertSummary]:
     """Convert ``model`` (a folder, or a Hub repo id at ``revision``) into bundles; all-or-nothing per bundle.
 
@@ -422,8 +449,13 @@ def convert(
     CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
     ``fuse``: vLLM's fused modules (qkv_proj, gate_up_proj); ``tp > 1``: one bundle per tensor-parallel rank in
     ``out/rank-R`` (one summary for them all); ``rescale``: fold unequal partition scales into block scales.
-    These take one target, and no ``resume`` with ``tp > 1``.
+    These take one target, and no ``resume`` with ``tp > 1``. Missing parent folders of ``out`` are created
+    (and removed again if the convert fails). An output of several bundles (targets, or ranks) records their
+    names in ``out/<OUTPUT_RECORD>``, so that verify fails when one goes missing. ``notify``: one-line notices
+    (what interrupted converts left and this one removed).
     """
+    if tp < 1:
+        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
     parse_size(max_shard_size)  # a bad shard size fails before any work
     single = not several_families(target_name)
@@ -434,7 +466,25 @@ def convert(
     out = Path(out)
     source = read_source(model, revision=revision)
     if not single:
-        _prepare_root(out, protected=source.checkpoint.root)
+        _check_root(out, protected=source.checkpoint.root)
+    created = _make_folders(out if not single else out.parent)
+    try:
+        return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
+                        max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, progress=progress,
+                        on_plan=on_plan, notify=notify)
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+
+
+def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
+             overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
+             rescale: bool, progress: Progress | None, on_plan: Callable | None,
+             notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
+    """:func:`convert` once ``out`` (several targets) or its parent exists."""
+    written = {t.name for t in targets}
+    if not single:  # the targets of an interrupted earlier run that this one does not write
+        remove_leftovers({out / f.name: None for f in FAMILIES if f.name not in written}, False, notify)
     if fuse or tp > 1:
         plans = [plan_bundle(source, targets[0], layers, max_shard_size)
                  for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
@@ -445,27 +495,55 @@ def convert(
                    for t in targets]
     if on_plan is not None:
         on_plan(source, outputs)
+    outputs = [replace(output, rescale_errors=_rescale_errors(source, output.plan)) for output in outputs]
     rescaled: dict[str, float] = {}
     for output in outputs:
-        for prefix, layer in output.plan.layers.layers.items():
-            if any(piece.scale_ratio != 1.0 for piece in layer.pieces):
-                rescaled[prefix] = max(rescaled.get(prefix, 0.0), rescale_error(source, layer))
-    summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, fsync=fsync, progress=progress)
+        for prefix, error in output.rescale_errors.items():
+            rescaled[prefix] = max(rescaled.get(prefix, 0.0), error)
+    summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, fsync=fsync, progress=progress,
+                                notify=notify)
     if not single:
+        recorded = read_output_record(out) or []
+        write_output_record(out, [f.name for f in FAMILIES if f.name in written or (
+            f.name in recorded and (out / f.name / MANIFEST_NAME).is_file())], fsync)
         return summaries
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
 
 
-def _prepare_root(out: Path, protected: Path) -> None:
-    """The folder that holds one bundle per target: created if missing, never a bundle itself."""
+def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:
+    """The relative L2 error ``--rescale`` adds to each rescaled layer of ``plan``: recorded in its manifest,
+    where verify bounds the layer's actual departure from the source by it."""
+    return {prefix: rescale_error(source, layer) for prefix, layer in plan.layers.layers.items()
+            if any(piece.scale_ratio != 1.0 for piece in layer.pieces)}
+
+
+def _check_root(out: Path, protected: Path) -> None:
+    """The folder that holds one bundle per target: never a bundle itself, nor the input."""
     if (out / MANIFEST_NAME).is_file():
         raise RepackError(f"{out}: is a bundle; several targets are written to <out>/<target>, choose another output")
     if out.resolve() == protected.resolve() or protected.resolve().is_relative_to(out.resolve()):
         raise RepackError(f"{out}: the output folder would replace the input {protected}; choose another output")
     if out.exists() and not out.is_dir():
         raise RepackError(f"{out}: exists and is not a folder")
-    if not out.parent.is_dir():
-        raise RepackError(f"{out.parent}: output's parent folder does not exist")
-    out.mkdir(exist_ok=True)
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """``folder`` and its missing parents created, as ``mkdir -p`` does; returns those created, outermost first."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists() and not p.is_symlink()][::-1]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RepackError(f"{folder}: cannot create the output folder ({exc.strerror or exc})") from None
+    return missing
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    """Undo :func:`_make_folders` after a failure, innermost first, as far as the folders are empty (a Ctrl-C's
+    staging folder, kept for a resume, keeps its parents)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return

@@ -32,8 +32,10 @@ from typing import Callable
 
 import torch
 
-from .bundle.layers import OutputLayer, Piece, assemble, layer_transforms, source_function, whole_piece
-from .bundle.manifest import MANIFEST_NAME, LayerRecord, PartitionRecord, tensor_digest
+from .bundle.layers import OutputLayer, Piece, assemble, layer_transforms, rescale_error, whole_piece
+from .bundle.manifest import (
+    MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record, tensor_digest,
+)
 from .bundle.reader import Bundle, open_bundle
 from .convert import rank_folder
 from .errors import RepackError
@@ -68,11 +70,19 @@ class TensorCheck:
     errors: list[str] = field(default_factory=list)
     max_rel_error: float | None = None
     kinds: list[str] = field(default_factory=list)  # the CHECK_KINDS entry of each of ``errors``
+    rescale_error: float | None = None  # a --rescale layer: its relative L2 departure from the unfused source
 
     def fail(self, message: str, kind: str = "integrity") -> None:
         self.status = "fail"
         self.errors.append(message)
         self.kinds.append(kind)
+
+
+def failed(name: str, message: str, kind: str = "integrity") -> TensorCheck:
+    """A check that failed with one ``message`` of ``kind``."""
+    check = TensorCheck(name)
+    check.fail(message, kind)
+    return check
 
 
 @dataclass
@@ -124,8 +134,12 @@ def _checked_tensor(
     bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None
 ) -> torch.Tensor | None:
     """Header dtype/shape against the manifest (and the layout, if ``expected``), then the data, read once and
-    hashed in memory; the tensor when everything matches, else None with the failure recorded."""
+    hashed in memory; the tensor when everything matches, else None with the failure recorded. A tensor whose
+    file is missing is skipped: the file's own check reports that once, not once per tensor."""
     record = bundle.manifest.all_tensors[name]
+    if not (bundle.root / record.file).exists():
+        check.status = "skipped" if check.status == "ok" else check.status
+        return None
     try:
         entry = bundle.entry(name)
     except RepackError as exc:
@@ -154,7 +168,7 @@ def _checked_runtime_layer(bundle: Bundle, prefix: str, check: TensorCheck) -> R
         part: _checked_tensor(bundle, f"{prefix}.{part}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
         for part, spec in bundle.target.runtime_specs(record.n, record.k).items()
     }
-    if check.status == "fail":
+    if any(tensor is None for tensor in tensors.values()):
         return None
     return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
 
@@ -179,13 +193,10 @@ def _check_exact(decoded: NVFP4Weight, original: NVFP4Weight, prefix: str, check
             check.fail(f"{prefix}: {what} differ from the source", "exactness")
 
 
-def _reference_products(weight: NVFP4Weight | torch.Tensor, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _reference_products(weight: NVFP4Weight, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """``x @ dequant(weight).T`` in float64 for each ``x``, dequantizing ``REFERENCE_ELEMENTS`` weights at a time:
     memory stays at one block, where the whole float64 matrix of a large layer took gigabytes. All ``xs`` go
-    through each block in one GEMM (one pass over it). A float64 ``weight`` (a rescaled layer's source
-    function) is used as it is."""
-    if isinstance(weight, torch.Tensor):
-        return [x @ weight.t() for x in xs]
+    through each block in one GEMM (one pass over it)."""
     x = torch.cat(xs)
     out = torch.empty(x.shape[0], weight.n, dtype=torch.float64)
     step = max(1, REFERENCE_ELEMENTS // weight.k)
@@ -227,12 +238,12 @@ def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
         if piece.rows[1] > found.n or piece.cols[1] > found.k or piece.cols[0] % BLOCK_SIZE:
             return f"{layer.prefix}: partition rows {list(piece.rows)} x cols {list(piece.cols)} are outside {piece.source}"
     return None
-def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight | torch.Tensor,
+def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight,
                     check: TensorCheck, gen: torch.Generator, one_call: bool,
                     transforms: dict[str, torch.Tensor]) -> None:
-    """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (a weight, or the float64
-    ``[n, k]`` function of a rescaled layer's source), with the layer's online ``transforms`` (location ->
-    float64 normalized matrix) applied around it."""
+    """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (the weight it is meant to
+    hold: a rescaled layer's rescaled weight), with the layer's online ``transforms`` (location -> float64
+    normalized matrix) applied around it."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
         ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
@@ -272,7 +283,7 @@ def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[Ten
         if stored is not None and not _same_bits(stored, expected):
             check.fail(f"{name}: differs from the source's matrix normalized by {matrix.scale:g}")
     for name in sorted(set(source_matrices) - set(bundle.manifest.transforms)):
-        checks.append(TensorCheck(name, "fail", [f"{name}: source transform matrix missing from the bundle"]))
+        checks.append(failed(name, f"{name}: source transform matrix missing from the bundle", "exactness"))
     return checks, reference
 
 
@@ -346,10 +357,10 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
             reference = src.load_layer(layer, map_tensor)  # the whole source layer (no fusion, no rank)
             _check_exact(decoded, reference, prefix, check)
         else:
-            assembled = assemble(src, planned)
-            _check_exact(decoded, assembled, prefix, check)
-            rescaled = any(p.scale_ratio != 1.0 for p in planned.pieces)
-            reference = source_function(src, planned) if rescaled else assembled
+            reference = assemble(src, planned)  # what the layer is meant to compute: with --rescale, rescaled
+            _check_exact(decoded, reference, prefix, check)
+            if any(p.scale_ratio != 1.0 for p in planned.pieces):
+                _check_departure(src, planned, reference, record, check)
         _check_layer_transforms(bundle, src, planned, check)
     for t in record.transforms:  # whether or not numerics run on this layer
         if t.matrix in bad:
@@ -361,6 +372,22 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
                         loaded.backend == "reference", transforms)
     return check
+
+
+RESCALE_SLACK = 1e-6  # relative: the departure is recomputed as convert computed it (float64), up to summation order
+
+
+def _check_departure(src: SourceModel, planned: OutputLayer, rescaled: NVFP4Weight, record: LayerRecord,
+                     check: TensorCheck) -> None:
+    """A --rescale layer departs from the unfused source by design (its block scales rounded to e4m3): that
+    departure, on every rescaled layer (sampled numerics or not), is reported and may not exceed what convert
+    recorded in the manifest (a manifest from before it was recorded: the numerics tolerance)."""
+    check.rescale_error = rescale_error(src, planned, rescaled)
+    bound, what = ((record.rescale_error, "the manifest records") if record.rescale_error is not None else
+                   (NUMERIC_TOLERANCE, "the numerics tolerance (the manifest records no rescale error)"))
+    if not check.rescale_error <= bound * (1 + RESCALE_SLACK):
+        check.fail(f"{planned.prefix}: rescaled weights depart from the source by {check.rescale_error:.4g}, more "
+                   f"than the {bound:.4g} {what}", "exactness")
 
 
 def _check_passthrough(bundle: Bundle, name: str, src: SourceModel | None) -> TensorCheck:
@@ -427,7 +454,7 @@ def verify_bundle(
                 check_source_identity(bundle, src, {name: f.result() for name, f in hashing.items()})
 
         transform_checks, matrices = _check_transforms(bundle, src)
-        bad = {c.name for c in transform_checks if c.status == "fail"}
+        bad = {c.name for c in transform_checks if c.status != "ok"}  # failed, or its file is missing
         checking: deque[tuple[str, Future, int]] = deque()  # (layer, its check, its weight bytes)
         layers, passthrough = [], []
         names = list(bundle.manifest.layers)
@@ -461,11 +488,9 @@ def verify_bundle(
     if src is not None and bundle.manifest.tp_size == 1:  # a rank holds part of the model: see verify_output
         covered = {p.source for record in bundle.manifest.layers.values() for p in record.partitions}
         for prefix in sorted(set(src.layers) - covered):
-            report.layers.append(TensorCheck(prefix, "fail", [f"{prefix}: source layer missing from the bundle"],
-                                             kinds=["exactness"]))
+            report.layers.append(failed(prefix, f"{prefix}: source layer missing from the bundle", "exactness"))
         for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough)):
-            report.passthrough.append(TensorCheck(name, "fail", [f"{name}: source tensor missing from the bundle"],
-                                                  kinds=["exactness"]))
+            report.passthrough.append(failed(name, f"{name}: source tensor missing from the bundle", "exactness"))
     return report
 
 
@@ -486,8 +511,12 @@ def target_bundles(path: str | Path) -> list[Path]:
 
 def member_bundles(path: str | Path) -> list[Path]:
     """The bundles an output folder holds: a ``--tp`` output's ranks, a several-target output's targets, or the
-    folder itself."""
-    return rank_bundles(path) or target_bundles(path) or [Path(path)]
+    folder itself; an error when the output's record names bundles and none of them is there."""
+    members = rank_bundles(path) or target_bundles(path)
+    missing = [] if members else _missing_members(Path(path))
+    if missing:
+        raise RepackError(f"{path}: none of the bundles its convert recorded ({', '.join(missing)}) is there")
+    return members or [Path(path)]
 
 
 def rank_bundles(path: str | Path) -> list[Path]:
@@ -510,7 +539,8 @@ def _prefixed(checks: list[TensorCheck], label: str) -> list[TensorCheck]:
 def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator) -> list[TensorCheck]:
     """Every source layer rebuilt from the ranks' outputs: column pieces placed at their rows, row-parallel
     partial sums added, each source element covered exactly once (replicated kv heads counted once); then
-    compared with the float64 GEMM of the source layer."""
+    compared with the float64 GEMM of the source layer, whose --rescale regions hold the rescaled weights the
+    ranks are meant to compute (each rank's departure from the source is bounded by its own check)."""
     loaded = [load_bundle(b, device) for b in ranks]
     pieces: dict[str, list[tuple[int, str, PartitionRecord]]] = {}
     for r, bundle in enumerate(ranks):
@@ -529,6 +559,10 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
             check.fail(f"{name}: the ranks do not cover the source layer exactly once", "exactness")
             continue
         weight = dequantize(src.load_layer(layer), torch.float64)
+        for (rows, cols), (r, prefix, part) in regions.items():
+            if part.scale_ratio != 1.0:
+                rescaled = assemble(src, output_layer(prefix, ranks[r].manifest.layers[prefix]))
+                weight[rows[0]:rows[1], cols[0]:cols[1]] = dequantize(rescaled, torch.float64)[part.rows[0]:part.rows[1]]
         worst = 0.0
         for m in BATCH_SIZES:
             x = torch.randn(m, layer.k, generator=gen).to(torch.bfloat16)
@@ -582,18 +616,26 @@ def verify_output(
         merged.passthrough += _prefixed(report.passthrough, member.name)
         merged.transforms += _prefixed(report.transforms, member.name)
     merged.files += _check_folder_names(members, bundles, ranked=bool(ranks))
-    if not ranks:
+    missing = _missing_members(Path(path))
+    merged.files += [failed(name, f"{name}: missing; the convert that wrote {path} recorded it in {OUTPUT_RECORD}")
+                     for name in missing]
+    if not ranks or missing:  # a missing rank: the ranks cannot be reassembled
         return merged
     sizes = {(b.manifest.tp_size, b.manifest.tp_rank) for b in bundles}
     tp = bundles[0].manifest.tp_size
     if sizes != {(tp, r) for r in range(tp)}:
-        merged.files.append(TensorCheck(str(path), "fail", [f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"],
-                                        kinds=["integrity"]))
+        merged.files.append(failed(str(path), f"{path}: rank folders are not ranks 0..{tp - 1} of one --tp {tp}"))
         return merged
     merged.files += _check_served_root(Path(path), bundles[0])
     if src is not None:
         merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
     return merged
+
+
+def _missing_members(root: Path) -> list[str]:
+    """The bundles the output's record names (``OUTPUT_RECORD``) that are not there; none for an output without
+    the record (written before it existed: then only what is there is verified)."""
+    return [m for m in read_output_record(root) or [] if not (root / m / MANIFEST_NAME).is_file()]
 
 
 def _refuse_other_gpus(members: list[Path], bundles: list[Bundle], device: str) -> None:
@@ -615,9 +657,8 @@ def _check_folder_names(members: list[Path], bundles: list[Bundle], ranked: bool
     for member, bundle in zip(members, bundles):
         expected = rank_folder(bundle.manifest.tp_rank) if ranked else bundle.target.name
         if member.name != expected:
-            checks.append(TensorCheck(member.name, "fail", [f"{member.name}: holds the bundle of {expected} (by its "
-                                                            f"manifest); move it to {expected} or re-convert"],
-                                      ["integrity"]))
+            checks.append(failed(member.name, f"{member.name}: holds the bundle of {expected} (by its manifest); "
+                                              f"move it to {expected} or re-convert"))
     return checks
 
 
@@ -625,15 +666,14 @@ def _check_served_root(root: Path, rank0: Bundle) -> list[TensorCheck]:
     """The files at the top of a ``--tp`` output (what ``vllm serve OUT`` reads: config.json, tokenizer) are
     rank 0's, byte for byte, as its manifest hashes them."""
     checks = []
-    for path in sorted(p for p in root.iterdir() if p.is_file()):
+    for path in sorted(p for p in root.iterdir() if p.is_file() and p.name != OUTPUT_RECORD):
         recorded = rank0.manifest.files.get(path.name)
         if recorded is not None:
             checks.append(_check_file(root, path.name, recorded))
         else:
-            checks.append(TensorCheck(path.name, "fail", [f"{path.name}: not a file of rank 0's bundle (a --tp "
-                                                          f"output's top holds rank 0's config and side files only)"],
-                                      ["integrity"]))
+            checks.append(failed(path.name, f"{path.name}: not a file of rank 0's bundle (a --tp output's top holds "
+                                            "rank 0's config and side files only)"))
     if not (root / "config.json").is_file():
         missing = f"{root}: no config.json at the top, so 'vllm serve {root}' cannot start; re-convert it"
-        checks.append(TensorCheck("config.json", "fail", [missing], ["integrity"]))
+        checks.append(failed("config.json", missing))
     return checks

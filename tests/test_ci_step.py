@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from repack.bundle.manifest import OUTPUT_RECORD
 from repack.cli import main
 from repack.convert import convert
 from repack.errors import RepackError
@@ -47,7 +48,7 @@ def test_all_targets_in_one_pass_read_each_layer_once(make_model, tmp_path, monk
     summaries = convert(model.path, "all", tmp_path / "out")
     assert sorted(reads) == sorted(model.layers), "each source layer is read exactly once for all targets"
     assert [s.target for s in summaries] == [t.name for t in TARGETS]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(t.name for t in TARGETS)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([OUTPUT_RECORD, *(t.name for t in TARGETS)])
     for target in TARGETS:
         check_bundle_against_source(model.path, tmp_path / "out" / target.name, target)
         # Byte-identical to a bundle converted for that target alone.
@@ -63,7 +64,7 @@ def test_repeated_target_flags_on_the_cli(make_model, tmp_path, capsys):
                  "--json", "--max-shard-size", "2KB"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["target"] for r in rows] == ["sm100", "sm120"]  # an alias names its family; duplicates once
-    assert sorted(p.name for p in out.iterdir()) == ["sm100", "sm120"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_RECORD, "sm100", "sm120"]
     for target in TARGETS[:2]:
         check_bundle_against_source(model.path, out / target.name, target)
 
@@ -111,7 +112,7 @@ def test_one_target_failing_midway_leaves_no_bundle_at_all(make_model, tmp_path)
     (model.path / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(RepackError, match="block scales contain NaN"):
         convert(model.path, ["sm100", "sm120"], tmp_path / "out")
-    assert list((tmp_path / "out").iterdir()) == []
+    assert list(tmp_path.iterdir()) == [model.path]  # no empty OUT either (issue 26)
 
 
 def test_several_targets_refuse_to_write_into_a_bundle(make_model, tmp_path):
@@ -204,6 +205,49 @@ def test_a_target_folder_that_lost_its_manifest_fails_verify(make_model, tmp_pat
     assert main(["verify", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sm120: no manifest.json" in err, err
+
+
+def test_a_missing_target_fails_verify_by_the_outputs_record(make_model, tmp_path, capsys):
+    """Regression (issue 26): ``verify OUT`` passed after ``rm -rf OUT/sm120``. convert records the targets it
+    wrote; a missing one is one integrity failure naming it; all of them missing, a one-line error. An output
+    without the record (older versions) is verified as it is, as before."""
+    model = make_model(seed=fresh_seed())
+    capsys.readouterr()
+    out = tmp_path / "out"
+    convert(model.path, ["sm100", "sm120"], out)
+    convert(model.path, ["sm90", "sm100"], out, overwrite=True)  # the record keeps sm120, still there
+    assert json.loads((out / OUTPUT_RECORD).read_text())["members"] == ["sm100", "sm120", "sm90"]
+    shutil.rmtree(out / "sm120")
+    assert main(["verify", str(out), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [e for c in report["files"] + report["layers"] + report["passthrough"] for e in c["errors"]] == \
+        [f"sm120: missing; the convert that wrote {out} recorded it in {OUTPUT_RECORD}"]
+    shutil.rmtree(out / "sm100")
+    shutil.rmtree(out / "sm90")
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "none of the bundles its convert recorded (sm100, sm120, sm90) is there" in err
+    convert(model.path, ["sm100", "sm120"], out)
+    shutil.rmtree(out / "sm120")
+    (out / OUTPUT_RECORD).unlink()
+    assert main(["verify", str(out)]) == 0
+
+
+def test_a_missing_shard_is_reported_once(make_model, tmp_path, capsys):
+    """Regression (issue 26): one missing shard file gave an integrity failure for each tensor in it as well;
+    now the file is the one problem (the layers in it are skipped, not failed)."""
+    model = make_model(shards=2, seed=fresh_seed())
+    capsys.readouterr()
+    out = tmp_path / "out"
+    convert(model.path, "sm100", out, max_shard_size="2KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    assert main(["verify", str(out), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["failures_by_kind"] == {"integrity": 1}
+    assert [c["errors"] for c in report["files"] if c["status"] == "fail"] == [[f"{shards[1].name}: file not found in {out}"]]
+    assert any(c["status"] == "skipped" for c in report["layers"] + report["passthrough"])
 
 
 def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, capsys):

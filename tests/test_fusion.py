@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from repack.bundle.manifest import OUTPUT_RECORD
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.nvfp4 import NVFP4Weight, dequantize
@@ -76,7 +77,7 @@ def test_tp_output_top_folder_holds_rank_0s_config_and_side_files(tmp_path):
     (root / "generation_config.json").write_text("{}")
     out = tmp_path / "out"
     convert(root, "sm120", out, tp=2)
-    top = sorted(p.name for p in out.iterdir() if p.is_file())
+    top = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != OUTPUT_RECORD)
     assert top == ["config.json", "generation_config.json", "tokenizer_config.json"]
     assert all((out / name).read_bytes() == (out / "rank-0" / name).read_bytes() for name in top)
     source_config = json.loads((root / "config.json").read_text())
@@ -139,8 +140,79 @@ def test_unequal_partition_scales_are_refused_or_rescaled(tmp_path, ratio, exact
     summary = convert(root, "sm100", tmp_path / "out", fuse=True, rescale=True)
     error = summary.rescaled["model.layers.0.self_attn.qkv_proj"]
     assert (error == 0.0) if exact else (0 < error < 0.05), error
-    report = verify_output(tmp_path / "out")  # numerics against the unfused source
+    report = verify_output(tmp_path / "out")  # numerics against the rescaled weights, departure bounded
     assert report.passed, [c.errors for c in report.failures]
+
+
+def _rescaled_layers(report: dict) -> dict[str, float]:
+    return {c["name"]: c["rescale_error"] for c in report["layers"] if c["rescale_error"] is not None}
+
+
+def test_a_rescaled_bundle_verifies_and_its_departure_from_the_source_is_bounded(tmp_path, capsys):
+    """Regression (issue 26): a --fuse --rescale bundle failed verify (qkv_proj 0.016-0.019 > 1e-2, the departure
+    convert itself printed), and --numerics auto let one such layer through unsampled. Numerics now judge a
+    rescaled layer against its rescaled weights; its departure from the unfused source is checked on every
+    rescaled layer against what convert recorded: a lowered record, a manifest without it (bundles of older
+    versions: the numerics tolerance), or a changed scale ratio fail."""
+    from repack.cli import main
+    from repack.verify import NUMERIC_TOLERANCE
+
+    gen = _gen()
+    layers = llama_layers(96, 6, 2, 96, gen, layers=2)
+    for name in [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "mlp.gate_proj")]:
+        weight = layers[name]  # the largest partitions take the smaller multiplier: a departure of 1.3-2.2e-2
+        layers[name] = NVFP4Weight(weight.codes, weight.block_scales, weight.multiplier * 0.7)
+    root = write_llama(tmp_path / "m", "compressed-tensors", hidden=96, heads=6, kv_heads=2, intermediate=96,
+                       generator=gen, quantized=layers, layers=2)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["convert", str(root), "-t", "sm100", "--fuse", "--rescale", "-o", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["rescaled"]
+    assert len(printed) == 4 and min(printed.values()) > NUMERIC_TOLERANCE  # the issue's case, by design
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert {p: rec["rescale_error"] for p, rec in manifest["layers"].items() if rec["rescale_error"] is not None} == printed
+    for numerics in ("all", "auto"):
+        assert main(["verify", str(out), "--json", "--numerics", numerics, "--seed", "3"]) == 0, capsys.readouterr()
+        departures = _rescaled_layers(json.loads(capsys.readouterr().out))
+        assert departures.keys() == printed.keys()
+        assert all(departures[p] == pytest.approx(printed[p], rel=1e-9) for p in printed)
+    assert main(["verify", str(out)]) == 0
+    assert "4 layers rescaled by --rescale" in " ".join(capsys.readouterr().out.split())
+
+    def verify_with(edit) -> list[str]:
+        edited = json.loads(json.dumps(manifest))
+        edit(edited["layers"])
+        manifest_path.write_text(json.dumps(edited))
+        assert main(["verify", str(out), "--json", "--seed", "3"]) == 1  # --numerics auto: a sample
+        return [e for c in json.loads(capsys.readouterr().out)["layers"] for e in c["errors"]]
+
+    unsampled = "model.layers.1.self_attn.qkv_proj"  # layer 0's shape: numerics sample it only by chance
+    errors = verify_with(lambda layers: layers[unsampled].update(rescale_error=printed[unsampled] * 0.9))
+    assert len(errors) == 1 and errors[0].startswith(f"{unsampled}: rescaled weights depart from the source by ")
+    errors = verify_with(lambda layers: [rec.pop("rescale_error") for rec in layers.values()])
+    assert len(errors) == 4 and all("more than the 0.01 the numerics tolerance (the manifest records no rescale error)" in e for e in errors)
+    errors = verify_with(lambda layers: min(layers[unsampled]["partitions"], key=lambda p: p["scale_ratio"])
+                         .update(scale_ratio=1.0))
+    assert errors[0] == f"{unsampled}: block scales differ from the source" and len(errors) <= 2
+
+
+def test_rescaled_tp_ranks_reassemble_their_rescaled_weights(tmp_path):
+    """--tp with --rescale: each rank's rescaled layer, and the source layers reassembled from the ranks, are
+    judged against the rescaled weights; each rank reports its departure as recorded."""
+    gen = _gen()
+    layers = llama_layers(96, 6, 1, 96, gen)
+    for name in ("self_attn.q_proj", "mlp.gate_proj"):  # the largest partitions take the smaller multiplier
+        weight = layers[f"model.layers.0.{name}"]
+        layers[f"model.layers.0.{name}"] = NVFP4Weight(weight.codes, weight.block_scales, weight.multiplier * 0.7)
+    root = write_llama(tmp_path / "m", "modelopt", hidden=96, heads=6, kv_heads=1, intermediate=96, generator=gen,
+                       quantized=layers)
+    summary = convert(root, "sm120", tmp_path / "out", tp=2, rescale=True)
+    assert set(summary.rescaled) == {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"}
+    report = verify_output(tmp_path / "out", numerics="all")
+    assert report.passed, [c.errors for c in report.failures]
+    departures = {c.name: c.rescale_error for c in report.layers if c.rescale_error is not None}
+    assert len(departures) == 4 and max(departures.values()) == pytest.approx(max(summary.rescaled.values()))
 
 
 def test_cli_tp_convert_inspect_verify_and_refusals(tmp_path, capsys):
@@ -163,6 +235,19 @@ def test_cli_tp_convert_inspect_verify_and_refusals(tmp_path, capsys):
     assert cli("convert", root, "-t", "sm120", "--tp", "2", "-o", out, "--overwrite")[0] == 0  # replaces rank folders
     code, _, err = cli("convert", _llama(tmp_path / "h5", heads=5, hidden=80), "-t", "sm100", "--tp", "2", "-o", tmp_path / "x")
     assert code == 1 and err.startswith("Error: --tp 2: num_attention_heads (5)") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("tp", ["0", "-2"])
+def test_tp_below_one_is_a_usage_error(tmp_path, capsys, tp):
+    """Regression (issue 26): --tp 0 and --tp -2 exited 0 with an ordinary bundle."""
+    from repack.cli import main
+
+    root = _llama(tmp_path / "m")
+    assert main(["convert", str(root), "-t", "sm100", "--tp", tp, "-o", str(tmp_path / "out")]) == 2
+    assert "Invalid value for '--tp'" in capsys.readouterr().err
+    with pytest.raises(RepackError, match=f"--tp {tp}: expected a positive number of ranks"):
+        convert(root, "sm100", tmp_path / "out", tp=int(tp))
+    assert list(tmp_path.iterdir()) == [tmp_path / "m"]
 
 
 def test_tp_refuses_online_transforms_as_vllm_does(tmp_path, capsys):
@@ -222,6 +307,20 @@ def test_tp_ranks_share_one_hashing_of_the_source(tmp_path, monkeypatch):
     hashed = count_source_hashes(monkeypatch, root)
     assert verify_output(tmp_path / "out").passed
     assert sorted(hashed) == sorted(root.glob("*.safetensors"))
+
+
+def test_a_missing_rank_fails_verify_by_the_outputs_record(tmp_path):
+    """Regression (issue 26): a --tp output records its rank folders; a missing one is one integrity failure naming
+    it (before, a generic "not ranks 0..N-1" line)."""
+    import shutil
+
+    out = tmp_path / "out"
+    convert(_llama(tmp_path / "m"), "sm100", out, tp=2)
+    assert json.loads((out / OUTPUT_RECORD).read_text())["members"] == ["rank-0", "rank-1"]
+    assert verify_output(out).passed  # the record is no stray file at the top
+    shutil.rmtree(out / "rank-1")
+    assert [e for c in verify_output(out).failures for e in c.errors] == \
+        [f"rank-1: missing; the convert that wrote {out} recorded it in {OUTPUT_RECORD}"]
 
 
 def test_swapped_rank_folders_fail(tmp_path):

@@ -716,12 +716,30 @@ def test_bad_max_shard_size(make_model, tmp_path, capsys, size, match):
     assert not out.exists() and staging_leftovers(tmp_path, "out") == []
 
 
-def test_output_parent_missing(make_model, tmp_path, capsys):
+@pytest.mark.parametrize("targets", [["sm100"], ["all"]])
+def test_output_parents_are_created_and_removed_again_on_failure(make_model, tmp_path, capsys, monkeypatch, targets):
+    """Regression (issue 26): ``-o a/b/c`` with missing parents was refused; they are created as ``mkdir -p``
+    does, and a convert that fails while writing removes what it created, a several-target OUT included (it was
+    left empty). A parent that is a file is a one-line error."""
+    import repack.convert
+    from repack.errors import RepackError
+
+    model = small(make_model)
+    flags = [a for t in targets for a in ("-t", t)]
     out = tmp_path / "no" / "such" / "out"
-    code, _, err = run_cli(["convert", small(make_model), "-t", "sm100", "-o", out], capsys)
+    with monkeypatch.context() as patch:
+        patch.setattr(repack.convert._Writing, "take_layer", lambda *_: (_ for _ in ()).throw(RepackError("boom")))
+        code, _, err = run_cli(["convert", model, *flags, "-o", out], capsys)
+        assert code == 1 and err == "Error: boom\n" and not (tmp_path / "no").exists()
+        code, _, err = run_cli(["convert", model, *flags, "-o", tmp_path / "here"], capsys)  # its parent exists
+        assert code == 1 and err == "Error: boom\n" and not (tmp_path / "here").exists()
+    code, _, err = run_cli(["convert", model, *flags, "-o", out], capsys)
+    assert code == 0, err
+    assert (out / ("manifest.json" if targets == ["sm100"] else "sm90/manifest.json")).is_file()
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(["convert", model, *flags, "-o", tmp_path / "file" / "out"], capsys)
     assert code == 1
-    assert_one_line_error(err, "output's parent folder does not exist")
-    assert not (tmp_path / "no").exists()
+    assert_one_line_error(err, "cannot create the output folder")
 
 
 def test_output_is_a_file(make_model, tmp_path, capsys):

@@ -106,6 +106,71 @@ def test_resume_keeps_nothing_when_the_source_changed(tmp_path, monkeypatch):
         {k: v for k, v in reference.items() if k != "manifest.json"}
 
 
+def hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob(".*"))
+
+
+def test_a_run_without_resume_removes_what_an_interrupted_one_left(source, tmp_path, monkeypatch, capsys):
+    """Regression (issue 26): Ctrl-C, then the same command without --resume, left the interrupted run's staging
+    folder (its finished shards) behind for good. The next convert removes it and says so in one line; the
+    Ctrl-C line says that it will."""
+    out = tmp_path / "out"
+    argv = ["convert", str(source), "-t", "sm100", "-o", str(out), "--max-shard-size", "200KB"]
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, layers=6)
+        assert main(argv) == 130
+    assert "without it, the next convert removes them" in capsys.readouterr().err
+    left = staging(out)
+    assert len(left) == 1
+    size = sum(f.stat().st_size for f in left[0].iterdir()) / 1e6
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err == (f"{out}: removed 1 hidden folder(s) that interrupted converts left ({size:.1f} MB); a run with "
+                   "--resume would have continued from them\n")
+    assert hidden(tmp_path) == []
+
+
+def test_a_resume_whose_plan_changed_discards_the_old_staging(source, tmp_path, monkeypatch):
+    """Regression (issue 26): --resume with another plan (here: another shard size) started afresh and left the
+    old staging folder behind."""
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, layers=6)
+        with pytest.raises(Interrupted):
+            convert(source, "sm100", out, max_shard_size="200KB")
+    notices = []
+    summary = convert(source, "sm100", out, max_shard_size="300KB", resume=True, notify=notices.append)
+    assert summary.kept_shards == 0 and hidden(tmp_path) == []
+    assert len(notices) == 1 and "nothing in them matches this run's plan and source" in notices[0]
+
+
+@pytest.mark.parametrize("again", [["sm100", "sm120", "sm90"], ["sm100", "sm90"]], ids=["same targets", "fewer targets"])
+def test_interrupted_several_targets_leave_nothing_after_the_next_run(source, tmp_path, monkeypatch, again):
+    """Regression (issue 26): ``-t all``, Ctrl-C before some targets finished a shard (no journal: nothing to
+    resume), then ``--resume``: those targets' staging folders stayed inside OUT. The next run, with the same
+    or fewer targets, reuses or removes every one; a staging folder a running convert holds is left alone."""
+    from repack.bundle.writer import _lock
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, layers=1)
+        with pytest.raises(Interrupted):
+            convert(source, ["sm100", "sm120", "sm90"], out, max_shard_size="200KB")
+    assert len(hidden(out)) == 3
+    busy = out / ".sm120.partial-0123abcd"  # as if another convert were writing it right now
+    busy.mkdir()
+    lock = _lock(busy)
+    try:
+        convert(source, again, out, max_shard_size="200KB", resume=True)
+        assert hidden(out) == [busy.name]
+    finally:
+        os.close(lock)
+    notices = []
+    convert(source, again, out, max_shard_size="200KB", overwrite=True, notify=notices.append)
+    assert hidden(tmp_path) == []
+    assert len(notices) == 1 and notices[0].startswith(f"{out / 'sm120'}: removed 1 hidden folder(s)"), notices
+
+
 def test_a_damaged_kept_shard_is_written_again(source, tmp_path, monkeypatch):
     out = tmp_path / "out"
     interrupt_after(monkeypatch, layers=6)
@@ -123,10 +188,16 @@ def test_a_damaged_kept_shard_is_written_again(source, tmp_path, monkeypatch):
     assert tree_digest(out) == tree_digest(tmp_path / "reference")
 
 
+def default_sigint() -> None:
+    """A child's SIGINT as in a terminal, however pytest was started: a shell starts background jobs (``cmd &``,
+    nohup, CI runners) with SIGINT ignored, the child inherits that, and Python then installs no Ctrl-C handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli_process(argv, cwd):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "repack.cli", *map(str, argv)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
 
 
 def wait_for_a_finished_shard(out: Path, process, timeout: float = 120.0) -> None:

@@ -116,6 +116,39 @@ def test_unequal_multipliers_stay_unfused(tmp_path):
     assert not any(isinstance(m, FusedLinear) for m in model.modules())
 
 
+@pytest.mark.parametrize("fmt,exclude", [("modelopt", "model.layers.1.*"), ("compressed-tensors", r"re:model\.layers\.1\.")])
+def test_a_model_with_more_layers_than_the_bundle_is_refused(tmp_path, fmt, exclude):
+    """Regression (issue 26): a model with more decoder layers than the bundle's source was patched silently, its
+    extra layers keeping their random weights. Which linears are quantized is the bundle's quantization config's
+    (ignore / exclude_modules); one the config leaves unquantized is the model's own business."""
+    import json
+
+    import transformers
+
+    root = write_llama(tmp_path / "m", fmt, hidden=64, heads=4, kv_heads=2, intermediate=96,
+                       generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    convert(root, "sm100", tmp_path / "b")
+    config = transformers.AutoConfig.from_pretrained(root)
+    config.num_hidden_layers = 2
+    model = transformers.LlamaForCausalLM(config)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(RepackError, match=r"^model\.layers\.1\.self_attn\.q_proj \(and 6 more\): a quantized linear "
+                                          "of the model that the bundle does not hold"):
+        patch_model(model, tmp_path / "b")
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())  # nothing patched
+    for name in ("config.json", "hf_quant_config.json"):  # the extra layer left unquantized by the config
+        path = tmp_path / "b" / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            holder = data["quantization_config"] if name == "config.json" else data["quantization"]
+            key = "exclude_modules" if "exclude_modules" in holder else "ignore"
+            holder[key] = [*holder[key], exclude]
+            path.write_text(json.dumps(data))
+    patch_model(model, tmp_path / "b")
+    assert isinstance(model.model.layers[1].self_attn.q_proj, torch.nn.Linear)
+    assert not isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+
+
 def test_tensor_parallel_rank_is_refused(tmp_path):
     gen = torch.Generator().manual_seed(5)
     root = write_llama(tmp_path / "m", "compressed-tensors", hidden=64, heads=4, kv_heads=2, intermediate=96,

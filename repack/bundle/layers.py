@@ -273,10 +273,12 @@ def source_function(source: SourceModel, layer: OutputLayer) -> torch.Tensor:
     ])
 
 
-def rescale_error(source: SourceModel, layer: OutputLayer) -> float:
-    """Relative L2 error that ``--rescale`` adds to ``layer``'s weights (0.0 where nothing was rescaled)."""
+def rescale_error(source: SourceModel, layer: OutputLayer, assembled: NVFP4Weight | None = None) -> float:
+    """Relative L2 error that ``--rescale`` adds to ``layer``'s weights (0.0 where nothing was rescaled):
+    ``assembled`` (default: assembled here), the rescaled weight, against the unfused source's function."""
     if all(p.scale_ratio == 1.0 for p in layer.pieces):
         return 0.0
     exact = source_function(source, layer)
-    error = float((dequantize(assemble(source, layer)) - exact).norm() / exact.norm().clamp(min=1e-300))
+    weight = assembled if assembled is not None else assemble(source, layer)
+    error = float((dequantize(weight) - exact).norm() / exact.norm().clamp(min=1e-300))
     return error if math.isfinite(error) else math.inf

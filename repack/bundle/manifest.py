@@ -24,6 +24,10 @@ from ..formats.safetensors_io import DTYPES, short_repr
 
 MANIFEST_NAME = "manifest.json"
 BUNDLE_KIND = "nvfp4-repack-bundle"
+# An output of several bundles (OUT/<target>, or OUT/rank-R of --tp) names them in this file at its top: what a
+# convert wrote, so that verify fails on one that went missing.
+OUTPUT_RECORD = "nvfp4-repack-output.json"
+OUTPUT_KIND = "nvfp4-repack-output"
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -94,6 +98,9 @@ class LayerRecord:
     tensors: dict[str, TensorRecord]
     partitions: list[PartitionRecord]
     transforms: list[LayerTransformRecord] = field(default_factory=list)
+    # relative L2 error --rescale added to the weights against the unfused source (None: nothing rescaled, or a
+    # bundle written before it was recorded); verify fails a layer whose actual departure exceeds it
+    rescale_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +259,7 @@ def _layer(obj: Any, where: str, algorithm: str) -> LayerRecord:
         tensors={part: _tensor(rec, f"{where}.{part}", algorithm) for part, rec in tensors.items()},
         partitions=partitions,
         transforms=[_layer_transform(t, f"{where}.transforms") for t in _get(obj, "transforms", list, where)],
+        rescale_error=None if obj.get("rescale_error") is None else _finite(obj, "rescale_error", where),
     )
 
 
@@ -351,3 +359,17 @@ def read_manifest(bundle_dir: Path) -> Manifest:
     if not path.is_file():
         raise RepackError(f"{bundle_dir}: no {MANIFEST_NAME} (not an nvfp4-repack bundle)")
     return parse_manifest(load_json(path))
+
+
+def read_output_record(folder: Path) -> list[str] | None:
+    """The bundle folders the convert that wrote ``folder`` recorded (see ``OUTPUT_RECORD``); None for an output
+    without the record (a single bundle, or written before the record existed)."""
+    path = folder / OUTPUT_RECORD
+    if not path.is_file():
+        return None
+    data = load_json(path)
+    members = data.get("members")
+    if data.get("kind") != OUTPUT_KIND or not isinstance(members, list) or not all(
+            isinstance(m, str) and _plain_file_name(m) for m in members):
+        raise RepackError(f"{path}: not an nvfp4-repack output record (kind {OUTPUT_KIND!r}, members: folder names)")
+    return members

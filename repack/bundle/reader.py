@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..errors import RepackError
 from ..formats.checkpoint import contained_file, load_json, local_dir
 from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_header, read_tensor
+from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
@@ -73,6 +75,12 @@ class Bundle:
             for i in range(len(self.layer(prefix).partitions)):
                 out[f"{record.scheme}_{t.location}.weight.partitions.{i}"] = matrix.t() if record.inverse else matrix
         return out
+
+    def quantized_linear(self) -> Callable[[str], bool] | None:
+        """Whether the source's quantization covers a model's linear module, by name (see ``formats.scope``), from
+        the config.json and hf_quant_config.json the bundle keeps."""
+        hf = self.root / "hf_quant_config.json"
+        return quantized_linear(self.config, load_json(contained_file(self.root, hf.name)) if hf.is_file() else None)
 
     def layer(self, prefix: str) -> LayerRecord:
         try:

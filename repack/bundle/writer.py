@@ -15,8 +15,10 @@ bundle or the new one, never a mix, never missing both. Output goes to a hidden 
   between those two renames leaves OUT missing for a moment, and :func:`recover_interrupted` (run by every
   ``convert`` to that OUT) renames the old bundle back.
 
-A kill can leave hidden ``.OUT.partial-*`` / ``.OUT.old-*`` folders behind; they are never OUT and are safe
-to delete.
+A kill (or Ctrl-C, which keeps the finished shards for ``--resume``) can leave hidden ``.OUT.partial-*`` /
+``.OUT.old-*`` folders behind; they are never OUT. The next convert to OUT removes them (:func:`remove_stale`),
+except the one a ``--resume`` continues from, and those a running convert holds: a staging folder is locked
+(``flock``) by the process writing it, and a lock ends with its process, however it ends.
 
 Without fsync (``convert --no-fsync``, for CI jobs that rerun a failed step) a killed process still leaves OUT
 whole or absent, since the page cache outlives it; only a crash of the machine can then publish a bundle whose
@@ -28,9 +30,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -39,7 +44,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..errors import Interrupted, OutputExists, RepackError
 from ..formats.hashing import BackgroundDigest
-from .manifest import tensor_digest
+from .manifest import OUTPUT_KIND, OUTPUT_RECORD, tensor_digest
 from .plan import PlannedTensor
 
 
@@ -161,6 +166,18 @@ def write_json(path: Path, data: object) -> str:
     return hashlib.sha256(text).hexdigest()
 
 
+def write_output_record(folder: Path, members: list[str], fsync: bool = False) -> None:
+    """Name the bundle folders of a several-bundle output (``OUTPUT_RECORD``), replacing any earlier record
+    atomically."""
+    temporary = folder / f".{OUTPUT_RECORD}.tmp"
+    write_json(temporary, {"kind": OUTPUT_KIND, "members": members})
+    if fsync:
+        _fsync(temporary)
+    temporary.replace(folder / OUTPUT_RECORD)
+    if fsync:
+        _fsync(folder)
+
+
 def holds_bundles(folder: Path) -> bool:
     """A bundle, or the ``rank-R`` bundles of a tensor-parallel conversion."""
     return (folder / "manifest.json").is_file() or any((p / "manifest.json").is_file() for p in folder.glob("rank-*"))
@@ -232,8 +249,16 @@ def _sync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
+def _hidden_folders(out: Path, kind: str) -> list[Path]:
+    """OUT's hidden ``.OUT.<kind>-XXXXXXXX`` folders (exactly that form: ``.a.partial-*`` would also match the
+    staging folders of an OUT named ``a.partial-b``)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.{kind}-[0-9a-f]{{8}}")
+    return sorted(p for p in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")
+                  if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
 def _retired_folders(out: Path) -> list[Path]:
-    return sorted(p for p in out.parent.glob(f".{out.name}.old-*") if p.is_dir() and not p.is_symlink())
+    return _hidden_folders(out, "old")
 
 
 def recover_interrupted(out: Path) -> Path | None:
@@ -278,9 +303,52 @@ def _replace(staging: Path, out: Path) -> None:
 
 
 def staging_folders(out: Path) -> list[Path]:
-    """The hidden staging folders an interrupted convert to ``out`` left, newest first."""
-    found = [p for p in out.parent.glob(f".{out.name}.partial-*") if p.is_dir() and not p.is_symlink()]
+    """The hidden staging folders an interrupted convert to ``out`` left, newest first (none in use)."""
+    found = [p for p in _hidden_folders(out, "partial") if not in_use(p)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _lock(folder: Path) -> int | None:
+    """An open descriptor holding an exclusive ``flock`` on ``folder`` (until closed, or its process ends); None
+    when another process holds it."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def in_use(folder: Path) -> bool:
+    """Whether a running convert holds ``folder`` (its staging folder)."""
+    try:
+        fd = _lock(folder)
+    except OSError:  # vanished meanwhile
+        return False
+    if fd is not None:
+        os.close(fd)
+    return fd is None
+
+
+def remove_stale(out: Path, keep: Path | None = None) -> tuple[int, int]:
+    """Delete what interrupted converts to ``out`` left beside it: staging folders no process holds (but ``keep``,
+    the one a resume continues) and, once OUT is there, retired old bundles. Returns (folders, bytes) removed."""
+    folders = [p for p in staging_folders(out) if p != keep]
+    if out.exists():
+        folders += _retired_folders(out)
+    removed = nbytes = 0
+    for folder in folders:
+        fd = _lock(folder)  # held while deleting: a convert starting meanwhile cannot resume from it
+        if fd is None:
+            continue
+        try:
+            nbytes += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+            shutil.rmtree(folder, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    return removed, nbytes
 
 
 @contextlib.contextmanager
@@ -294,8 +362,11 @@ def staged_folder(
     staging = reuse or out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir(exist_ok=reuse is not None)
+        lock = _lock(staging)  # marks it in use: no other convert removes or resumes it
     except OSError as exc:
         raise RepackError(f"{out.parent}: cannot create the output folder ({exc.strerror or exc})") from None
+    if lock is None:
+        raise RepackError(f"{out}: another convert is writing to it (staging folder {staging.name}); wait for it")
     keep = False
     try:
         yield staging
@@ -316,3 +387,4 @@ def staged_folder(
     finally:
         if staging.exists() and not keep:
             shutil.rmtree(staging, ignore_errors=True)
+        os.close(lock)

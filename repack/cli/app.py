@@ -74,7 +74,8 @@ def _report_interrupt(exc: BaseException) -> int:
         parts = [f"{done} of {total} shards of {out} kept" if staging else
                  f"nothing of {out} kept (--resume does not cover --tp conversions: run the command again)"
                  for out, staging, done, total in exc.kept]
-        resume = "; run the same command with --resume to continue" if any(s for _, s, _, _ in exc.kept) else ""
+        resume = ("; run the same command with --resume to continue (without it, the next convert removes them)"
+                  if any(s for _, s, _, _ in exc.kept) else "")
         line = f"Interrupted: {'; '.join(parts)}{resume}"
     print(printable(line, ERROR_LIMIT), file=sys.stderr)
     return INTERRUPTED_EXIT

@@ -95,7 +95,7 @@ def convert(
     ] = "5GB",
     sample: Annotated[bool, _flag("Convert the built-in tiny sample checkpoint.", "--sample")] = False,
     fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
     rescale: Annotated[bool, _flag(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     as_json: JsonOpt = False,
@@ -133,7 +133,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            on_plan=start_bar,
+            on_plan=start_bar, notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
@@ -401,9 +401,14 @@ def _print_verify(bundle: Path, report) -> None:
         table.add_column(column)
     for check in report.layers:
         error = f"{check.max_rel_error:.2e}" if check.max_rel_error is not None else "-"
-        style = "green" if check.status == "ok" else "red"
+        style = {"ok": "green", "skipped": "yellow"}.get(check.status, "red")
         table.add_row(show(check.name), f"[{style}]{check.status}[/]", error, str(len(check.errors) or ""))
     stdout.print(table)
+    departures = [c.rescale_error for c in report.layers if c.rescale_error is not None]
+    if departures:
+        stdout.print(f"{len(departures)} layers rescaled by --rescale: numerics against their rescaled weights, which "
+                     f"depart from the unfused source by up to {max(departures):.3g} (relative L2), each bounded by "
+                     "the error convert recorded", soft_wrap=True, highlight=False)
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")

@@ -142,7 +142,7 @@ def _check_scheme(name: str, scheme: dict) -> list[dict]:
     return apply
 
 
-def _matches(name: str, patterns: list[str], linear: set[str], where: str) -> bool:
+def matches_module(name: str, patterns: list[str], linear: set[str], where: str) -> bool:
     """compressed-tensors' ``is_match``: exact name, ``re:`` regex (``re.match``), or the class ``Linear``."""
     for pattern in patterns:
         if pattern.startswith("re:"):
@@ -171,7 +171,8 @@ def _online_targets(name: str, args: dict, modules: set[str], linear: set[str], 
             raise _fail(name, f"{args['location']} target {short_repr(target)} names no module of the checkpoint "
                               "(class targets other than Linear cannot be resolved from the files)")
     where = f"transform scheme {short_repr(name)}"
-    hits = sorted(m for m in modules if _matches(m, targets, linear, where) and not _matches(m, ignore, linear, where))
+    hits = sorted(m for m in modules
+                  if matches_module(m, targets, linear, where) and not matches_module(m, ignore, linear, where))
     for module in hits:
         if module not in layers:
             raise _fail(name, f"online {args['location']} transform on {short_repr(module)}, which is not an "
@@ -199,7 +200,7 @@ def read_transforms(checkpoint: Checkpoint, qc: dict, layers: dict) -> SourceTra
     if not isinstance(ignored, list) or not all(isinstance(i, str) for i in ignored):
         raise RepackError("config.json: quantization_config.ignore must be a list of strings")
     # the Linear modules: quantized ones, and those the quantization scheme (which targets Linear) left out
-    linear = set(layers) | {m for m in modules if _matches(m, ignored, set(), "quantization_config.ignore")}
+    linear = set(layers) | {m for m in modules if matches_module(m, ignored, set(), "quantization_config.ignore")}
     found: dict[str, list[LayerTransform]] = {}
     for name, scheme in groups.items():
         uses = [

@@ -203,6 +203,22 @@ def _runtime_fusions(manifest) -> list[tuple[str, list[str]]]:
     return groups
 
 
+def _check_covered(model: nn.Module, bundle: Bundle) -> None:
+    """Every linear of ``model`` that the bundle's quantization config quantizes must be held by the bundle (or be
+    part of one of its layers): a model with more decoder layers than the bundle's source would otherwise keep
+    its own (random) weights there."""
+    quantized = bundle.quantized_linear()
+    if quantized is None:
+        return
+    held = {part.source for record in bundle.manifest.layers.values() for part in record.partitions}
+    missing = [name for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name not in held and quantized(name)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise RepackError(f"{missing[0]}{more}: a quantized linear of the model that the bundle does not hold (a model "
+                          "with more layers than the bundle's source?); nothing was patched")
+
+
 def _copy_passthrough(model: nn.Module, bundle: Bundle) -> list[str]:
     """Load the bundle's passthrough tensors into ``model``; the names it has no place for."""
     state = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -227,12 +243,14 @@ def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, de
     (``convert --fuse``) and, with ``fuse``, where the target's layout stacks unfused layers by copying
     (``Target.stack_rows``: sm90) and they share K and multiplier and have no online transform. Returns the names
     of bundle tensors the model has no place for (e.g. W4A4 activation scales, which weight-only serving does not
-    use).
+    use). A linear of the model that the bundle's quantization config quantizes but the bundle does not hold (a
+    model with more layers than the bundle's source) is an error, raised before anything is patched.
     """
     loaded = bundle if isinstance(bundle, LoadedBundle) else load_bundle(bundle, device)
     manifest, target = loaded.bundle.manifest, loaded.bundle.target
     if manifest.tp_size > 1:
         raise RepackError(f"patch_model runs whole models; this bundle is rank {manifest.tp_rank} of --tp {manifest.tp_size}")
+    _check_covered(model, loaded.bundle)
     unused = _copy_passthrough(model, loaded.bundle)  # first: biases land in the modules they belong to
     done: set[str] = set()
     for name, members in _runtime_fusions(manifest) if fuse and target.stack_rows is not None else []:
