@@ -4,9 +4,9 @@ The pass reads each source unit (a quantized layer, or a passthrough tensor in b
 hands it to every output bundle; each output transforms it for its own plan on a pool of threads shared by all
 outputs (one per core: a layer's transform is single-threaded torch, so two layers transform at once on two
 cores) and queues the bytes, in order, on its writer thread (its *lane*). Reading runs on the calling thread,
-hashing and writing on the outputs' threads and the source files' threads: hashlib, file I/O and large torch ops
-release the GIL, so this uses every core. The source files' sha256 comes from the same reads (``formats.hashing``): one read of the
-source. Each output is all-or-nothing on its own (see ``bundle.writer``); a resume keeps the
+hashing and writing on the outputs' threads and the source files' threads: blake3, file I/O and large torch ops
+release the GIL, so this uses every core. The source files' digests come from the same reads (``formats.hashing``):
+one read of the source. Each output is all-or-nothing on its own (see ``bundle.writer``); a resume keeps the
 shards a journal in the staging folder records (see ``bundle.resume``).
 """
 
@@ -37,8 +37,9 @@ from .bundle.writer import (
 from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
-from .formats.hashing import HashingReader
-from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, tensor_bytes
+from .formats.hashing import HashingReader, file_hexdigest
+from .formats.hub import hub_sha256
+from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
@@ -120,7 +121,7 @@ class _Writing:
         for file, tensors in self.output.plan.shards.items():
             if file in self.journal.kept:
                 kept = self.journal.kept[file]
-                self.files[file] = kept.sha256
+                self.files[file] = kept.digest
                 self.digests.update(kept.tensors)
                 self.global_scales.update(kept.global_scales)
             else:
@@ -233,6 +234,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             files=source_files,
             repo_id=origin.repo_id,
             revision=origin.commit,
+            hub_sha256=hub_sha256(source.checkpoint.root, list(source_files)) if origin.repo_id else {},
         ),
         layers=layers,
         passthrough=records,
@@ -272,7 +274,7 @@ def _finish(source: SourceModel, writing: _Writing, source_files: dict[str, str]
         )
     for name in source.checkpoint.side_files():
         shutil.copyfile(source.checkpoint.contained(name), staging / name)
-        writing.files[name] = file_sha256(staging / name)
+        writing.files[name] = file_hexdigest(staging / name)
     writing.files["config.json"] = write_json(staging / "config.json", bundle_config(source.checkpoint.config, plan.target, plan.layers))
     writing.journal.discard()
     (staging / MANIFEST_NAME).write_text(_manifest(source, writing, source_files).to_json())

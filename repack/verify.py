@@ -1,7 +1,7 @@
 """verify: prove a bundle computes the same function as its source, in three independent steps.
 
-1. Integrity: every file the manifest lists is present with its sha256, every tensor with its dtype, shape
-   and digest (xxh3-128, or sha256 in format-1 bundles), and
+1. Integrity: every file the manifest lists is present with its digest, every tensor with its dtype, shape
+   and digest (BLAKE3 both; the algorithms the manifest names: sha256 / xxh3-128 in older formats), and
    each layer's tensors have the shapes its target's layout implies.
 2. Exactness: each layer, decoded with the target's inverse, equals the source's codes, scales and
    multiplier bit for bit; passthrough tensors equal the source's bytes.
@@ -33,15 +33,14 @@ from typing import Callable
 import torch
 
 from .bundle.layers import OutputLayer, Piece, assemble, layer_transforms, rescale_error, whole_piece
-from .bundle.manifest import (
-    MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record, tensor_digest,
-)
+from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record
 from .bundle.reader import Bundle, open_bundle
 from .convert import rank_folder
 from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
-from .formats.safetensors_io import DTYPE_NAMES, DTYPES, file_sha256, map_tensor, tensor_bytes
+from .formats.hashing import file_hexdigest, new_digest
+from .formats.safetensors_io import DTYPE_NAMES, DTYPES, map_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
 from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
@@ -120,11 +119,11 @@ class VerifyReport:
         return {**asdict(self), "passed": self.passed, "failures_by_kind": {k: len(v) for k, v in self.summary().items()}}
 
 
-def _check_file(folder: Path, name: str, sha: str) -> TensorCheck:
+def _check_file(folder: Path, name: str, digest: str, algorithm: str) -> TensorCheck:
     check = TensorCheck(name)
     try:
-        if file_sha256(contained_file(folder, name)) != sha:
-            check.fail(f"{name}: sha256 differs from the manifest (file modified or truncated)")
+        if file_hexdigest(contained_file(folder, name), algorithm) != digest:
+            check.fail(f"{name}: {algorithm} digest differs from the manifest (file modified or truncated)")
     except RepackError as exc:
         check.fail(str(exc))
     return check
@@ -152,7 +151,7 @@ def _checked_tensor(
         check.fail(f"{name}: {record.dtype} {record.shape} is not the {bundle.target.name} layout {expected}", "layout")
         return None
     tensor = map_tensor(entry)
-    digest = tensor_digest(bundle.manifest.tensor_digest)
+    digest = new_digest(bundle.manifest.tensor_digest)
     digest.update(tensor_bytes(tensor))
     if digest.hexdigest() != record.digest:
         check.fail(f"{name}: {bundle.manifest.tensor_digest} digest differs from the manifest")
@@ -327,13 +326,13 @@ def _given_source(bundle: Bundle, source: str | Path | SourceModel | None, no_so
 
 
 def check_source_identity(bundle: Bundle, src: SourceModel, digests: dict[str, str]) -> None:
-    """Refuse a source that is not the one the bundle was built from: ``digests`` (its files' sha256) must be the
-    manifest's. Comparing with any other checkpoint would report every layer as wrong, or fail on shapes."""
+    """Refuse a source that is not the one the bundle was built from: ``digests`` (its files', by the manifest's
+    ``file_digest``) must be the manifest's. Comparing with any other checkpoint would report every layer as wrong, or fail on shapes."""
     recorded = bundle.manifest.source.files
     if digests != recorded:
         differing = sorted(set(digests) ^ set(recorded)) or sorted(n for n in digests if digests[n] != recorded[n])
         raise RepackError(f"{src.checkpoint.root}: not the source the bundle was built from "
-                          f"({differing[0]}: sha256 or file list differs from the manifest's)")
+                          f"({differing[0]}: {bundle.manifest.file_digest} or file list differs from the manifest's)")
 
 
 def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, numerics: bool,
@@ -428,11 +427,11 @@ def verify_bundle(
     """Run all three checks; never raises for problems inside the bundle, reports them instead.
 
     ``source`` (default: the folder the manifest records, if it exists; none with ``no_source``) must be the
-    checkpoint the bundle was built from, by sha256, or a RepackError is raised. ``numerics``: ``all`` layers, a
+    checkpoint the bundle was built from, by its files' digests, or a RepackError is raised. ``numerics``: ``all`` layers, a
     ``sample`` (see :func:`numerics_sample`), or ``auto``: all on a GPU, a sample on the CPU, whose reference
     backend takes longer than every other check together. Files and the source are hashed on other threads
-    meanwhile; ``source_hashes`` (the source files' sha256, being computed) lets several bundles of one source
-    share one hashing of it."""
+    meanwhile; ``source_hashes`` (the source files' digests by the manifest's ``file_digest``, being computed) lets
+    several bundles of one source share one hashing of it."""
     bundle = path if isinstance(path, Bundle) else open_bundle(path)
     loaded = load_bundle(bundle, device)
     src = _given_source(bundle, source, no_source)
@@ -446,8 +445,10 @@ def verify_bundle(
     in_flight = LAYERS_IN_FLIGHT if loaded.device.type == "cpu" else 1  # one GPU stream: no gain from threads
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, ThreadPoolExecutor(in_flight) as layers_pool, \
             one_torch_thread():
-        hashing = None if src is None else source_hashes if source_hashes is not None else hash_source(src, pool)
-        files = [pool.submit(_check_file, bundle.root, name, sha) for name, sha in sorted(bundle.manifest.files.items())]
+        algorithm = bundle.manifest.file_digest
+        hashing = None if src is None else source_hashes if source_hashes is not None else hash_source(src, pool, algorithm)
+        files = [pool.submit(_check_file, bundle.root, name, digest, algorithm)
+                 for name, digest in sorted(bundle.manifest.files.items())]
 
         def check_identity(wait: bool) -> None:  # a wrong source stops verify as soon as its hash is known
             if hashing is not None and (wait or all(f.done() for f in hashing.values())):
@@ -494,9 +495,10 @@ def verify_bundle(
     return report
 
 
-def hash_source(src: SourceModel, pool: ThreadPoolExecutor) -> dict[str, Future[str]]:
-    """The source's shard files' sha256, each computed on ``pool``."""
-    return {name: pool.submit(file_sha256, src.checkpoint.contained(name)) for name in src.checkpoint.shard_files}
+def hash_source(src: SourceModel, pool: ThreadPoolExecutor, algorithm: str) -> dict[str, Future[str]]:
+    """The source's shard files' digests by ``algorithm``, each computed on ``pool``."""
+    return {name: pool.submit(file_hexdigest, src.checkpoint.contained(name), algorithm)
+            for name in src.checkpoint.shard_files}
 
 
 def target_bundles(path: str | Path) -> list[Path]:
@@ -600,9 +602,10 @@ def verify_output(
     _refuse_other_gpus(members, bundles, device)
     src = _given_source(bundles[0], source, no_source)
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
-        hashes = hash_source(src, pool) if src is not None else None
+        algorithms = dict.fromkeys(b.manifest.file_digest for b in bundles)  # one, unless formats were mixed
+        hashes = {a: hash_source(src, pool, a) for a in algorithms} if src is not None else {}
         reports = [verify_bundle(b, source=src, no_source=src is None, device=device, seed=seed + i, numerics=numerics,
-                                 progress=progress, source_hashes=hashes)
+                                 progress=progress, source_hashes=hashes.get(b.manifest.file_digest))
                    for i, b in enumerate(bundles)]
     merged = VerifyReport(
         bundle=str(path), target=", ".join(dict.fromkeys(r.target for r in reports)), device=device,
@@ -669,7 +672,7 @@ def _check_served_root(root: Path, rank0: Bundle) -> list[TensorCheck]:
     for path in sorted(p for p in root.iterdir() if p.is_file() and p.name != OUTPUT_RECORD):
         recorded = rank0.manifest.files.get(path.name)
         if recorded is not None:
-            checks.append(_check_file(root, path.name, recorded))
+            checks.append(_check_file(root, path.name, recorded, rank0.manifest.file_digest))
         else:
             checks.append(failed(path.name, f"{path.name}: not a file of rank 0's bundle (a --tp output's top holds "
                                             "rank 0's config and side files only)"))

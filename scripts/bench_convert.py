@@ -1,33 +1,29 @@
-"""Time convert and verify against a plain copy of the same checkpoint, and report each one's peak RSS.
+"""Time `nvfp4-repack convert` and `verify` through the CLI, as a user runs them (startup included), against
+`cp -r` of the same checkpoint, with each run's peak RSS; print a ready-to-paste table with the issue's goals.
 
-    python scripts/bench_convert.py --gb 1.0
-    python scripts/bench_convert.py --gb 1.0 --jobs sm100 sm120+sm90 verify:sm90
+    python scripts/bench_convert.py                      # 32 Llama-3-8B decoder layers (3.9 GB), 3 rounds
+    python scripts/bench_convert.py --layers 8 --rounds 1 --jobs sm100 sm100:no-fsync verify:sm100
+    python scripts/bench_convert.py --repo /tmp/old-tree  # the same jobs with another checkout's CLI (A/B)
 
-Each job runs in a fresh subprocess so its peak RSS is its own; `cp -r` of the checkpoint is timed in the same
-run (page cache warm for both: the checkpoint was just written, and each job reads it once before timing is
-over anyway), plain and with an fsync of every copied file (convert makes its bundles durable before it
-publishes them, so the disk's write speed bounds it; `cp` does not wait for the disk). Every job and copy
-starts after an `os.sync()`, so none pays for the writeback of an earlier one; `load` is the 1-minute load
-average when the job started (other work on the machine slows every row). A job is a target (`sm100`),
-several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync` (convert --no-fsync: published
-without waiting for the disk), `verify:T` (verify the bundle of target T against the source; `verify:T1+T2`: the
-several-target output, the source hashed once). The run also
-measures the costs no convert avoids, on the same checkpoint: sha256 and xxh3 of every byte (CPU seconds,
-from a mapping) and the CPU of `cp -r` itself (the kernel's copy into new page-cache pages), and prints the
-bound they imply on 2 cores. The checkpoint is made of [N, K] = [4096, 14336] layers
-(the largest tensor of a Llama-8B MLP), so peak RSS should stay near the import baseline plus a few layers,
-whatever the model size.
+A job is a target (`sm100`), several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync`
+(`convert --no-fsync`), or `verify:T` (`verify OUT --source MODEL` of target T's bundle; `verify:T1+T2`: of a
+several-target output). Each runs as `python -m repack.cli ...` in a process of its own, timed from its start to
+its exit, with its CPU seconds and peak RSS from the kernel (wait4; this script imports no torch, so a child's
+peak RSS is its own). To measure as on a machine of N cores, run the script under `taskset -c 0-(N-1)`. The baselines are `cp -r MODEL COPY` and `cp -r MODEL COPY && sync` (the goal of a
+durable convert, which fsyncs its bundle before publishing it). Every job and copy starts after a `sync`, so none
+pays for the writeback of an earlier one. Rounds alternate all jobs and copies, and the table gives medians:
+the machine may be shared, so each row also gives the 1-minute load average (median) when its runs started.
+The run also prints the CPU seconds of hashing every byte of the checkpoint (sha256, BLAKE3 on one thread).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import os
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,12 +31,69 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-import xxhash
+REPO = Path(__file__).resolve().parents[1]
+MAKE_MODEL = """
+import sys, torch
+from pathlib import Path
+from repack.sample.synthetic import write_llama
+write_llama(Path(sys.argv[1]), "modelopt", hidden=4096, heads=32, kv_heads=8, intermediate=14336, head_dim=128,
+            generator=torch.Generator().manual_seed(0), layers=int(sys.argv[2]))
+"""  # Llama-3-8B decoder layers of random NVFP4 weights (ModelOpt, one shard)
+DEFAULT_JOBS = ["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync", "sm120:no-fsync",
+                "sm100+sm120+sm90:no-fsync", "verify:sm100", "verify:sm120", "verify:sm90"]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from repack.sample.synthetic import random_nvfp4, write_checkpoint  # noqa: E402
 
+def goal(job: str) -> tuple[str, float] | None:
+    """The issue's goal for ``job``: (baseline, largest ratio to it)."""
+    targets, _, flag = job.removesuffix(BASE).partition(":")
+    if job.startswith("verify:"):
+        return ("cp", 2.0)
+    if "+" in targets:
+        return ("cp" if flag == "no-fsync" else "cp+sync", 2.5)
+    if targets in ("sm100", "sm120"):
+        return ("cp" if flag == "no-fsync" else "cp+sync", 1.5)
+    return None
+
+
+BASE = " [base]"  # a job run with --base's CLI
+
+
+def cli_command(model: Path, job: str, out: Path) -> list[str]:
+    """The command line a user types for ``job``."""
+    cli = [sys.executable, "-m", "repack.cli"]
+    if job.startswith("verify:"):
+        return [*cli, "verify", str(out), "--source", str(model)]
+    targets, _, flag = job.partition(":")
+    chosen = [arg for t in targets.split("+") for arg in ("-t", t)]
+    return [*cli, "convert", str(model), *chosen, "-o", str(out), *(["--no-fsync"] if flag == "no-fsync" else [])]
+
+
+def run_timed(command: list[str], repo: Path) -> dict:
+    """Run ``command`` in ``repo``'s checkout: wall and CPU seconds, peak RSS (the kernel's, from wait4)."""
+    os.sync()  # nothing of an earlier job still being written
+    load = os.getloadavg()[0]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    with tempfile.TemporaryFile() as log:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=repo, env=env, stdout=log, stderr=log)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{log.read()[-3000:].decode()}")
+    return {"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1e3, "load": load}
+
+
+def time_copy(model: Path, destination: Path, durable: bool) -> dict:
+    """``cp -r`` of the checkpoint (``durable``: followed by ``sync``), timed like a job; the copy is deleted."""
+    script = f"cp -r '{model}' '{destination}'" + (" && sync" if durable else "")
+    result = run_timed(["sh", "-c", script], Path.cwd())
+    shutil.rmtree(destination)
+    return result
+
+
+# Library-level measurement, for tests/test_memory.py and scripts/bench_vllm_load.py.
 # VmHWM (peak RSS of this process image) rather than ru_maxrss, which Linux carries over from the parent.
 CHILD = """
 import json, re, sys, time
@@ -78,8 +131,23 @@ def measure_child(child: str, *args: str) -> dict:
 
 
 def measure(model: Path, job: str, out: Path) -> dict:
-    """Run one job in a child process; its timing and memory as a dict."""
+    """Run one job through the library (not the CLI) in a child process; its timing and memory as a dict, with the
+    child's peak RSS above its baseline after the imports (tests/test_memory.py)."""
     return measure_child(CHILD, str(model), job, str(out))
+
+
+def make_layers_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> int:
+    """Write ``gigabytes`` of NVFP4 layers of shape [n, k] (in 2 shards); returns the largest layer's bytes."""
+    import torch
+
+    from repack.sample.synthetic import random_nvfp4, write_checkpoint
+
+    layer_bytes = n * k // 2 + n * k // 16 + 4
+    count = max(1, int(gigabytes * 1e9 // layer_bytes))
+    gen = torch.Generator().manual_seed(0)
+    layers = {f"model.layers.{i}.mlp.down_proj": random_nvfp4(n, k, gen) for i in range(count)}
+    write_checkpoint(root, layers, {"model.norm.weight": torch.ones(n)}, fmt="modelopt", shards=2)
+    return layer_bytes
 
 
 def hash_seconds(model: Path, algorithm: Callable) -> float:
@@ -91,83 +159,93 @@ def hash_seconds(model: Path, algorithm: Callable) -> float:
     return time.thread_time() - started
 
 
-def copy_cpu(model: Path, destination: Path) -> float:
-    """CPU seconds (user + system) of ``cp -r`` of the checkpoint: the kernel's copy into new page-cache pages."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    time_copy(model, destination)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+def hash_costs(model: Path) -> str:
+    """:func:`hash_seconds` of sha256 and BLAKE3, measured in a child process: the mappings would otherwise
+    raise this process's peak RSS, which every later child's inherits."""
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'scripts')!r}); import bench_convert as b, hashlib, blake3; "
+            f"m = b.Path(sys.argv[1]); print(f'sha256 {{b.hash_seconds(m, hashlib.sha256):.2f}}, BLAKE3 (one thread) "
+            f"{{b.hash_seconds(m, lambda d: blake3.blake3(d, max_threads=1)):.2f}}')")
+    return subprocess.run([sys.executable, "-c", code, str(model)], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
-def time_copy(model: Path, destination: Path, durable: bool = False) -> float:
-    """Wall time of ``cp -r`` of the checkpoint (the copy is deleted afterwards); ``durable``: and of the fsync of
-    every copied file and folder, as convert does before it publishes a bundle."""
-    os.sync()  # nothing of an earlier job still being written
-    started = time.perf_counter()
-    subprocess.run(["cp", "-r", str(model), str(destination)], check=True)
-    if durable:
-        for path in [*destination.iterdir(), destination]:
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-    seconds = time.perf_counter() - started
-    shutil.rmtree(destination)
-    return seconds
-
-
-def make_model(root: Path, gigabytes: float, n: int = 4096, k: int = 14336) -> int:
-    """Write ``gigabytes`` of NVFP4 layers of shape [n, k] (in 2 shards); returns the largest layer's bytes."""
-    layer_bytes = n * k // 2 + n * k // 16 + 4
-    count = max(1, int(gigabytes * 1e9 // layer_bytes))
-    gen = torch.Generator().manual_seed(0)
-    layers = {f"model.layers.{i}.mlp.down_proj": random_nvfp4(n, k, gen) for i in range(count)}
-    write_checkpoint(root, layers, {"model.norm.weight": torch.ones(n)}, fmt="modelopt", shards=2)
-    return layer_bytes
+def table(jobs: list[str], runs: dict[str, list[dict]]) -> str:
+    """Medians per job, as a markdown table with ratios to both baselines and the goal."""
+    median = {job: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for job, rs in runs.items()}
+    base = {"cp": median["cp -r"]["seconds"], "cp+sync": median["cp -r && sync"]["seconds"]}
+    lines = ["| job | runs (s) | median (s) | x cp | x (cp + sync) | goal | CPU (s) | peak RSS (MB) | load |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for job in ["cp -r", "cp -r && sync", *jobs]:
+        m, wanted = median[job], goal(job)
+        verdict = "-"
+        if wanted is not None:
+            ratio = m["seconds"] / base[wanted[0]]
+            verdict = f"<= {wanted[1]}x {wanted[0]}: {'met' if ratio <= wanted[1] else 'not met'}"
+        each = ", ".join(f"{r['seconds']:.2f}" for r in runs[job])
+        lines.append(f"| {job} | {each} | {m['seconds']:.2f} | {m['seconds'] / base['cp']:.2f} | "
+                     f"{m['seconds'] / base['cp+sync']:.2f} | {verdict} | {m['cpu']:.2f} | {m['peak_mb']:.0f} | "
+                     f"{m['load']:.1f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--jobs", nargs="+", default=["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync",
-                                                      "sm120:no-fsync", "sm100+sm120+sm90:no-fsync",
-                                                      "verify:sm100", "verify:sm120", "verify:sm90",
-                                                      "verify:sm100+sm120+sm90"])
+    parser.add_argument("--layers", type=int, default=32, help="Llama-3-8B decoder layers (123 MB each).")
+    parser.add_argument("--rounds", type=int, default=3, help="Rounds of every job and copy, alternating.")
+    parser.add_argument("--jobs", nargs="+", default=DEFAULT_JOBS)
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="An existing checkpoint to time instead of a new synthetic one (--layers is then unused).")
+    parser.add_argument("--repo", type=Path, default=REPO, help="The checkout whose CLI runs (default: this script's).")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="Another checkout: each job also runs with its CLI, right after --repo's (A/B).")
     args = parser.parse_args()
-    if args.dir is not None and not args.dir.is_dir():  # a usage error, one line like the CLI's
-        print(f"Error: --dir {args.dir}: no such folder", file=sys.stderr)
+    problem = None  # a usage error is one line, like the CLI's
+    if args.dir is not None and not args.dir.is_dir():
+        problem = f"--dir {args.dir}: no such folder"
+    elif args.model is not None and not (args.model / "config.json").is_file():
+        problem = f"--model {args.model}: not a model folder (no config.json)"
+    else:
+        problem = next((f"{r}: not an nvfp4-repack checkout" for r in filter(None, (args.repo, args.base))
+                        if not (r / "repack" / "cli").is_dir()), None)
+    if problem is not None:
+        print(f"Error: {problem}", file=sys.stderr)
         sys.exit(2)
+    clis = {"": args.repo, **({BASE: args.base} if args.base else {})}
+    labels = [job + suffix for job in args.jobs for suffix in clis]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        model = Path(tmp) / "model"
-        t = time.perf_counter()
-        layer_bytes = make_model(model, args.gb)
-        print(f"wrote {args.gb} GB checkpoint in {time.perf_counter() - t:.1f} s; largest layer {layer_bytes / 1e6:.1f} MB")
-        copy = min(time_copy(model, Path(tmp) / "copy") for _ in range(3))
-        durable = min(time_copy(model, Path(tmp) / "copy", durable=True) for _ in range(3))
-        print(f"cp -r: {copy:.2f} s (best of 3); cp -r + fsync of every file: {durable:.2f} s (best of 3)")
-        sha, xxh = hash_seconds(model, hashlib.sha256), hash_seconds(model, xxhash.xxh3_128)
-        cp_cpu = min(copy_cpu(model, Path(tmp) / "copy") for _ in range(3))
-        bound = max((2 * sha + xxh + cp_cpu) / 2, sha)  # one output shard's sha256 is one sequential stream
-        print(f"CPU seconds for the checkpoint: sha256 {sha:.2f}, xxh3 {xxh:.2f}, cp -r {cp_cpu:.2f} (best of 3). "
-              f"A single-target convert hashes the source and its output with sha256, the output with xxh3, and "
-              f"writes it (one shard of <= 5 GB: its sha256 is one stream): at least {bound:.2f} s on 2 cores ({bound / copy:.2f}x cp), and with its fsync at least "
-              f"{max(bound, durable):.2f} s\n")
-        print("| job | bytes in | bytes out | time (s) | x cp | x (cp + fsync) | baseline RSS (MB) | peak RSS (MB) | "
-              "peak - baseline (MB) | load |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for job in args.jobs:
-            name = job.split(":")[-1] if job.startswith("verify:") else job
-            out = Path(tmp) / f"out-{name.replace('+', '-').replace(':', '-')}"
-            if job.startswith("verify:") and not out.exists():
-                measure(model, name, out)
-            os.sync()  # each job starts with nothing of the previous one still being written
-            load = os.getloadavg()[0]
-            r = measure(model, job, out)
-            if "+" in job or ":no-fsync" in job:  # plain single-target bundles stay for the verify jobs
-                shutil.rmtree(out)
-            print(f"| {job} | {r['bytes_in'] / 1e9:.2f} GB | {r['bytes_out'] / 1e9:.2f} GB | {r['seconds']:.2f} | "
-                  f"{r['seconds'] / copy:.2f} | {r['seconds'] / durable:.2f} | {r['baseline_kb'] / 1e3:.0f} | "
-                  f"{r['peak_kb'] / 1e3:.0f} | {(r['peak_kb'] - r['baseline_kb']) / 1e3:.0f} | {load:.1f} |", flush=True)
+        model = args.model or Path(tmp) / "model"
+        started = time.perf_counter()
+        if args.model is None:
+            subprocess.run([sys.executable, "-c", MAKE_MODEL, str(model), str(args.layers)], check=True, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        size = sum(f.stat().st_size for f in model.iterdir())
+        made = f"{args.layers} Llama-3-8B layers, made in {time.perf_counter() - started:.0f} s" if args.model is None else model
+        print(f"checkpoint: {size / 1e9:.2f} GB ({made}); {len(os.sched_getaffinity(0))} cores; CLI of {args.repo}"
+              + (f"; rows marked{BASE}: CLI of {args.base}" if args.base else ""))
+        print(f"CPU seconds to hash the checkpoint once: {hash_costs(model)}")
+        runs: dict[str, list[dict]] = {}
+        bundles = {}  # what each verify job reads, made by its own CLI
+        for label in labels:
+            job, suffix = label.removesuffix(BASE), label[len(label.removesuffix(BASE)):]
+            if job.startswith("verify:"):
+                bundles[label] = Path(tmp) / f"for-{job.partition(':')[2]}{suffix and '-base'}"
+                if not bundles[label].exists():
+                    run_timed(cli_command(model, job.partition(":")[2], bundles[label]), clis[suffix])
+        for round_ in range(args.rounds):
+            for label in ["cp -r", "cp -r && sync", *labels]:
+                job, suffix = label.removesuffix(BASE), label[len(label.removesuffix(BASE)):]
+                if job.startswith("cp"):
+                    result = time_copy(model, Path(tmp) / "copy", durable="sync" in job)
+                else:
+                    out = bundles.get(label, Path(tmp) / "out")
+                    result = run_timed(cli_command(model, job, out), clis[suffix])
+                    if not job.startswith("verify:"):
+                        shutil.rmtree(out)
+                runs.setdefault(label, []).append(result)
+                print(f"round {round_ + 1}: {label}: {result['seconds']:.2f} s, load {result['load']:.1f}", flush=True)
+        print()
+        print(table(labels, runs))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ callers here, or fixed)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -123,13 +124,14 @@ def test_several_targets_refuse_to_write_into_a_bundle(make_model, tmp_path):
 
 
 def count_source_hashes(monkeypatch, source: Path) -> list[Path]:
-    """Record every sha256 verify computes of a file of ``source``."""
+    """Record every digest verify computes of a file of ``source``."""
     import repack.verify as verify_module
 
     hashed: list[Path] = []
-    real = verify_module.file_sha256
-    monkeypatch.setattr(verify_module, "file_sha256",
-                        lambda path: (hashed.append(path) if path.parent == source else None) or real(path))
+    real = verify_module.file_hexdigest
+    monkeypatch.setattr(verify_module, "file_hexdigest",
+                        lambda path, algorithm: (hashed.append(path) if path.parent == source else None)
+                        or real(path, algorithm))
     return hashed
 
 
@@ -278,7 +280,9 @@ def test_verify_on_a_gpu_names_the_bundles_of_other_gpus(make_model, tmp_path, m
 
 
 def make_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str = "0123456789abcdef" * 2 + "01234567") -> Path:
-    """``cache/models--org--name``: the model's files as blobs, the snapshot as symlinks, refs/main."""
+    """``cache/models--org--name``: the model's files as blobs named by their ETag, as huggingface_hub names them
+    (LFS files, the safetensors: their sha256; files in git: their git blob sha1), the snapshot as symlinks,
+    refs/main."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True)
@@ -286,9 +290,10 @@ def make_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str = "01
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     for file in sorted(model_dir.iterdir()):
-        import hashlib
-
-        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        data = file.read_bytes()
+        etag = (hashlib.sha256(data) if file.suffix == ".safetensors" else
+                hashlib.sha1(b"blob %d\0" % len(data) + data)).hexdigest()
+        blob = repo / "blobs" / etag
         shutil.copyfile(file, blob)
         (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
     return snapshot
@@ -312,6 +317,9 @@ def test_convert_a_hub_repo_id_from_the_cache(make_model, tmp_path, offline_hub)
     assert summary.layers == len(model.layers)
     manifest = check_bundle_against_source(snapshot, tmp_path / "out", TARGETS[1])
     assert (manifest.source.repo_id, manifest.source.revision) == ("acme/tiny-fp4", snapshot.name)
+    # The Hub's sha256 of each shard, as its metadata gave it: every shard (LFS) file's, nothing of the git files
+    assert manifest.source.hub_sha256 == {name: hashlib.sha256((model.path / name).read_bytes()).hexdigest()
+                                          for name in manifest.source.files} and len(manifest.source.files) == 2
     convert(model.path, "sm120", tmp_path / "local")  # same bytes as from the folder the cache was made of
     hub_files, local_files = tree_bytes(tmp_path / "out"), tree_bytes(tmp_path / "local")
     assert hub_files.keys() == local_files.keys()
@@ -319,6 +327,20 @@ def test_convert_a_hub_repo_id_from_the_cache(make_model, tmp_path, offline_hub)
     report = __import__("repack.verify", fromlist=["verify_bundle"]).verify_bundle(
         tmp_path / "out", source="acme/tiny-fp4")
     assert report.passed and report.source is not None
+
+
+def test_hub_sha256_comes_only_from_the_hubs_metadata(make_model, tmp_path, offline_hub):
+    """A shard cached as a copy rather than a link to its blob (no symlinks on the file system) has no Hub sha256
+    on record: the tool records what the Hub said, and never a hash of its own under the Hub's name."""
+    model = make_model("modelopt", shards=2, seed=fresh_seed())
+    snapshot = make_hub_cache(offline_hub, "acme/copies", model.path)
+    copied, linked = sorted(p.name for p in snapshot.glob("*.safetensors"))
+    (snapshot / copied).unlink()
+    shutil.copyfile(model.path / copied, snapshot / copied)
+    convert("acme/copies", "sm100", tmp_path / "out")
+    manifest = __import__("repack.bundle.manifest", fromlist=["x"]).read_manifest(tmp_path / "out")
+    assert manifest.source.hub_sha256 == {linked: hashlib.sha256((model.path / linked).read_bytes()).hexdigest()}
+    assert set(manifest.source.files) == {copied, linked}
 
 
 def test_hub_symlinks_may_not_leave_the_repo_cache_folder(make_model, tmp_path, offline_hub):
@@ -402,7 +424,7 @@ def test_verify_summarises_failures_per_check_kind(make_model, tmp_path, capsys)
     shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")  # the file hash and the last tensor fail
     manifest = json.loads((out / "manifest.json").read_text())
     for layer in manifest["layers"].values():  # every layer's digest wrong: 12 integrity failures
-        layer["tensors"]["weight"]["digest"] = "0" * 32
+        layer["tensors"]["weight"]["digest"] = "0" * 64
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert main(["verify", str(out), "--report", str(tmp_path / "r.json")]) == 1
     text = capsys.readouterr().out

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
-import xxhash
 from safetensors import safe_open
 
 from repack.bundle.reader import open_bundle
@@ -45,12 +44,18 @@ def check_bundle_against_source(source_path, out, target):
     manifest = bundle.manifest
     assert manifest.target == target.name and manifest.layout_id == target.layout_id
     assert set(manifest.layers) == set(source.layers)
-    # The source files' sha256, computed by convert from its one read of them, against hashlib on whole files.
-    assert manifest.source.files == {name: hashlib.sha256((source.checkpoint.root / name).read_bytes()).hexdigest()
+    # Every digest is BLAKE3, against the blake3 package on whole files and on the tensors as safetensors reads them:
+    # the source files' (computed by convert from its one read of them), the bundle's files', each tensor's.
+    assert (manifest.file_digest, manifest.tensor_digest) == ("blake3", "blake3")
+    assert manifest.source.files == {name: blake3.blake3((source.checkpoint.root / name).read_bytes()).hexdigest()
                                      for name in source.checkpoint.shard_files}
+    assert manifest.files == {p.name: blake3.blake3(p.read_bytes()).hexdigest()
+                              for p in out.iterdir() if p.name != "manifest.json"}
+    if manifest.source.repo_id is None:
+        assert manifest.source.hub_sha256 == {}  # a local folder: no Hub metadata
     for name, record in manifest.all_tensors.items():
         raw = as_bytes(tensors[name]).numpy().tobytes()
-        assert manifest.tensor_digest == "xxh3_128" and xxhash.xxh3_128(raw).hexdigest() == record.digest, name
+        assert blake3.blake3(raw).hexdigest() == record.digest, name
     for prefix, layer in source.layers.items():
         record = manifest.layers[prefix]
         runtime = bundle.runtime_layer(prefix)

@@ -830,9 +830,16 @@ TAMPERED = [
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"]["weight"].update(dtype="F4")),
                  f"dtype of {LAYER}.weight", id="unknown-dtype"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"]["weight"].update(digest="abc")),
-                 f"digest of {LAYER}.weight must be 32 lowercase hex digits", id="bad-digest"),
+                 f"digest of {LAYER}.weight must be 64 lowercase hex digits", id="bad-digest"),
     pytest.param(_manifest_edit(lambda m: m.update(tensor_digest="md5")), "tensor_digest 'md5' is not one of",
                  id="unknown-digest"),
+    pytest.param(_manifest_edit(lambda m: m.update(file_digest="xxh3_128")), "file_digest 'xxh3_128' is not one of",
+                 id="non-cryptographic-file-digest"),
+    pytest.param(_manifest_edit(lambda m: m.pop("file_digest")), "missing 'file_digest'", id="no-file-digest"),
+    pytest.param(_manifest_edit(lambda m: m["source"].update(hub_sha256={"../x": "0" * 64})),
+                 "source.hub_sha256: '../x' is not a plain file name", id="hub-sha256-escapes"),
+    pytest.param(_manifest_edit(lambda m: m["source"]["files"].update({"model.safetensors": "abc"})),
+                 "blake3 of source.files['model.safetensors'] must be 64 lowercase hex digits", id="bad-source-digest"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER]["tensors"].update(
                      bias=m["layers"][LAYER]["tensors"]["weight"])),
                  f"manifest.json: {LAYER}: tensors ['bias', 'weight', 'weight_global_scale', 'weight_scale'] "

@@ -21,7 +21,7 @@ def test_peak_rss_is_bounded_by_a_few_layers(tmp_path, target, monkeypatch):
     # cache bounded by the thread count and block size, not by the model, which would blur what this checks.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     model = tmp_path / "model"
-    layer_bytes = bench_convert.make_model(model, gigabytes=0.25, n=1024, k=14336)  # ~30 layers of 8 MB
+    layer_bytes = bench_convert.make_layers_model(model, gigabytes=0.25, n=1024, k=14336)  # ~30 layers of 8 MB
     checkpoint_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     result = bench_convert.measure(model, target, tmp_path / "out")
     growth = (result["peak_kb"] - result["baseline_kb"]) * 1024
@@ -38,7 +38,7 @@ def test_verify_peak_rss_is_a_few_layers_even_for_long_rows(tmp_path, monkeypatc
     this K in float64 were 235 MB, and verify grew by 20 layers' worth)."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # live data (see above)
     model = tmp_path / "model"
-    layer_bytes = bench_convert.make_model(model, gigabytes=4 * 33e-3, n=1024, k=57344)
+    layer_bytes = bench_convert.make_layers_model(model, gigabytes=4 * 33e-3, n=1024, k=57344)
     bench_convert.measure(model, "sm90", tmp_path / "out")
     result = bench_convert.measure(model, "verify:sm90", tmp_path / "out")
     growth = (result["peak_kb"] - result["baseline_kb"]) * 1024

@@ -3,6 +3,7 @@ byte-identical to one from an uninterrupted convert."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 
@@ -72,6 +74,10 @@ def test_ctrl_c_then_resume_keeps_finished_shards_and_matches_a_clean_run(source
     assert all(not b.exists() and len(staging(b)) == 1 for b in bundles), "no OUT yet, one staging folder each"
     monkeypatch.undo()
     finished = {p: p.stat().st_mtime_ns for b in bundles for p in staging(b)[0].glob("*.safetensors")}
+    for folder in (staging(b)[0] for b in bundles):  # the journal records each finished shard's BLAKE3
+        journal = json.loads((folder / ".nvfp4-repack-resume.json").read_text())
+        assert journal["shards"] and {name: shard["digest"] for name, shard in journal["shards"].items()} == \
+            {name: blake3.blake3((folder / name).read_bytes()).hexdigest() for name in journal["shards"]}
     reads = []
     real = SourceModel.load_layer
     monkeypatch.setattr(SourceModel, "load_layer",

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from repack.bundle.manifest import tensor_digest
+from repack.formats.hashing import file_hexdigest, new_digest
 from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
-from repack.formats.safetensors_io import file_sha256, tensor_bytes
+from repack.formats.safetensors_io import tensor_bytes
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
@@ -371,7 +371,7 @@ def test_altered_matrix_fails_verify(transformed_bundle, capsys):
     name = "model.layers.0.self_attn.q_proj.v_input.weight"
     flip_tensor_byte(transformed_bundle, name, offset=1, xor=0x80)  # flip one entry's sign
     code, text = run_verify(transformed_bundle, capsys)
-    assert code == 1 and "sha256" in text and name in text
+    assert code == 1 and "blake3 digest differs" in text and name in text
 
 
 def test_altered_matrix_fails_verify_with_a_consistent_manifest(transformed_bundle):
@@ -383,10 +383,10 @@ def test_altered_matrix_fails_verify_with_a_consistent_manifest(transformed_bund
     tensors[name][0, 0] = -tensors[name][0, 0]
     save_file(tensors, path, metadata={"format": "pt"})
     manifest = json.loads((transformed_bundle / "manifest.json").read_text())
-    digest = tensor_digest(manifest["tensor_digest"])
+    digest = new_digest(manifest["tensor_digest"])
     digest.update(tensor_bytes(tensors[name]))
     manifest["transforms"][name]["tensor"]["digest"] = digest.hexdigest()
-    manifest["files"]["model.safetensors"] = file_sha256(path)
+    manifest["files"]["model.safetensors"] = file_hexdigest(path, manifest["file_digest"])
     (transformed_bundle / "manifest.json").write_text(json.dumps(manifest))
     report = verify_bundle(transformed_bundle, seed=0, numerics="all")
     assert [c.name for c in report.transforms if c.status == "fail"] == [name]

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from repack.bundle.manifest import tensor_digest
+from repack.formats.hashing import file_hexdigest, new_digest
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
 from repack import targets
-from repack.formats.safetensors_io import DTYPE_NAMES, file_sha256, tensor_bytes
+from repack.formats.safetensors_io import DTYPE_NAMES, tensor_bytes
 from repack.targets import TARGETS, Target
-from repack.verify import verify_bundle
+from repack.verify import verify_bundle, verify_output
 
 from .conftest import PRODUCERS
 
@@ -62,7 +62,7 @@ def test_flipped_weight_byte_is_caught(bundle, capsys):
     out, _ = bundle
     flip_tensor_byte(out, f"{LAYER}.weight", offset=3)
     code, text = run_verify(out, capsys)
-    assert code == 1 and LAYER in text and "sha256" in text
+    assert code == 1 and LAYER in text and "blake3 digest differs" in text
 
 
 def rewrite_consistently(out, name, value):
@@ -79,11 +79,11 @@ def rewrite_consistently(out, name, value):
         del tensors[name], records[key]
     else:
         tensors[name] = value
-        digest = tensor_digest(manifest["tensor_digest"])
+        digest = new_digest(manifest["tensor_digest"])
         digest.update(tensor_bytes(value))
         records[key].update(digest=digest.hexdigest(), dtype=DTYPE_NAMES[value.dtype], shape=list(value.shape))
     save_file(tensors, out / record.file, metadata={"format": "pt"})
-    manifest["files"][record.file] = file_sha256(out / record.file)
+    manifest["files"][record.file] = file_hexdigest(out / record.file, manifest["file_digest"])
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -232,3 +232,74 @@ def test_verify_on_cuda_uses_the_target_backend(tmp_path, capsys):
     convert(PRODUCERS / "ct_nvfp4a16", target.name, out)
     report = verify_bundle(out, source=PRODUCERS / "ct_nvfp4a16", device="cuda")
     assert report.backend == target.backend and report.passed, report.failures
+
+
+def rewrite_as_old_format(out, source_dir, version: int) -> None:
+    """Turn a fresh bundle into the one the code before format 4 wrote: files and the source's files hashed with
+    sha256, tensors with xxh3-128 (format 3) or sha256 under a ``sha256`` key (format 2), no ``file_digest``, no
+    Hub provenance, the config's marker at that version. Digests from hashlib and xxhash, not from the tool."""
+    import xxhash
+
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert (manifest["bundle_format_version"], manifest["file_digest"], manifest["tensor_digest"]) == (4, "blake3", "blake3")
+    config = json.loads((out / "config.json").read_text())
+    config["nvfp4_repack"]["bundle_format_version"] = version
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    bundle = open_bundle(out)
+    records = {f"{prefix}.{part}": record for prefix, layer in manifest["layers"].items()
+               for part, record in layer["tensors"].items()}
+    records.update(manifest["passthrough"])
+    records.update({name: record["tensor"] for name, record in manifest["transforms"].items()})
+    for name, record in records.items():
+        entry = bundle.entry(name)
+        data = entry.file.read_bytes()[entry.begin:entry.end]
+        del record["digest"]
+        if version == 3:
+            record["digest"] = xxhash.xxh3_128(data).hexdigest()
+        else:
+            record["sha256"] = hashlib.sha256(data).hexdigest()
+    sha256 = lambda file: hashlib.sha256(file.read_bytes()).hexdigest()  # noqa: E731
+    manifest["files"] = {name: sha256(out / name) for name in manifest["files"]}
+    manifest["source"]["files"] = {name: sha256(source_dir / name) for name in manifest["source"]["files"]}
+    del manifest["file_digest"], manifest["source"]["hub_sha256"]
+    manifest["bundle_format_version"] = version
+    if version == 3:
+        manifest["tensor_digest"] = "xxh3_128"
+    else:
+        del manifest["tensor_digest"]
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_bundles_of_older_formats_still_verify(make_model, tmp_path, capsys, version):
+    """Format 2 and 3 bundles (sha256 files and source identity; sha256 or xxh3-128 tensors) pass verify against
+    their source by those algorithms, and still fail on one flipped byte, naming the file and the tensor."""
+    model = make_model("compressed-tensors", shards=2)
+    out = tmp_path / "old"
+    convert(model.path, "sm120", out)
+    rewrite_as_old_format(out, model.path, version)
+    bundle = open_bundle(out)
+    assert (bundle.manifest.bundle_format_version, bundle.manifest.file_digest) == (version, "sha256")
+    code, text = run_verify(out, capsys, "--source", str(model.path), "--numerics", "all")
+    assert code == 0, text
+    flip_tensor_byte(out, f"{LAYER}.weight", offset=5)
+    report = verify_bundle(out, source=model.path, seed=0)
+    assert [c.name for c in report.layers if c.status == "fail"] == [LAYER]
+    failed_files = [c for c in report.files if c.status == "fail"]
+    assert [c.errors for c in failed_files] == [[f"{bundle.manifest.all_tensors[f'{LAYER}.weight'].file}: sha256 "
+                                                  "digest differs from the manifest (file modified or truncated)"]]
+
+
+def test_a_several_target_output_of_mixed_formats_verifies_each_by_its_own(make_model, tmp_path):
+    """An output whose sm120 bundle is of format 3 (sha256) beside a format 4 sm100 (BLAKE3): the source is hashed
+    once per algorithm, each bundle checked by its own, and damage in the old one still fails it."""
+    model = make_model("modelopt", shards=2)
+    out = tmp_path / "out"
+    convert(model.path, ["sm100", "sm120"], out)
+    rewrite_as_old_format(out / "sm120", model.path, 3)
+    report = verify_output(out, source=model.path, seed=0)
+    assert report.passed, report.summary()
+    flip_tensor_byte(out / "sm120", f"{LAYER}.weight_scale", offset=0)
+    failed = verify_output(out, source=model.path, seed=0).failures
+    assert {c.name for c in failed} >= {f"sm120/{LAYER}"} and all(c.name.startswith("sm120/") for c in failed)

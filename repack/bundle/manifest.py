@@ -1,4 +1,8 @@
-"""manifest.json: what a bundle is, where it came from, the sha256 of every file and the digest of every tensor.
+"""manifest.json: what a bundle is, where it came from, the digest of every file and of every tensor.
+
+Format 4 hashes files and tensors with BLAKE3, named by ``file_digest`` and ``tensor_digest``; format 3 hashed
+files with sha256 and tensors with xxh3-128, formats 1 and 2 both with sha256. Every format is still read and
+verified, each with its own algorithms.
 
 Parsing is strict (bundles travel between machines and CI pipelines): wrong types, unknown versions or
 missing fields are one-line errors, never KeyErrors.
@@ -6,44 +10,29 @@ missing fields are one-line errors, never KeyErrors.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
-
-import xxhash
+from typing import Any
 
 from .. import BUNDLE_FORMAT_VERSION
 from ..errors import RepackError
 from ..formats.checkpoint import load_json
+from ..formats.hashing import DIGESTS, FILE_DIGEST, TENSOR_DIGEST
 from ..formats.safetensors_io import DTYPES, short_repr
 
 MANIFEST_NAME = "manifest.json"
 BUNDLE_KIND = "nvfp4-repack-bundle"
+FILE_DIGESTS = ("blake3", "sha256")  # of files: cryptographic only (a source's identity rests on them)
 # An output of several bundles (OUT/<target>, or OUT/rank-R of --tp) names them in this file at its top: what a
 # convert wrote, so that verify fails on one that went missing.
 OUTPUT_RECORD = "nvfp4-repack-output.json"
 OUTPUT_KIND = "nvfp4-repack-output"
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-# Per-tensor digests: xxh3-128 (xxHash, non-cryptographic, some 10x faster than sha256), named in the manifest.
-# They name the damaged tensor; every byte is also covered by the files' sha256 (comparable with the Hub's LFS
-# hashes). Neither stops someone who rewrites the manifest too: only verify's comparison with the source does.
-TENSOR_DIGESTS: dict[str, tuple[Callable[[], Any], int]] = {
-    "xxh3_128": (xxhash.xxh3_128, 32),
-    "sha256": (hashlib.sha256, 64),  # bundle formats 1 and 2
-}
-TENSOR_DIGEST = "xxh3_128"
-
-
-def tensor_digest(algorithm: str = TENSOR_DIGEST) -> Any:
-    """A fresh hasher (``update``, ``hexdigest``) for one tensor's bytes."""
-    return TENSOR_DIGESTS[algorithm][0]()
+# Per-tensor digests name the damaged tensor; every byte is also covered by the files' digests. Neither stops
+# someone who rewrites the manifest too: only verify's comparison with the source does.
 
 
 @dataclass(frozen=True)
@@ -105,7 +94,9 @@ class LayerRecord:
 
 @dataclass(frozen=True)
 class SourceRecord:
-    """Where the bundle came from: the folder read, and for a Hub model its repo id and resolved commit."""
+    """Where the bundle came from: the folder read, its shard files' digests (the manifest's ``file_digest``), and for
+    a Hub model its repo id, resolved commit and the Hub's own sha256 of each shard file (its LFS metadata, as
+    the download recorded it: provenance, not recomputed)."""
 
     path: str
     format: str
@@ -113,6 +104,7 @@ class SourceRecord:
     files: dict[str, str]
     repo_id: str | None = None
     revision: str | None = None
+    hub_sha256: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +122,7 @@ class Manifest:
     tp_size: int = 1
     tp_rank: int = 0
     fusion: dict[str, list[str]] = field(default_factory=dict)
+    file_digest: str = FILE_DIGEST  # of ``files`` and ``source.files``
     tensor_digest: str = TENSOR_DIGEST
     kind: str = BUNDLE_KIND
 
@@ -174,9 +167,10 @@ def _plain_file_name(name: str) -> bool:
     return name not in ("", ".", "..") and not any(c in name for c in "/\\\x00")
 
 
-def _sha256(value: str, where: str) -> str:
-    if not SHA256_HEX.fullmatch(value):
-        raise _fail(f"{where} must be 64 lowercase hex digits, got {short_repr(value)}")
+def _hex(value: str, algorithm: str, where: str) -> str:
+    digits = DIGESTS[algorithm][1]
+    if not re.fullmatch(f"[0-9a-f]{{{digits}}}", value):
+        raise _fail(f"{where} must be {digits} lowercase hex digits, got {short_repr(value)}")
     return value
 
 
@@ -186,13 +180,13 @@ def _str_map(obj: Any, where: str) -> dict[str, str]:
     return dict(obj)
 
 
-def _file_hashes(obj: Any, where: str) -> dict[str, str]:
-    """``{file name: sha256}`` where every name is a plain file name inside the bundle."""
+def _file_hashes(obj: Any, where: str, algorithm: str) -> dict[str, str]:
+    """``{file name: digest}`` where every name is a plain file name (inside the bundle, or the source's folder)."""
     files = _str_map(obj, where)
     for name, digest in files.items():
         if not _plain_file_name(name):
             raise _fail(f"{where}: {short_repr(name)} is not a plain file name")
-        _sha256(digest, f"sha256 of {where}[{short_repr(name)}]")
+        _hex(digest, algorithm, f"{algorithm} of {where}[{short_repr(name)}]")
     return files
 
 
@@ -207,9 +201,7 @@ def _tensor(obj: Any, where: str, algorithm: str) -> TensorRecord:
     if dtype not in DTYPES:
         raise _fail(f"dtype of {where} is not a safetensors dtype: {short_repr(dtype)}")
     key = "sha256" if algorithm == "sha256" else "digest"
-    digest = _get(obj, key, str, where)
-    if not re.fullmatch(f"[0-9a-f]{{{TENSOR_DIGESTS[algorithm][1]}}}", digest):
-        raise _fail(f"{key} of {where} must be {TENSOR_DIGESTS[algorithm][1]} lowercase hex digits, got {short_repr(digest)}")
+    digest = _hex(_get(obj, key, str, where), algorithm, f"{key} of {where}")
     return TensorRecord(file=file, dtype=dtype, shape=list(shape), digest=digest)
 
 
@@ -302,8 +294,11 @@ def parse_manifest(data: Any) -> Manifest:
     if not 1 <= version <= BUNDLE_FORMAT_VERSION:
         raise _fail(f"bundle format version {version} is not supported (this tool reads 1 to {BUNDLE_FORMAT_VERSION})")
     algorithm = "sha256" if version < 3 else _get(data, "tensor_digest", str, "manifest")
-    if algorithm not in TENSOR_DIGESTS:
-        raise _fail(f"tensor_digest {short_repr(algorithm)} is not one of {', '.join(TENSOR_DIGESTS)}")
+    if algorithm not in DIGESTS:
+        raise _fail(f"tensor_digest {short_repr(algorithm)} is not one of {', '.join(DIGESTS)}")
+    file_digest = "sha256" if version < 4 else _get(data, "file_digest", str, "manifest")
+    if file_digest not in FILE_DIGESTS:
+        raise _fail(f"file_digest {short_repr(file_digest)} is not one of {', '.join(FILE_DIGESTS)}")
     # formats 1 and 2 written before fusion / tensor parallelism have no tp_size, tp_rank or fusion
     legacy_tp = True if version < 3 and "tp_size" not in data else None
     source = _get(data, "source", dict, "manifest")
@@ -320,17 +315,19 @@ def parse_manifest(data: Any) -> Manifest:
             path=_get(source, "path", str, "source"),
             format=_get(source, "format", str, "source"),
             quant_algo=_get(source, "quant_algo", str, "source"),
-            files=_str_map(_get(source, "files", dict, "source"), "source.files"),
+            files=_file_hashes(_get(source, "files", dict, "source"), "source.files", file_digest),
             repo_id=_optional_str(source, "repo_id", "source"),
             revision=_optional_str(source, "revision", "source"),
+            hub_sha256=_file_hashes(source.get("hub_sha256", {}), "source.hub_sha256", "sha256"),
         ),
         layers={p: _layer(rec, p, algorithm) for p, rec in _get(data, "layers", dict, "manifest").items()},
         passthrough={n: _tensor(rec, n, algorithm) for n, rec in _get(data, "passthrough", dict, "manifest").items()},
-        files=_file_hashes(_get(data, "files", dict, "manifest"), "files"),
+        files=_file_hashes(_get(data, "files", dict, "manifest"), "files", file_digest),
         transforms={n: _transform(rec, n, algorithm) for n, rec in _get(data, "transforms", dict, "manifest").items()},
         tp_size=_int(data, "tp_size", "manifest") if legacy_tp is None else 1,
         tp_rank=_int(data, "tp_rank", "manifest") if legacy_tp is None else 0,
         fusion=_fusion(_get(data, "fusion", dict, "manifest")) if legacy_tp is None else {},
+        file_digest=file_digest,
         tensor_digest=algorithm,
     )
     if not 0 <= manifest.tp_rank < manifest.tp_size:

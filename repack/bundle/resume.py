@@ -2,27 +2,27 @@
 
 A convert writes ``.nvfp4-repack-resume.json`` into its staging folder each time a shard is complete and on
 disk, replacing it atomically: after a kill it names only finished shards. It records the plan's fingerprint
-(every shard's tensors, dtypes and shapes, and the layout) and the source's identity, and for each shard its
-sha256, tensor digests and layers' global scales, which is all the manifest needs of it. A resume keeps a
+(every shard's tensors, dtypes and shapes, the layout and the digests' algorithms) and the source's identity, and
+for each shard its file digest, tensor digests and layers' global scales, which is all the manifest needs of it. A resume keeps a
 shard only if the plan and the source are the same and the file still hashes as recorded; anything else is
 written again. The journal is deleted before the bundle is installed, so it is never part of a bundle.
 
 The source's identity is each shard file's size, modification time and header (hashed): convert computes the
-files' sha256 from its one read of the source, so a full hash is known only at the end, too late for a
+files' digests from its one read of the source, so a full hash is known only at the end, too late for a
 journal that must survive a kill. A file rewritten in place with its size, time and header kept would go
 unnoticed; anything else (another download, a re-quantized model, an edited file) starts afresh.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from .. import __version__
 from ..formats.checkpoint import Checkpoint
-from ..formats.safetensors_io import file_sha256
+from ..formats.hashing import FILE_DIGEST, TENSOR_DIGEST, bytes_hexdigest, file_hexdigest
 from .plan import BundlePlan
 from .writer import staging_folders
 
@@ -32,16 +32,17 @@ JOURNAL_KIND = "nvfp4-repack-resume"
 
 @dataclass(frozen=True)
 class KeptShard:
-    sha256: str
+    digest: str  # the file's, FILE_DIGEST
     tensors: dict[str, str]
     global_scales: dict[str, float]
 
 
 def plan_fingerprint(plan: BundlePlan) -> str:
-    """sha256 of everything the plan fixes about the bytes: tool version, layout, and every shard's header."""
+    """Digest of everything the plan fixes about the bytes and their record: tool version, layout, every shard's
+    header, and the algorithms of the digests the journal keeps (a journal of other algorithms is never used)."""
     shape = {file: [[t.name, t.dtype_name, list(t.shape)] for t in tensors] for file, tensors in plan.shards.items()}
-    text = json.dumps([__version__, plan.target.layout_id, shape], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    text = json.dumps([__version__, plan.target.layout_id, shape, FILE_DIGEST, TENSOR_DIGEST], sort_keys=True)
+    return bytes_hexdigest(text.encode())
 
 
 @dataclass
@@ -62,9 +63,9 @@ class Journal:
         """Shards complete on disk: those kept by the resume plus those finished since."""
         return {**self.kept, **self._done}
 
-    def record(self, file: str, sha256: str, tensors: dict[str, str], global_scales: dict[str, float]) -> None:
+    def record(self, file: str, digest: str, tensors: dict[str, str], global_scales: dict[str, float]) -> None:
         """Note a shard as complete (it is already fsynced) and rewrite the journal."""
-        self._done[file] = KeptShard(sha256, dict(tensors), dict(global_scales))
+        self._done[file] = KeptShard(digest, dict(tensors), dict(global_scales))
         self.save()
 
     def save(self) -> None:
@@ -103,19 +104,19 @@ def _kept_shards(folder: Path, data: dict, plan: BundlePlan) -> dict[str, KeptSh
     shards = data.get("shards")
     for file, entry in (shards if isinstance(shards, dict) else {}).items():
         try:
-            shard = KeptShard(str(entry["sha256"]), dict(entry["tensors"]), dict(entry["global_scales"]))
+            shard = KeptShard(str(entry["digest"]), dict(entry["tensors"]), dict(entry["global_scales"]))
         except (KeyError, TypeError, ValueError):
             continue
         names = {t.name for t in plan.shards.get(file, [])}
         path = folder / file
         if names and set(shard.tensors) == names and path.is_file() and not path.is_symlink():
-            if file_sha256(path) == shard.sha256:
+            if file_hexdigest(path) == shard.digest:
                 kept[file] = shard
     return kept
 
 
 def source_identity(checkpoint: Checkpoint) -> dict[str, list]:
-    """``{shard file: [size, modification time (ns), sha256 of its header]}``: what a resume compares."""
+    """``{shard file: [size, modification time (ns), digest of its header]}``: what a resume compares."""
     identity = {}
     for name in checkpoint.shard_files:
         path = checkpoint.contained(name)
@@ -123,7 +124,7 @@ def source_identity(checkpoint: Checkpoint) -> dict[str, list]:
             head = handle.read(8)
             head += handle.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
         stat = path.stat()
-        identity[name] = [stat.st_size, stat.st_mtime_ns, hashlib.sha256(head).hexdigest()]
+        identity[name] = [stat.st_size, stat.st_mtime_ns, bytes_hexdigest(head)]
     return identity
 
 

@@ -32,7 +32,6 @@ import ctypes
 import errno
 import fcntl
 import glob
-import hashlib
 import json
 import os
 import re
@@ -43,8 +42,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from ..errors import Interrupted, OutputExists, RepackError
-from ..formats.hashing import BackgroundDigest
-from .manifest import OUTPUT_KIND, OUTPUT_RECORD, tensor_digest
+from ..formats.hashing import FILE_DIGEST, TENSOR_DIGEST, BackgroundDigest, bytes_hexdigest, new_digest
+from .manifest import OUTPUT_KIND, OUTPUT_RECORD
 from .plan import PlannedTensor
 
 
@@ -86,8 +85,8 @@ START_WRITEBACK = _start_writeback()
 class ShardWriter:
     """One shard written front to back as its tensors arrive, in the plan's order.
 
-    The file's sha256 and each tensor's digest are computed on the bytes on their way to the file, so
-    nothing is read back; the sha256 on a thread of its own. ``write`` may be called several times per
+    The file's digest and each tensor's are computed on the bytes on their way to the file, so nothing is read
+    back; the file's on a thread of its own. ``write`` may be called several times per
     tensor (chunks); a tensor ends when the next one starts or at :meth:`close`, and must then hold exactly
     its planned bytes. Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the file to disk, so
     that the fsync before the bundle is published finds little left to write, instead of all of it (neither
@@ -100,10 +99,10 @@ class ShardWriter:
         self.tensor_digests: dict[str, str] = {}
         self._order = iter(tensors)
         self._current: PlannedTensor | None = None
-        self._digest = tensor_digest()
+        self._digest = new_digest(TENSOR_DIGEST)
         self._written = 0
         self._handle = open(path, "wb", buffering=0)
-        self._file_digest = BackgroundDigest(hashlib.sha256())
+        self._file_digest = BackgroundDigest(new_digest(FILE_DIGEST))
         self._synced = 0  # bytes handed to START_WRITEBACK
         self._offset = 0
         self._put(safetensors_header(tensors, {"format": "pt"}))
@@ -124,7 +123,7 @@ class ShardWriter:
             self._current = next(self._order, None)
             if self._current is not tensor:
                 raise AssertionError(f"{tensor.name}: written out of the planned order of {self.path.name}")
-            self._digest, self._written = tensor_digest(), 0
+            self._digest, self._written = new_digest(TENSOR_DIGEST), 0
         self._digest.update(chunk)
         self._put(chunk)
         self._written += len(chunk)
@@ -139,7 +138,7 @@ class ShardWriter:
         self.tensor_digests[self._current.name] = self._digest.hexdigest()
 
     def finish(self) -> str:
-        """Check every planned tensor was written; the file's sha256. :meth:`sync` then makes it durable."""
+        """Check every planned tensor was written; the file's digest. :meth:`sync` then makes it durable."""
         self._end_tensor()
         missing = next(self._order, None)
         if missing is not None:
@@ -160,10 +159,10 @@ class ShardWriter:
 
 
 def write_json(path: Path, data: object) -> str:
-    """Write JSON and return the sha256 of the bytes written."""
+    """Write JSON and return the digest (``FILE_DIGEST``) of the bytes written."""
     text = (json.dumps(data, indent=2, sort_keys=False) + "\n").encode()
     path.write_bytes(text)
-    return hashlib.sha256(text).hexdigest()
+    return bytes_hexdigest(text)
 
 
 def write_output_record(folder: Path, members: list[str], fsync: bool = False) -> None:

@@ -8,6 +8,7 @@ load it.
 
 from __future__ import annotations
 
+import gc
 import sys
 
 INTERRUPTED = "Interrupted."
@@ -26,4 +27,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # the interpreter's teardown would otherwise collect every object torch made: ~0.7 CPU s per command
+    sys.exit(code)

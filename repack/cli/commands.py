@@ -357,7 +357,7 @@ def verify(
     An output folder of several targets: every target's bundle, the source hashed once. A ``--tp`` output
     folder: every rank, and each source layer reassembled from the ranks' outputs.
     Exits 0 only when every check passes. The source must be the checkpoint the bundle was built from (by
-    sha256); without one, verify fails unless --no-source is given.
+    its files' digests); without one, verify fails unless --no-source is given.
 
     Examples:
       nvfp4-repack verify sample-sm100

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import RepackError
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.yaml", "*.yml", "*.jinja", "*.tiktoken", "*.md",
                   "LICENSE*"]
 
@@ -35,6 +36,18 @@ def cache_repo_folder(folder: Path) -> Path | None:
     if folder.resolve().parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
         return repo
     return None
+
+
+def hub_sha256(snapshot_folder: Path, names: list[str]) -> dict[str, str]:
+    """The Hub's own sha256 of each of ``names`` (LFS files), from the cache, not recomputed: huggingface_hub names
+    each blob after the file's ETag, which for an LFS file is its sha256 (the ``lfs.sha256`` of the Hub's file
+    metadata). Files stored in git (a 40-digit sha1 ETag) or cached as copies rather than links are left out."""
+    found = {}
+    for name in names:
+        link = snapshot_folder / name
+        if link.is_symlink() and SHA256_HEX.fullmatch(link.resolve().name):
+            found[name] = link.resolve().name
+    return found
 
 
 def is_repo_id(model: str) -> bool:

@@ -11,7 +11,6 @@ shortened, so a hostile header cannot produce a huge or multi-line error.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -246,19 +245,14 @@ def map_chunks(entry: TensorEntry, chunk: int = COPY_CHUNK) -> Iterator[memoryvi
     if entry.nbytes < MAP_MIN_BYTES:
         yield from iter_raw_chunks(entry)
         return
-    for offset in range(0, entry.nbytes, chunk):
-        yield _map_range(entry.file, entry.begin + offset, min(chunk, entry.nbytes - offset), f"tensor {entry.name!r}")
+    yield from map_file_chunks(entry.file, entry.begin, entry.nbytes, f"tensor {entry.name!r}", chunk)
 
 
-def file_sha256(path: Path) -> str:
-    """The file's sha256, hashed from mappings of it ``COPY_CHUNK`` at a time (no copy into the process)."""
-    size = path.stat().st_size
-    if size < MAP_MIN_BYTES:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    digest = hashlib.sha256()
-    for offset in range(0, size, COPY_CHUNK):
-        digest.update(_map_range(path, offset, min(COPY_CHUNK, size - offset), "the file"))
-    return digest.hexdigest()
+def map_file_chunks(file: Path, begin: int, nbytes: int, what: str = "the file",
+                    chunk: int = COPY_CHUNK) -> Iterator[memoryview]:
+    """Bytes ``[begin, begin + nbytes)`` of ``file`` in mapped chunks (for hashing whole files)."""
+    for offset in range(0, nbytes, chunk):
+        yield _map_range(file, begin + offset, min(chunk, nbytes - offset), what)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
