@@ -135,6 +135,8 @@ class _Writing:
         before: the next layer's transform runs while this one's waits for the lane, so at most one layer more
         than ``transformer``'s bound is in flight."""
         nbytes = weight.codes.nbytes + weight.block_scales.nbytes
+        if self.output.plan.target.scheme == "W4A4":
+            weight = replace(weight, input_scale=layer.input_scale)
         transformed = self.transforms.submit(self.output.plan.target.to_runtime, weight)
         self.transformer.submit(nbytes, self._queue_layer, layer, transformed)
 
@@ -243,6 +245,8 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         tp_size=plan.layers.tp_size,
         tp_rank=plan.layers.tp_rank,
         fusion=plan.layers.fusion,
+        scheme=plan.target.scheme,
+        kernels=list(plan.target.kernels),
     )
 
 
@@ -437,6 +441,7 @@ def convert(
     fuse: bool = False,
     tp: int = 1,
     rescale: bool = False,
+    weight_only: bool = False,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -455,6 +460,11 @@ def convert(
     (and removed again if the convert fails). An output of several bundles (targets, or ranks) records their
     names in ``out/<OUTPUT_RECORD>``, so that verify fails when one goes missing. ``notify``: one-line notices
     (what interrupted converts left and this one removed).
+
+    The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
+    sm120; sm90 is weight-only for every checkpoint, and so are checkpoints with online transforms), a weight-only
+    one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
+    W4A4 layouts existed.
     """
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
@@ -472,8 +482,8 @@ def convert(
     created = _make_folders(out if not single else out.parent)
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
-                        max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, progress=progress,
-                        on_plan=on_plan, notify=notify)
+                        max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
+                        progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -481,18 +491,20 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, progress: Progress | None, on_plan: Callable | None,
+             rescale: bool, weight_only: bool, progress: Progress | None, on_plan: Callable | None,
              notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out`` (several targets) or its parent exists."""
     written = {t.name for t in targets}
     if not single:  # the targets of an interrupted earlier run that this one does not write
         remove_leftovers({out / f.name: None for f in FAMILIES if f.name not in written}, False, notify)
+    targets = [t.for_scheme(served_scheme(source, weight_only)) for t in targets]
+    input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         plans = [plan_bundle(source, targets[0], layers, max_shard_size)
-                 for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale)]
+                 for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales)]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
-        layers = plan_layers(source)[0]
+        layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
                    for t in targets]
     if on_plan is not None:
@@ -512,6 +524,13 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def served_scheme(source: SourceModel, weight_only: bool = False) -> str:
+    """The activation scheme the bundles serve: the checkpoint's (vLLM's auto), or W4A16 with ``weight_only`` and,
+    for now, for checkpoints with online transforms (QuIP, SpinQuant): they rotate activations in bf16 before the
+    quantizer, and W4A4 numerics for that are not verified yet (docs/w4a4.md)."""
+    return "W4A16" if weight_only or source.transforms.layers else source.activation_scheme
 
 
 def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:

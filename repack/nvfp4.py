@@ -25,6 +25,18 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 
 
 @dataclass(frozen=True)
+class InputScale:
+    """A W4A4 layer's activation global scale, the pair vLLM holds: ``scale`` (``input_global_scale``, the
+    activations' dequant multiplier) and ``inverse`` (``input_global_scale_inv``, what its quantizer multiplies by),
+    float32 ``[]`` each. ModelOpt stores ``scale`` (``input_scale``) and vLLM computes ``inverse = 1 / scale``;
+    compressed-tensors stores ``inverse`` (``input_global_scale``) and vLLM computes ``scale``: in float32 the
+    round trip is not the identity, so both are kept as vLLM computes them."""
+
+    scale: torch.Tensor
+    inverse: torch.Tensor
+
+
+@dataclass(frozen=True)
 class NVFP4Weight:
     """One quantized linear layer in canonical form.
 
@@ -32,11 +44,13 @@ class NVFP4Weight:
         codes (`torch.Tensor`): uint8 ``[N, K/2]``.
         block_scales (`torch.Tensor`): float8_e4m3fn ``[N, K/16]``, finite and non-negative.
         multiplier (`torch.Tensor`): float32 ``[1]``, finite and positive.
+        input_scale (`InputScale`, *optional*): the activations' global scale of a W4A4 layer.
     """
 
     codes: torch.Tensor
     block_scales: torch.Tensor
     multiplier: torch.Tensor
+    input_scale: InputScale | None = None
 
     @property
     def n(self) -> int:
@@ -74,6 +88,12 @@ class NVFP4Weight:
         value = float(mult.reshape(()))
         if not (torch.isfinite(mult).all() and value > 0.0):
             raise RepackError(f"{name}: global scale must be finite and positive, got {value}")
+        if self.input_scale is not None:
+            for value in (self.input_scale.scale, self.input_scale.inverse):
+                if value.dtype != torch.float32 or value.numel() != 1 or not float(value.reshape(())) > 0.0 or (
+                        not torch.isfinite(value).all()):
+                    raise RepackError(f"{name}: input global scale must be one finite positive float32, "
+                                      f"got {value.dtype} {value.reshape(-1)[:2].tolist()}")
         return self
 
 
@@ -107,6 +127,13 @@ def dequantize(weight: NVFP4Weight, dtype: torch.dtype = torch.float64) -> torch
     values.mul_(weight.block_scales.to(dtype).unsqueeze(-1))
     values.mul_(weight.multiplier.to(dtype).reshape(()))
     return values.view(n, k)
+
+
+def dequantize_activations(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``[M, K]``: ``e2m1(code) * block_scale / global_scale`` of quantized activations, exactly what an
+    FP4 x FP4 GEMM with alpha multiplies them as (``global_scale``: the quantizer's, ``input_global_scale_inv``)."""
+    ones = torch.ones(1, dtype=torch.float32, device=codes.device)
+    return dequantize(NVFP4Weight(codes, block_scales, ones)) / global_scale.to(torch.float64).reshape(())
 
 
 # --- W4A4: activation quantization as the GPU does it -------------------------------------------------------------

@@ -43,7 +43,7 @@ from .formats.hashing import file_hexdigest, new_digest
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, map_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
-from .nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
 from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform
 from .targets import TARGETS, RuntimeLayer
@@ -206,6 +206,15 @@ def _reference_products(weight: NVFP4Weight, xs: list[torch.Tensor]) -> list[tor
     return list(out.split([len(x) for x in xs]))
 
 
+def w4a4_products(x: torch.Tensor, weight: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ weight.T`` of bf16 ``x`` quantized as the W4A4 kernels quantize it (``quantize_activations``).
+
+    Not ``w4a4_reference``'s float64 definition of the quantizer: with calibrated scales (``input_scale =
+    amax / 2688`` of a bf16 ``amax``) ``gs * amax / 6`` lands on exact e4m3 ties for many blocks, where the kernel's
+    float32 arithmetic and the definition round apart by a whole scale step (a percent of a layer's output)."""
+    return dequantize_activations(*quantize_activations(x, global_scale), global_scale) @ weight.t()
+
+
 def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
     """The float64 reference's online transform: the runtime's own ``block_transform``, in float64 here."""
     return value if matrix is None else block_transform(value, matrix)
@@ -239,10 +248,11 @@ def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
     return None
 def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight,
                     check: TensorCheck, gen: torch.Generator, one_call: bool,
-                    transforms: dict[str, torch.Tensor]) -> None:
+                    transforms: dict[str, torch.Tensor], input_scale: InputScale | None = None) -> None:
     """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (the weight it is meant to
     hold: a rescaled layer's rescaled weight), with the layer's online ``transforms`` (location -> float64
-    normalized matrix) applied around it."""
+    normalized matrix) applied around it. ``input_scale``: a W4A4 layer's, with which the reference quantizes the
+    activations first, as the layer's FP4 x FP4 GEMM must (:func:`w4a4_products`)."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
         ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
@@ -250,7 +260,13 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
         ys = [layer(x.to(device)).to("cpu", torch.float64) for x in xs]
     worst = 0.0
     inputs = [_block64(x.to(torch.float64), transforms.get("input")) for x in xs]
-    refs = [_block64(r, transforms.get("output")) for r in _reference_products(reference, inputs)]
+    if input_scale is not None:
+        weight = dequantize(reference)
+        # the bf16 activations themselves (W4A4 layers have no online transforms: convert keeps those weight-only)
+        products = [w4a4_products(x, weight, input_scale.inverse) for x in xs]
+    else:
+        products = _reference_products(reference, inputs)
+    refs = [_block64(r, transforms.get("output")) for r in products]
     for y, ref in zip(ys, refs):
         worst = max(worst, _relative_error(y, ref))
     _judge(check, worst, prefix)
@@ -335,6 +351,17 @@ def check_source_identity(bundle: Bundle, src: SourceModel, digests: dict[str, s
                           f"({differing[0]}: {bundle.manifest.file_digest} or file list differs from the manifest's)")
 
 
+def _check_input_scale(src: SourceModel, planned: OutputLayer, decoded: InputScale, check: TensorCheck) -> InputScale:
+    """A W4A4 layer's input scales are the ones vLLM keeps from the source's (the format's rule over the
+    partitions); returns the source's, the numerics' reference."""
+    expected = src.scheme.fuse_input_scales([src.read_input_scale(p.source) for p in planned.pieces])
+    for what, a, b in (("input_global_scale", decoded.scale, expected.scale),
+                       ("input_global_scale_inv", decoded.inverse, expected.inverse)):
+        if not _same_bits(a, b):
+            check.fail(f"{planned.prefix}: {what} differs from the source's", "exactness")
+    return expected
+
+
 def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, numerics: bool,
                  gen: torch.Generator, matrices: dict[str, torch.Tensor | None], bad: set[str]) -> TensorCheck:
     """Integrity and layout of one layer's tensors, exactness against the source, numerics if asked."""
@@ -345,6 +372,9 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         return check
     decoded = bundle.target.from_runtime(runtime, record.n, record.k)
     reference = decoded
+    input_scale = decoded.input_scale
+    if input_scale is not None and not _same_bits(runtime.alpha, input_scale.scale * decoded.multiplier.reshape(())):
+        check.fail(f"{prefix}: alpha is not input_global_scale * weight_global_scale", "exactness")
     if src is not None:
         planned = output_layer(prefix, record)
         layer = src.layers.get(prefix)
@@ -361,6 +391,8 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
             if any(p.scale_ratio != 1.0 for p in planned.pieces):
                 _check_departure(src, planned, reference, record, check)
         _check_layer_transforms(bundle, src, planned, check)
+        if input_scale is not None:
+            input_scale = _check_input_scale(src, planned, input_scale, check)
     for t in record.transforms:  # whether or not numerics run on this layer
         if t.matrix in bad:
             check.fail(f"{prefix}: its {t.location} transform {t.matrix} failed its checks", "exactness")
@@ -369,7 +401,7 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
     elif numerics:
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
-                        loaded.backend == "reference", transforms)
+                        loaded.backend == "reference", transforms, input_scale)
     return check
 
 
@@ -490,7 +522,8 @@ def verify_bundle(
         covered = {p.source for record in bundle.manifest.layers.values() for p in record.partitions}
         for prefix in sorted(set(src.layers) - covered):
             report.layers.append(failed(prefix, f"{prefix}: source layer missing from the bundle", "exactness"))
-        for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough)):
+        consumed = {src.input_scale_name(p) for p in covered} if bundle.target.scheme == "W4A4" else set()
+        for name in sorted(set(src.passthrough) - set(bundle.manifest.passthrough) - consumed):  # W4A4: in layers
             report.passthrough.append(failed(name, f"{name}: source tensor missing from the bundle", "exactness"))
     return report
 
@@ -538,11 +571,19 @@ def _prefixed(checks: list[TensorCheck], label: str) -> list[TensorCheck]:
     return checks
 
 
+def outputs_scales(ranks: list[Bundle], regions) -> list[torch.Tensor]:
+    """The ``input_global_scale_inv`` of each W4A4 rank layer that holds a region (none for W4A16 bundles)."""
+    return [ranks[r].read(f"{prefix}.input_global_scale_inv") for r, prefix, _ in regions
+            if ranks[r].target.scheme == "W4A4"]
+
+
 def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator) -> list[TensorCheck]:
     """Every source layer rebuilt from the ranks' outputs: column pieces placed at their rows, row-parallel
     partial sums added, each source element covered exactly once (replicated kv heads counted once); then
     compared with the float64 GEMM of the source layer, whose --rescale regions hold the rescaled weights the
-    ranks are meant to compute (each rank's departure from the source is bounded by its own check)."""
+    ranks are meant to compute (each rank's departure from the source is bounded by its own check); W4A4: of the
+    activations quantized with the input scale the ranks' layers hold, checked against the source's in each rank's
+    own verify."""
     loaded = [load_bundle(b, device) for b in ranks]
     pieces: dict[str, list[tuple[int, str, PartitionRecord]]] = {}
     for r, bundle in enumerate(ranks):
@@ -576,7 +617,9 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
                     module = loaded[r].layer(prefix)
                     outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
                 y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
-            worst = max(worst, _relative_error(y, x.to(torch.float64) @ weight.t()))
+            scale = next(iter(outputs_scales(ranks, regions.values())), None)
+            ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_products(x, weight, scale)
+            worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
     return checks
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from repack.bundle.reader import open_bundle
 from repack.cli import main
-from repack.convert import convert
+from repack.convert import convert, served_scheme
 from repack.errors import OutputExists, RepackError
 from repack.formats import read_source
 from repack.sample import SAMPLE_DIR
@@ -42,6 +42,7 @@ def check_bundle_against_source(source_path, out, target):
     bundle = open_bundle(out)
     tensors = bundle_tensors(out)  # read with the real safetensors library, not ours
     manifest = bundle.manifest
+    target = target.for_scheme(served_scheme(source))  # vLLM's auto: W4A4 checkpoints get the W4A4 layout
     assert manifest.target == target.name and manifest.layout_id == target.layout_id
     assert set(manifest.layers) == set(source.layers)
     # Every digest is BLAKE3, against the blake3 package on whole files and on the tensors as safetensors reads them:
@@ -64,9 +65,15 @@ def check_bundle_against_source(source_path, out, target):
         for a, b in ((back.codes, original.codes), (back.block_scales, original.block_scales),
                      (back.multiplier, original.multiplier)):
             assert torch.equal(as_bytes(a), as_bytes(b)), prefix
+        if target.scheme == "W4A4":
+            expected = source.read_input_scale(prefix)
+            assert back.input_scale is not None
+            assert torch.equal(back.input_scale.scale, expected.scale), prefix
+            assert torch.equal(back.input_scale.inverse, expected.inverse), prefix
         assert record.global_scale == float(original.multiplier)
         assert tensors[f"{prefix}.weight_global_scale"].dtype == torch.float32
-    for name in source.passthrough:
+    consumed = {source.input_scale_name(p) for p in source.layers} if target.scheme == "W4A4" else set()
+    for name in set(source.passthrough) - consumed:
         assert torch.equal(as_bytes(tensors[name]), as_bytes(source.checkpoint.read(name))), name
     assert set(tensors) == set(manifest.all_tensors)
     return manifest

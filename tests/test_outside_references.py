@@ -137,9 +137,26 @@ def test_bundle_decodes_to_the_base_model_and_the_producers_weights(fixture, tar
     convert(PRODUCERS / fixture, target.name, tmp_path / "bundle")
     bundle = open_bundle(tmp_path / "bundle")
     for prefix, record in bundle.manifest.layers.items():
-        decoded = decode(bundle.runtime_layer(prefix), record.n, record.k, target.name, torch.float64)
+        decoded = decode(bundle.runtime_layer(prefix), record.n, record.k, bundle.target.layout_key, torch.float64)
         assert_near_base(decoded, source(fixture).load_layer(source(fixture).layers[prefix]), prefix)
         assert_matches_peer(decoded, fixture, prefix)
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.for_scheme("W4A4").scheme == "W4A4"], ids=lambda t: t.name)
+@pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "ct_nvfp4"])
+def test_w4a4_patched_model_logits_against_the_base_model(fixture, target, tmp_path):
+    """A W4A4 bundle (the producers' calibrated input scales) in the base model: logits near the base model's
+    (weight and activation quantization error), and off the weight-only producer model's by the activations'."""
+    convert(PRODUCERS / fixture, target.name, tmp_path / "bundle")
+    patched = llama(torch.bfloat16)
+    assert patch_model(patched, tmp_path / "bundle") == []
+    tokens = torch.randint(0, patched.config.vocab_size, (4, 32))
+    with torch.no_grad():
+        got = patched(tokens).logits.double()
+        base = llama(torch.float32)(tokens).logits.double()
+        peer = llama(torch.float32, fixture)(tokens).logits.double()
+    assert float((got - base).norm() / base.norm()) < LOGITS_VS_BASE
+    assert float((got - peer).norm() / peer.norm()) > LOGITS_VS_PEER  # the activations were quantized
 
 
 def llama(dtype: torch.dtype, fixture: str | None = None):
@@ -159,8 +176,8 @@ def llama(dtype: torch.dtype, fixture: str | None = None):
 @pytest.mark.parametrize("fixture", ["ct_nvfp4a16", "modelopt_nvfp4"])
 def test_patched_model_logits_against_the_base_model(fixture, target, tmp_path):
     """The base model with its linears swapped for a bundle's: logits near the base model's (quantization error
-    only) and equal to the producer-dequantized model's up to bf16 activations."""
-    convert(PRODUCERS / fixture, target.name, tmp_path / "bundle")
+    only) and equal to the producer-dequantized model's up to bf16 activations (--weight-only: W4A4 below)."""
+    convert(PRODUCERS / fixture, target.name, tmp_path / "bundle", weight_only=True)
     patched = llama(torch.bfloat16)
     unused = patch_model(patched, tmp_path / "bundle")
     assert all(name.endswith(("input_scale", "input_global_scale")) for name in unused)

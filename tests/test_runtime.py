@@ -13,6 +13,7 @@ from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
 from repack.targets import TARGETS, resolve_target
 from repack.targets.layout import vllm_geometry
+from repack.verify import w4a4_products
 
 from .conftest import ODD_SHAPES, PRODUCERS
 
@@ -198,7 +199,7 @@ def dequantized_llama(fixture: str):
 def test_whole_model_logits(tmp_path, target, fixture):
     reference = dequantized_llama(fixture).float()
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, target, out)
+    convert(PRODUCERS / fixture, target, out, weight_only=True)  # bf16 activations: W4A4 below
     patched = dequantized_llama(fixture).to(torch.bfloat16)
     for module in patched.modules():  # make sure nothing is left from the dequantized weights
         if isinstance(module, nn.Linear) and module is not patched.lm_head:
@@ -211,3 +212,24 @@ def test_whole_model_logits(tmp_path, target, fixture):
         got = patched(tokens).logits.double()
     assert torch.isfinite(got).all()
     assert float((got - ref).norm() / ref.norm()) < 3e-2  # bf16 activations through a whole model
+
+
+
+@pytest.mark.parametrize("target", [t.name for t in TARGETS if t.backend == "flashinfer"])
+@pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "ct_nvfp4"])
+def test_patched_w4a4_layers_quantize_their_activations(tmp_path, target, fixture):
+    """A W4A4 bundle (the default) through patch_model: each layer of the model, on fresh bf16 activations, is the
+    float64 GEMM of those activations quantized with the source's input scale as the kernels do (a whole model's
+    logits are no test: one bf16 rounding moves an activation across an FP4 step, compounding layer after layer)."""
+    source = read_source(PRODUCERS / fixture)
+    convert(PRODUCERS / fixture, target, tmp_path / "bundle")
+    patched = dequantized_llama(fixture).to(torch.bfloat16)
+    assert patch_model(patched, tmp_path / "bundle") == []  # the input scales are the layers' own, not passthrough
+    for prefix, layer in source.layers.items():
+        x = (torch.randn(9, layer.k) * torch.rand(9, 1) * 4).to(torch.bfloat16)
+        weight = dequantize(source.load_layer(layer))
+        expected = w4a4_products(x, weight, source.read_input_scale(prefix).inverse)
+        with torch.no_grad():
+            got = patched.get_submodule(prefix)(x).double()
+        error, apart = (float((got - r).norm() / r.norm()) for r in (expected, x.double() @ weight.t()))
+        assert error < 1e-2 < apart, f"{prefix}: {error:.3g} from the W4A4 reference, {apart:.3g} from bf16 x"

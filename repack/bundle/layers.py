@@ -9,7 +9,7 @@ goes through the target's one transform, so fusion and sharding never touch layo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceTransforms
-from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
 VLLM_FUSION: dict[str, tuple[str, ...]] = {
@@ -41,10 +41,12 @@ class Piece:
 
 @dataclass(frozen=True)
 class OutputLayer:
-    """One bundle layer: its pieces stacked along N, in order."""
+    """One bundle layer: its pieces stacked along N, in order; ``input_scale``: a W4A4 plan's activation global
+    scale, the one vLLM keeps for the module (its partitions' by the format's rule)."""
 
     prefix: str
     pieces: tuple[Piece, ...]
+    input_scale: InputScale | None = None
 
     @property
     def n(self) -> int:
@@ -183,13 +185,26 @@ def _equalise(layer: OutputLayer, multipliers: dict[str, torch.Tensor], rescale:
     return OutputLayer(layer.prefix, pieces)
 
 
-def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False) -> list[LayerPlan]:
+def with_input_scales(layers: dict[str, OutputLayer], source: SourceModel) -> dict[str, OutputLayer]:
+    """Each layer with the activation global scale vLLM keeps for it: its source layer's, or for a fused module
+    the one the format's rule picks from its partitions' (vLLM only warns when they differ: the partitions share
+    one input, and ``alpha`` follows the kept scale, so the output is scaled right, only quantized on that
+    scale's grid; --tp ranks keep the whole layer's scale, as vLLM's do)."""
+    read = {p: source.read_input_scale(p) for p in source.layers}
+    return {prefix: replace(layer, input_scale=source.scheme.fuse_input_scales([read[p.source] for p in layer.pieces]))
+            for prefix, layer in layers.items()}
+
+
+def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
+                input_scales: bool = False) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
-    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules)."""
+    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules).
+    ``input_scales``: read each layer's activation global scale (for W4A4 layouts)."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
     if not (fuse or tp > 1):
-        return [LayerPlan({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}, {})]
+        return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
     _check_architecture(source.checkpoint.config)
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
@@ -200,7 +215,7 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
         layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
         for layer in layers.values():
             layer_transforms(source.transforms, layer)  # refused here, before anything is written
-        plans.append(LayerPlan(layers, fusion, tp, rank))
+        plans.append(LayerPlan(scaled(layers), fusion, tp, rank))
     return plans
 
 

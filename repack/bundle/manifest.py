@@ -125,6 +125,8 @@ class Manifest:
     file_digest: str = FILE_DIGEST  # of ``files`` and ``source.files``
     tensor_digest: str = TENSOR_DIGEST
     kind: str = BUNDLE_KIND
+    scheme: str = "W4A16"  # W4A4: the kernels quantize activations with each layer's input_global_scale_inv
+    kernels: list[str] = field(default_factory=list)  # the vLLM 0.33 kernel classes that read this layout, auto's first
 
     @cached_property
     def all_tensors(self) -> dict[str, TensorRecord]:
@@ -284,6 +286,12 @@ def _fusion(obj: dict) -> dict[str, list[str]]:
     return {k: list(v) for k, v in obj.items()}
 
 
+def _kernels(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise _fail("kernels must be a list of kernel class names")
+    return list(value)
+
+
 def parse_manifest(data: Any) -> Manifest:
     """Validate a decoded manifest.json."""
     if not isinstance(data, dict):
@@ -329,7 +337,11 @@ def parse_manifest(data: Any) -> Manifest:
         fusion=_fusion(_get(data, "fusion", dict, "manifest")) if legacy_tp is None else {},
         file_digest=file_digest,
         tensor_digest=algorithm,
+        scheme=_optional_str(data, "scheme", "manifest") or "W4A16",  # bundles written before W4A4 layouts
+        kernels=_kernels(data.get("kernels", [])),
     )
+    if manifest.scheme not in ("W4A16", "W4A4"):
+        raise _fail(f"scheme must be W4A16 or W4A4, got {short_repr(manifest.scheme)}")
     if not 0 <= manifest.tp_rank < manifest.tp_size:
         raise _fail(f"tp_rank {manifest.tp_rank} is not a rank of tp_size {manifest.tp_size}")
     seen: set[str] = set()

@@ -116,7 +116,8 @@ def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shar
     """
     units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in layers.layers.values()}
     names = {t.name: prefix for prefix, parts in units.items() for t in parts}
-    for name in source.passthrough:
+    consumed = {source.input_scale_name(p) for p in source.layers} if target.scheme == "W4A4" else set()
+    for name in (n for n in source.passthrough if n not in consumed):
         entry = source.checkpoint.tensors[name]
         if name in names:
             raise RepackError(f"tensor {name!r} would collide with the converted layer {names[name]!r}")
@@ -128,7 +129,7 @@ def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shar
         nbytes = matrix.size * matrix.size * dtype.itemsize
         units[name] = [PlannedTensor(name, DTYPE_NAMES[dtype], (matrix.size, matrix.size), nbytes, matrix=matrix)]
     max_bytes = parse_size(max_shard_size)
-    ordered = {key: units[key] for key in unit_order(source, layers)}
+    ordered = {key: units[key] for key in unit_order(source, layers) if key in units}
     split = split_state_dict_into_shards_factory(
         ordered,
         get_storage_size=lambda parts: sum(t.nbytes for t in parts),

@@ -97,11 +97,13 @@ def open_bundle(path: str | Path) -> Bundle:
     """Open and validate a bundle's manifest and config (tensor data is checked by ``verify``)."""
     root = local_dir(path)
     manifest = read_manifest(root)
-    target = resolve_target(manifest.target)
-    if target.layout_id != manifest.layout_id:
+    family = resolve_target(manifest.target)
+    target = family.with_layout(manifest.layout_id)
+    if target is None:
+        known = ", ".join(t.layout_id for t in family.layouts)
         raise RepackError(
-            f"{MANIFEST_NAME}: layout {manifest.layout_id!r} is not the layout of target {target.name} "
-            f"({target.layout_id}); re-convert the source with this version"
+            f"{MANIFEST_NAME}: layout {manifest.layout_id!r} is not a layout of target {family.name} "
+            f"({known}); re-convert the source with this version"
         )
     for prefix, record in manifest.layers.items():
         _check_layer_record(prefix, record, target)

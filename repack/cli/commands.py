@@ -98,6 +98,10 @@ def convert(
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
     rescale: Annotated[bool, _flag(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
+    weight_only: Annotated[bool, _flag(
+        "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
+        "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only).",
+        "--weight-only")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert an NVFP4 checkpoint into runtime-layout bundles: one target, or several in one pass.
@@ -133,7 +137,8 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            on_plan=start_bar, notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
+            weight_only=weight_only, on_plan=start_bar,
+            notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
     finally:
@@ -172,6 +177,7 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
     stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
+    stdout.print(f"scheme {show(manifest.scheme)}; vLLM kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
     stdout.print(f"tensor parallel: rank {manifest.tp_rank} of {manifest.tp_size}; fusion: "
                  + (show(", ".join(f"{k} = {' + '.join(v)}" for k, v in manifest.fusion.items())) or "none"))
     table = Table(title=f"{len(manifest.layers)} quantized layers, {len(manifest.passthrough)} passthrough tensors")
@@ -289,7 +295,11 @@ def inspect(
 
 
 def targets(as_json: JsonOpt = False) -> None:
-    """List the target GPU families, their aliases, GPUs and runtime backends."""
+    """List the target GPU families, their aliases, GPUs, runtime backends and layouts.
+
+    A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
+    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint.
+    """
     rows = [
         {
             "name": t.name,
@@ -297,6 +307,8 @@ def targets(as_json: JsonOpt = False) -> None:
             "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
             "backend": t.backend,
             "layout_id": t.layout_id,
+            "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels)}
+                        for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
             "description": t.description,
         }
         for t in FAMILIES
@@ -305,11 +317,12 @@ def targets(as_json: JsonOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "layout", "GPUs"):
+    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "GPUs"):
         table.add_column(column)
     for row in rows:
+        w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], row["description"])
+                      row["backend"], row["layout_id"], w4a4, row["description"])
     stdout.print(table)
 
 

@@ -2,7 +2,9 @@
 
 Per layer: ``P.weight_packed`` U8 [N, K/2], ``P.weight_scale`` F8_E4M3 [N, K/16],
 ``P.weight_global_scale`` F32 [1], the RECIPROCAL of the dequant multiplier (vLLM computes
-``1 / weight_global_scale`` in float32; so do we). NVFP4 (W4A4) adds ``P.input_global_scale``, passed through.
+``1 / weight_global_scale`` in float32; so do we). NVFP4 (W4A4) adds ``P.input_global_scale``, the RECIPROCAL of
+the activations' dequant multiplier: vLLM keeps the largest of a fused module's as ``input_global_scale_inv`` and
+computes ``input_global_scale = 1 / it`` in float32.
 Online transforms (``transform_config``) are resolved per layer by :mod:`.transforms`; their matrices leave the
 passthrough list (the bundle stores them normalized, once each).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import RepackError
+from ..nvfp4 import InputScale
 from .checkpoint import Checkpoint
 from .transforms import read_transforms
 from .source import NamingScheme, SourceModel, collect_layers
@@ -23,7 +26,15 @@ SCHEME = NamingScheme(
     block_scales="weight_scale",
     global_scale="weight_global_scale",
     to_multiplier=lambda stored: torch.reciprocal(stored.to(torch.float32)),
+    input_scale="input_global_scale",
+    to_input_scale=lambda stored: _input_scale(stored.reshape(()).to(torch.float32)),
+    fuse_input_scales=lambda scales: _input_scale(max((s.inverse for s in scales), key=float)),
 )
+
+
+def _input_scale(inverse: torch.Tensor) -> InputScale:
+    """CompressedTensorsW4A4Fp4: ``input_global_scale_inv = max(stored)``, ``input_global_scale = 1 / that``."""
+    return InputScale((1.0 / inverse).to(torch.float32), inverse.clone())
 
 
 def quantization_config(checkpoint: Checkpoint) -> dict | None:

@@ -7,13 +7,14 @@ that difference; layer discovery, header checks and loading are shared.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..errors import RepackError
-from ..nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
+from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from .checkpoint import Checkpoint
 from .transforms import SourceTransforms, load_matrix
 from .safetensors_io import TensorEntry, read_tensor
@@ -27,6 +28,9 @@ class NamingScheme:
     block_scales: str
     global_scale: str
     to_multiplier: Callable[[torch.Tensor], torch.Tensor]
+    input_scale: str  # a W4A4 layer's stored activation global scale
+    to_input_scale: Callable[[torch.Tensor], InputScale]  # stored float32 [] or [1] -> the pair vLLM computes
+    fuse_input_scales: Callable[[list[InputScale]], InputScale]  # the one vLLM keeps for a fused module
 
     def names(self, prefix: str) -> tuple[str, str, str]:
         return (f"{prefix}.{self.codes}", f"{prefix}.{self.block_scales}", f"{prefix}.{self.global_scale}")
@@ -53,6 +57,29 @@ class SourceModel:
     layers: dict[str, QuantizedLayer]
     passthrough: list[str]
     transforms: SourceTransforms = field(default_factory=SourceTransforms)
+
+    @property
+    def activation_scheme(self) -> str:
+        """``W4A4`` when the producer quantized activations too (ModelOpt ``NVFP4``, compressed-tensors ``NVFP4``),
+        else ``W4A16``."""
+        return "W4A4" if self.quant_algo == "NVFP4" else "W4A16"
+
+    def input_scale_name(self, prefix: str) -> str:
+        return f"{prefix}.{self.scheme.input_scale}"
+
+    def read_input_scale(self, prefix: str) -> InputScale:
+        """A W4A4 layer's activation global scale (4 bytes, read at planning time like the weight global scales)."""
+        name = self.input_scale_name(prefix)
+        entry = self.checkpoint.tensors.get(name)
+        if entry is None or entry.dtype != torch.float32 or entry.nbytes != 4:
+            found = "is missing" if entry is None else f"is {entry.dtype_name} {list(entry.shape)}"
+            raise RepackError(f"{name}: a W4A4 layer's input scale must be one F32, but it {found}; "
+                              "pass --weight-only to serve activations in bf16")
+        scale = self.scheme.to_input_scale(self.checkpoint.read(name))
+        values = (float(scale.scale), float(scale.inverse))
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            raise RepackError(f"{name}: input scale must be finite and positive, got {values[0]}")
+        return scale
 
     def load_layer(self, layer: QuantizedLayer, read: Callable[[TensorEntry], torch.Tensor] = read_tensor) -> NVFP4Weight:
         """Read one layer's tensors (with ``read``, e.g. one that also hashes) and return its validated canonical form."""

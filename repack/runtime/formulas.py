@@ -25,6 +25,7 @@ from ..nvfp4 import BLOCK_SIZE, e2m1_to_float
 from ..targets import RuntimeLayer, resolve_target
 from ..targets.layout import round_up
 from ..targets.sm90 import DECODE_BIAS_LOG2, decode_pairs
+from ..targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 
 ROW_BLOCK_ELEMENTS = 1 << 20  # elements gathered at a time: 4 MiB of int32 offsets
 WORD_BLOCK = 1 << 18  # sm90 words decoded at a time: 4 MiB of int32 bf16x2 pairs
@@ -103,10 +104,14 @@ def sm90_values(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _gather(span, positions - 8 * first)
 
 
-def sm100_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Row-major ``[round_up(N, 64), round_up(K, 64)/2]`` bytes, element ``2i`` in the low nibble: nibble
-    ``row * round_up(K, 64) + col``."""
-    return (rows * round_up(k, 64))[:, None] + cols[None, :]
+def sm100_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int, alignment: int = 64) -> torch.Tensor:
+    """Row-major ``[round_up(N, a), round_up(K, a)/2]`` bytes (``a`` 64; 32 for the W4A4 layout), element ``2i``
+    in the low nibble: nibble ``row * round_up(K, a) + col``."""
+    return (rows * round_up(k, alignment))[:, None] + cols[None, :]
+
+
+def w4a4_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return sm100_code_offsets(rows, cols, n, k, alignment=32)
 
 
 def swizzle_128x4_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -157,11 +162,13 @@ FORMULAS: dict[str, LayoutFormula] = {
     "sm100": LayoutFormula(sm100_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
     "sm120": LayoutFormula(sm120_code_offsets, nibble_values, sm120_scale_offsets, s0e5m3_scales),
     "sm90": LayoutFormula(sm90_code_offsets, sm90_values, sm90_scale_offsets, e4m3_scales),
+    W4A4_LAYOUT: LayoutFormula(w4a4_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
 }
 
 
 def formula_for(target: str) -> LayoutFormula:
-    return FORMULAS[resolve_target(target).name]
+    """By target name (its W4A16 layout) or by layout id (the W4A4 layout, shared by the families)."""
+    return FORMULAS[target] if target in FORMULAS else FORMULAS[resolve_target(target).name]
 
 
 def decode_blocks(layer: RuntimeLayer, n: int, k: int, target: str,

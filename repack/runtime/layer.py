@@ -15,6 +15,7 @@ from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
 from .backends import choose_backend, fuses_input_transform, prepare_backend
+from .backends.reference import w4a4_scales
 from .op import nvfp4_linear
 from .transforms import walsh_factors
 
@@ -53,10 +54,17 @@ class PackedLinear(nn.Module):
     def prepared(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The backend bound to this layer's tensors (checked once), for eager calls; rebuilt after ``.to()``."""
         if self._prepared is None:
-            self._prepared = prepare_backend(self.backend, self.weight, self.weight_scale, self.weight_global_scale,
+            self._prepared = prepare_backend(self.backend, self.weight, self.weight_scale, self.gemm_scale,
                                              self.n, self.k, self.target, self.fused_input_transform,
                                              self._walsh)  # fmt: skip
         return self._prepared
+
+    @property
+    def gemm_scale(self) -> torch.Tensor:
+        """What the backends take as ``weight_global_scale``: the multiplier, or for a W4A4 layer (which has an
+        ``alpha``) its ``[alpha, input_global_scale_inv]``."""
+        alpha = getattr(self, "alpha", None)
+        return self.weight_global_scale if alpha is None else w4a4_scales(alpha, self.input_global_scale_inv)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors
         self._prepared = None
@@ -88,7 +96,7 @@ class LoadedBundle:
         record = self.bundle.layer(prefix)
         runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
         transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms}
-        return PackedLinear(runtime, record.n, record.k, self.bundle.target.name, self.backend, self.device, bias,
+        return PackedLinear(runtime, record.n, record.k, self.bundle.target.layout_key, self.backend, self.device, bias,
                             transforms)
 
     def matrix(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:

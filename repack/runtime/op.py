@@ -108,7 +108,7 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
     if eager(x2d):
         y = layer.prepared()(x2d)
     else:
-        y = _linear(x2d, layer.weight, layer.weight_scale, layer.weight_global_scale, layer.n, k, layer.target,
+        y = _linear(x2d, layer.weight, layer.weight_scale, layer.gemm_scale, layer.n, k, layer.target,
                     layer.backend, fused, layer.input_walsh_key)  # fmt: skip
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], layer.n)

@@ -51,6 +51,13 @@ def random_nvfp4(
     return NVFP4Weight(codes, scale_bits.view(torch.float8_e4m3fn), multiplier.to(torch.float32))
 
 
+def input_scale(weight: NVFP4Weight) -> torch.Tensor:
+    """A W4A4 layer's activation dequant scale (ModelOpt's ``input_scale``, the reciprocal of compressed-tensors'
+    ``input_global_scale``): float32 ``[]``, drawn from the layer's own random block scales so that the layers, and
+    the q/k/v and gate/up of one block (which share a multiplier), differ: vLLM's fused modules keep one of them."""
+    return (weight.block_scales.to(torch.float32).mean() * 1e-3 + 2e-3).to(torch.float32)
+
+
 def layer_tensors(prefix: str, weight: NVFP4Weight, fmt: str, w4a4: bool) -> dict[str, torch.Tensor]:
     """The tensors a producer stores for one quantized linear."""
     if fmt == "modelopt":
@@ -60,7 +67,7 @@ def layer_tensors(prefix: str, weight: NVFP4Weight, fmt: str, w4a4: bool) -> dic
             f"{prefix}.weight_scale_2": weight.multiplier.reshape(()),
         }
         if w4a4:
-            out[f"{prefix}.input_scale"] = torch.tensor(0.01, dtype=torch.float32)
+            out[f"{prefix}.input_scale"] = input_scale(weight)
         return out
     out = {
         f"{prefix}.weight_packed": weight.codes,
@@ -68,7 +75,7 @@ def layer_tensors(prefix: str, weight: NVFP4Weight, fmt: str, w4a4: bool) -> dic
         f"{prefix}.weight_global_scale": torch.reciprocal(weight.multiplier).reshape(1),
     }
     if w4a4:
-        out[f"{prefix}.input_global_scale"] = torch.tensor([100.0], dtype=torch.float32)
+        out[f"{prefix}.input_global_scale"] = torch.reciprocal(input_scale(weight)).reshape(1)
     return out
 
 

@@ -51,13 +51,23 @@ class RuntimeLayer:
     weight_scale: torch.Tensor
     weight_global_scale: torch.Tensor
     weights_padding_cols: int
+    input_global_scale: torch.Tensor | None = None  # W4A4 layouts: float32 [] each, as vLLM computes them
+    input_global_scale_inv: torch.Tensor | None = None
+    alpha: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
+        out = {
             "weight": self.weight,
             "weight_scale": self.weight_scale,
             "weight_global_scale": self.weight_global_scale,
         }
+        for name in W4A4_SCALARS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+W4A4_SCALARS = ("input_global_scale", "input_global_scale_inv", "alpha")
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,9 @@ class Target(Family):
         stack_rows: ``(runtime layers, their n, k)`` -> the runtime layer of their weights stacked along N (one
             multiplier, the layers'), made by copying where the layout allows it, else ``None``; lets the runtime
             fuse q/k/v and gate/up at load (``patch_model``) without running ``to_runtime`` again. ``None``: never.
+        scheme: ``W4A16`` (activations stay bf16) or ``W4A4`` (activations quantized to NVFP4 by the kernel).
+        variants: the family's other layouts (its W4A4 one), each a Target of the same family: a target family has
+            one layout per activation scheme (and, later, layer kind); :meth:`for_scheme` picks one.
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -79,8 +92,29 @@ class Target(Family):
     runtime_specs: Callable[[int, int], dict[str, TensorSpec]]
     geometry: Callable[[int, int], LayerGeometry]
     stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
+    scheme: str = "W4A16"
+    variants: tuple["Target", ...] = ()
 
     @classmethod
-    def of(cls, family: Family, **layout: Callable | None) -> Target:
+    def of(cls, family: Family, **layout: object) -> Target:
         """``family``'s row joined to its layout's functions (``to_runtime=...``, ...)."""
         return cls(**{f.name: getattr(family, f.name) for f in fields(Family)}, **layout)  # type: ignore[arg-type]
+
+    @property
+    def layouts(self) -> tuple["Target", ...]:
+        return (self, *self.variants)
+
+    @property
+    def layout_key(self) -> str:
+        """How the runtime (backends, index formulas) names this layout: the family for its W4A16 layout, the
+        layout id for the W4A4 one, which the families share."""
+        return self.name if self.scheme == "W4A16" else self.layout_id
+
+    def for_scheme(self, scheme: str) -> "Target":
+        """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
+        for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
+        return next((t for t in self.layouts if t.scheme == scheme), self)
+
+    def with_layout(self, layout_id: str) -> "Target | None":
+        """The family's layout ``layout_id``, if it has one."""
+        return next((t for t in self.layouts if t.layout_id == layout_id), None)

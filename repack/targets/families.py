@@ -13,6 +13,16 @@ from dataclasses import dataclass
 from ..errors import RepackError
 
 FLASHINFER_CHECKED = ("0.7.2.post1", "0.7.4")  # 0.7.4: the project env; 0.7.2.post1: the vLLM oracle env
+W4A4_LAYOUT_ID = "w4a4-cutlass-v1"  # the one layout vLLM 0.33's W4A4 kernels share (targets/w4a4.py)
+# ... and those kernels: each runs swizzle_blockscale and pad_nvfp4_weight_for_cutlass(alignment=32), nothing else
+W4A4_KERNELS = ("FlashInferCuteDslNvFp4LinearKernel", "FlashInferCutlassNvFp4LinearKernel",
+                "FlashInferCudnnNvFp4LinearKernel", "CutlassNvFp4LinearKernel")
+W4A16_CUTE_DSL = ("FlashInferCuteDslNvFp4W4A16LinearKernel",)
+
+
+def _auto_first(auto: str) -> tuple[str, ...]:
+    """:data:`W4A4_KERNELS` with the one vLLM's ``auto`` picks on the family first."""
+    return (auto, *(k for k in W4A4_KERNELS if k != auto))
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,8 @@ class Family:
         backend: runtime backend used on those GPUs.
         description: the GPUs, for people.
         flashinfer_versions: FlashInfer releases whose preparation this layout was checked against.
+        kernels: the vLLM 0.33 kernel classes that read this (weight-only) layout after their load.
+        w4a4_kernels: the vLLM kernels of the family's W4A4 layout, auto's first (empty: weight-only always).
     """
 
     name: str
@@ -36,17 +48,31 @@ class Family:
     backend: str
     description: str
     flashinfer_versions: tuple[str, ...]
+    kernels: tuple[str, ...]
+    w4a4_kernels: tuple[str, ...]
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
+    @property
+    def scheme_layouts(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """Per activation scheme the family serves: its layout id and vLLM kernels (W4A4 checkpoints get the W4A4
+        layout where the family has one: vLLM's auto)."""
+        layouts = {"W4A16": (self.layout_id, self.kernels)}
+        if self.w4a4_kernels:
+            layouts["W4A4"] = (W4A4_LAYOUT_ID, self.w4a4_kernels)
+        return layouts
+
 
 SM100 = Family("sm100", ("sm103", "sm107"), "sm100-cute-dsl-v1", ((10, 0), (10, 3), (10, 7)), "flashinfer",
-               "B200, GB200, B300", FLASHINFER_CHECKED)
+               "B200, GB200, B300", FLASHINFER_CHECKED, W4A16_CUTE_DSL, _auto_first("FlashInferCuteDslNvFp4LinearKernel"))
 SM120 = Family("sm120", ("sm121",), "sm120-cute-dsl-v1", ((12, 0), (12, 1)), "flashinfer",
-               "RTX 50xx, RTX PRO 6000, GB10", FLASHINFER_CHECKED)
-SM90 = Family("sm90", ("sm90a",), "sm90-triton-v2", ((9, 0),), "triton", "H100, H200", ())
+               "RTX 50xx, RTX PRO 6000, GB10", FLASHINFER_CHECKED, W4A16_CUTE_DSL,
+               _auto_first("FlashInferCutlassNvFp4LinearKernel"))
+# Hopper has no FP4 tensor cores: weight-only for every checkpoint, with the plugin's own kernel class
+SM90 = Family("sm90", ("sm90a",), "sm90-triton-v2", ((9, 0),), "triton", "H100, H200", (),
+              ("RepackSm90NvFp4LinearKernel",), ())
 
 FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90)
 ALL = "all"  # the target name that asks for every family

@@ -19,11 +19,12 @@ def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def vllm_geometry(n: int, k: int) -> LayerGeometry:
-    """vLLM's ``pad_nvfp4_weight_for_cutlass``: N and K to multiples of 64, the K padding stored in BYTES
-    (activations are padded by twice that). Shared by the sm100 and sm120 layouts."""
-    k_padded = round_up(k, PAD_ALIGNMENT)
-    return LayerGeometry(round_up(n, PAD_ALIGNMENT), k_padded, (k_padded - k) // 2)
+def vllm_geometry(n: int, k: int, alignment: int = PAD_ALIGNMENT) -> LayerGeometry:
+    """vLLM's ``pad_nvfp4_weight_for_cutlass``: N and K to multiples of ``alignment`` (64 as the W4A16 cute-dsl
+    kernel calls it; its default 32 for the W4A4 kernels), the K padding stored in BYTES (activations are padded
+    by twice that). Shared by the sm100, sm120 and W4A4 layouts."""
+    k_padded = round_up(k, alignment)
+    return LayerGeometry(round_up(n, alignment), k_padded, (k_padded - k) // 2)
 
 
 def swizzled_scale_shape(n: int, k: int) -> tuple[int, int]:

@@ -8,10 +8,12 @@ buffer itself is what a bundle persists. weight_global_scale: the float32 ``[1]`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families
+from . import families, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
@@ -43,10 +45,11 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-TARGET = Target.of(
+WEIGHT_ONLY = Target.of(
     families.SM100,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
 )
+TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

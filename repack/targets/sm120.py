@@ -14,10 +14,12 @@ weight_scale: uint8 ``[Kp/16, Np]``: linear scales transposed, each e4m3 byte re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families
+from . import families, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_2d, pad_codes, vllm_geometry
 
@@ -120,10 +122,11 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-TARGET = Target.of(
+WEIGHT_ONLY = Target.of(
     families.SM120,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
 )
+TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

@@ -52,11 +52,12 @@ from .kernels import kernel_class
 LOAD_FORMAT = "nvfp4_repack"
 
 # Per vLLM quantization method: the NVFP4 scheme's parameters that its process step reads before the
-# kernel runs (packed codes, block scales, per-partition global scale), and whether that global scale is
-# stored as the reciprocal of the multiplier (compressed-tensors) or the multiplier itself (ModelOpt).
-SCHEME_PARAMS: dict[str, tuple[str, str, str, bool]] = {
-    "modelopt_fp4": ("weight", "weight_scale", "weight_scale_2", False),
-    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", True),
+# kernel runs (packed codes, block scales, per-partition global scale, and for W4A4 the per-partition activation
+# scale), and whether the global scales are stored as reciprocals (compressed-tensors: its input_global_scale is
+# vLLM's input_global_scale_inv) or as the multipliers themselves (ModelOpt: its input_scale is input_global_scale).
+SCHEME_PARAMS: dict[str, tuple[str, str, str, bool, str]] = {
+    "modelopt_fp4": ("weight", "weight_scale", "weight_scale_2", False, "input_scale"),
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", True, "input_global_scale"),
 }
 
 
@@ -156,15 +157,18 @@ def _stored_reciprocal(multiplier: torch.Tensor) -> torch.Tensor:
 
 def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record: LayerRecord,
              multiplier: torch.Tensor) -> None:
-    """What the kernel's ``process_weights_after_loading`` leaves beside the bundle's tensors, and no repack."""
-    if target.name == "sm100":
-        from ..runtime.backends.flashinfer import sm100_scale_view
+    """What the kernel's ``process_weights_after_loading`` leaves beside the bundle's tensors, and no repack. The
+    W4A4 kernels keep nothing beside their padded weight and swizzled scales (the scheme's scalars are vLLM's own,
+    computed from the partition scales :meth:`BundleModelLoader._install` set)."""
+    if target.scheme == "W4A16":
+        if target.name == "sm100":
+            from ..runtime.backends.flashinfer import sm100_scale_view
 
-        geometry = target.geometry(record.n, record.k)
-        replace_parameter(layer, "weight_scale", sm100_scale_view(layer.weight_scale.data, geometry.n_padded,
-                                                                  geometry.k_padded))
-    replace_parameter(layer, "weight_global_scale", multiplier)
-    layer.weights_padding_cols = record.weights_padding_cols
+            geometry = target.geometry(record.n, record.k)
+            replace_parameter(layer, "weight_scale", sm100_scale_view(layer.weight_scale.data, geometry.n_padded,
+                                                                      geometry.k_padded))
+        replace_parameter(layer, "weight_global_scale", multiplier)
+        layer.weights_padding_cols = record.weights_padding_cols
     del kernel.process_weights_after_loading  # the instance hook; the class's method is untouched
 
 
@@ -210,6 +214,17 @@ def _kernels_take_input_transforms(model: nn.Module, bundle: Bundle) -> None:
         if inputs and type(method) is CompressedTensorsLinearTransformMethod and method.input_transform is not None:
             _kernel_holder(module).kernel.take_input_transform(module, bundle.transform_matrix(inputs[0].matrix))
             method.input_transform = None
+
+
+def _check_w4a4_kernel(bundle: Bundle, chosen: str) -> None:
+    """A W4A4 bundle keeps the kernel vLLM picked (its ``auto``: cute-dsl on sm10x, FlashInfer CUTLASS on sm12x)
+    when that kernel reads the bundle's layout; any other (Marlin, TRT-LLM, a weight-only kernel) is refused."""
+    if chosen not in bundle.target.kernels:
+        raise RepackError(
+            f"{bundle.root}: vLLM chose {chosen} for this W4A4 bundle, but its {bundle.manifest.layout_id} layout is "
+            f"read by {', '.join(bundle.target.kernels)} only; serve it with --linear-backend auto, or re-convert "
+            f"with --weight-only"
+        )
 
 
 class BundleModelLoader(BaseModelLoader):
@@ -268,7 +283,7 @@ class BundleModelLoader(BaseModelLoader):
         for name in bundle.manifest.passthrough:
             yield name, bundle.read(name)
 
-    def _install(self, module: nn.Module, prefix: str, bundle: Bundle, names: tuple[str, str, str, bool]) -> None:
+    def _install(self, module: nn.Module, prefix: str, bundle: Bundle, names: tuple[str, str, str, bool, str]) -> None:
         """Give one vLLM layer the bundle's tensors and its target's kernel, and hook that kernel's post-load."""
         record = bundle.layer(prefix)
         if (module.output_size_per_partition, module.input_size_per_partition) != (record.n, record.k):
@@ -277,19 +292,25 @@ class BundleModelLoader(BaseModelLoader):
                 f"K={module.input_size_per_partition}] on this rank but the bundle's is [N={record.n}, K={record.k}]"
             )
         holder = _kernel_holder(module)
-        wanted = kernel_class(bundle.target)
-        if type(holder.kernel) is not wanted:  # e.g. Marlin (vLLM's sm12x default) or a W4A4 kernel
-            module.__dict__.pop("_input_quant_key", None)
-            holder.kernel = wanted(NvFp4LinearLayerConfig())
-            expose_input_quant_key(module, holder.kernel)
+        if bundle.target.scheme == "W4A4":
+            _check_w4a4_kernel(bundle, type(holder.kernel).__name__)
+        else:
+            wanted = kernel_class(bundle.target)
+            if type(holder.kernel) is not wanted:  # e.g. Marlin (vLLM's sm12x default) or a W4A4 kernel
+                module.__dict__.pop("_input_quant_key", None)
+                holder.kernel = wanted(NvFp4LinearLayerConfig())
+                expose_input_quant_key(module, holder.kernel)
         runtime = bundle.runtime_layer(prefix)
-        packed, scales, partition_scale, reciprocal = names
+        packed, scales, partition_scale, reciprocal, input_scale = names
         device = getattr(module, packed).device
         getattr(module, packed).data = runtime.weight.to(device)
         getattr(module, scales).data = runtime.weight_scale.to(device)
         multiplier = runtime.weight_global_scale.to(device)
         getattr(module, partition_scale).data.fill_(float(_stored_reciprocal(multiplier) if reciprocal
                                                           else multiplier))
+        if bundle.target.scheme == "W4A4":  # the scheme's max over these is the bundle's scale (or inverse)
+            stored = runtime.input_global_scale_inv if reciprocal else runtime.input_global_scale
+            getattr(module, input_scale).data.fill_(float(stored))
         kernel = holder.kernel
 
         def restore(layer: nn.Module) -> None:

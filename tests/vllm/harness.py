@@ -2,19 +2,23 @@
 every fused linear layer holds after process_weights_after_loading.
 
 Runs in the vLLM virtualenv (tests/vllm/make_env.sh), never in the project's env, and imports nothing
-from the project. Only four GPU-only leaf calls are replaced (the blocks marked PATCH); vLLM's config,
-model construction, weight loading and fusion, the quantization scheme's post-processing, padding,
-swizzle and FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
+from the project. Only GPU-only leaf calls are replaced (the five blocks marked PATCH, one of them the emulated
+capability the W4A4 kernels' is_supported read); vLLM's config, model construction, kernel selection (its auto,
+for W4A4 jobs), weight loading and fusion, the quantization scheme's post-processing, padding, swizzle and
+FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
 the versions are pinned, so that an upgrade fails loudly instead of testing something else.
 
-    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR     (ARCH: sm100 | sm120)
+    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
+        ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
+        among its W4A4 kernels for that capability)
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
 ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
-online transforms each ``P.<scheme>_<location>.weight.partitions.I``) and ``OUT/rank-R.json``
-(``weights_padding_cols``, the view's shape/stride/offset, the kernel class), or ``OUT/NAME/refused.txt`` with
-vLLM's error when it refuses. Between jobs it clears the one piece of class-wide state a load leaves
-(``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
+online transforms each ``P.<scheme>_<location>.weight.partitions.I``; W4A4 jobs: every tensor the layer holds,
+each as its whole storage's bytes) and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's
+shape/stride/offset, the kernel class; W4A4 jobs: each tensor's dtype/shape/stride/offset and the layer's
+non-tensor state), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses. Between jobs it clears the one
+piece of class-wide state a load leaves (``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
 """
 
 from __future__ import annotations
@@ -45,13 +49,17 @@ from vllm.distributed import (  # noqa: E402
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.kernels import linear as vlinear  # noqa: E402
 from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: E402
 from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vfi  # noqa: E402
 from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import (  # noqa: E402
     HadamardTransform,
 )
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
+from vllm.model_executor.layers.quantization.utils import nvfp4_utils  # noqa: E402
 from vllm.platforms import PlatformEnum  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
 
 assert vllm.__version__ == "0.33.0", vllm.__version__
 assert flashinfer.__version__ == "0.7.2.post1", flashinfer.__version__
@@ -59,6 +67,12 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 
 KERNEL = vfi.FlashInferCuteDslNvFp4W4A16LinearKernel
 ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute._prepare_cute_dsl_sm12x)}
+# vLLM's auto order for W4A4 on CUDA starts with these two: cute-dsl answers on sm10x, FlashInfer's CUTLASS on
+# any other >= sm100 (sm12x). The CPU platform gets exactly this head of the CUDA list for W4A4 jobs.
+W4A4_KERNELS = [vfi.FlashInferCuteDslNvFp4LinearKernel, vfi.FlashInferCutlassNvFp4LinearKernel]
+NVFP4_KERNELS = vlinear._POSSIBLE_NVFP4_KERNELS
+assert NVFP4_KERNELS[PlatformEnum.CUDA][:2] == W4A4_KERNELS, NVFP4_KERNELS[PlatformEnum.CUDA][:2]
+assert hasattr(nvfp4_utils, "cutlass_fp4_supported") and hasattr(CpuPlatform, "get_device_capability")
 FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
@@ -71,9 +85,35 @@ register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU
 _current = {"arch": "sm100"}  # the job being loaded: which capability and FlashInfer layout to emulate
 
 
+def is_w4a4(arch: str) -> bool:
+    return arch.endswith("-w4a4")
+
+
+def select(arch: str) -> tuple[str, str]:
+    """``(FlashInfer arch, linear_backend)`` of a job, and the CPU platform's NVFP4 kernels set to match."""
+    NVFP4_KERNELS[PlatformEnum.CPU][:] = W4A4_KERNELS if is_w4a4(arch) else [KERNEL]
+    _current["arch"] = arch.removesuffix("-w4a4")
+    return _current["arch"], "auto" if is_w4a4(arch) else "flashinfer_cutedsl"
+
+
 def patch() -> None:
     def cc() -> int:
         return ARCH[_current["arch"]][0]
+
+    # PATCH W4A4: the W4A4 kernels' is_supported read the platform's capability and (FlashInfer CUTLASS)
+    # cutlass_fp4_supported(), False on a CPU build; run vLLM's own checks with the platform answering the
+    # emulated capability and CUTLASS FP4 present (as a CUDA 12.8+ build answers on sm100 / sm120).
+    for kernel in W4A4_KERNELS:
+        def emulated(cls, compute_capability=None, _original=kernel.is_supported.__func__):
+            saved, fp4 = CpuPlatform.get_device_capability, nvfp4_utils.cutlass_fp4_supported
+            CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(cc() // 10, 0))
+            nvfp4_utils.cutlass_fp4_supported = lambda: True
+            try:
+                return _original(cls, compute_capability)
+            finally:
+                CpuPlatform.get_device_capability, nvfp4_utils.cutlass_fp4_supported = saved, fp4
+
+        kernel.is_supported = classmethod(emulated)
 
     # PATCH 1: is_supported answers "requires CUDA" on CPU; run the original with the emulated capability.
     original = KERNEL.is_supported.__func__
@@ -111,6 +151,38 @@ def transform_state(layer, prefix: str) -> dict[str, torch.Tensor]:
             for i, part in sorted(child.weight.partitions.items())}
 
 
+NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths",
+              "is_w4a16_nvfp4")
+
+
+def layer_tensors(layer) -> dict[str, torch.Tensor]:
+    """Every tensor a layer holds after its load: parameters, buffers and plain tensor attributes."""
+    found = {**dict(layer.named_parameters(recurse=False)), **dict(layer.named_buffers(recurse=False))}
+    found.update({k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor)})
+    return found
+
+
+def dump_w4a4(model, out: Path, rank: int) -> None:
+    """Every tensor of every fused NVFP4 layer as its whole storage's bytes, with its view in the json."""
+    tensors, meta = {}, {}
+    for li in range(len(model.model.layers)):
+        for fused in FUSED:
+            prefix = f"model.layers.{li}.{fused}"
+            layer = model.get_submodule(prefix)
+            kernel = getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
+            info = {"kernel": type(kernel).__name__, "tensors": {}}
+            info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+            for name, value in sorted(layer_tensors(layer).items()):
+                storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+                tensors[f"{prefix}.{name}"] = storage.clone()
+                info["tensors"][name] = {"class": type(value).__name__, "dtype": str(value.dtype).replace("torch.", ""),
+                                         "shape": list(value.shape), "stride": list(value.stride()),
+                                         "offset": value.storage_offset()}
+            meta[prefix] = info
+    save_file(tensors, out / f"rank-{rank}.safetensors")
+    (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
+
+
 def dump(model, out: Path, rank: int) -> None:
     tensors, meta = {}, {}
     for li in range(len(model.model.layers)):
@@ -139,13 +211,13 @@ def dump(model, out: Path, rank: int) -> None:
 
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     """One model build (one VllmConfig each: attention layers register their names in it)."""
-    _current["arch"] = arch
+    _, backend = select(arch)
     # a fresh process's state: vLLM normalizes each transform tensor once per data_ptr, remembered class-wide, so
     # a later model's tensor at a freed address would be left unnormalized
     HadamardTransform.scaled_data_ptrs.clear()
     cfg = EngineArgs(
         model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
-        linear_backend="flashinfer_cutedsl", tensor_parallel_size=tp, distributed_executor_backend="mp",
+        linear_backend=backend, tensor_parallel_size=tp, distributed_executor_backend="mp",
     ).create_engine_config()
     with set_current_vllm_config(cfg):
         if not torch.distributed.is_initialized():  # once per process, inside a config as vLLM wants
@@ -153,7 +225,7 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")
             initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
-        dump(model, out, rank)
+        (dump_w4a4 if is_w4a4(arch) else dump)(model, out, rank)
 
 
 def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:

@@ -3,7 +3,7 @@
     python -m pytest tests/vllm/plugin_checks.py      # in tests/vllm/make_env.sh's env, PYTHONPATH=<repo>
 
 (tests/test_vllm_plugin.py runs it so from the project's suite.) Oracle: vLLM's ``DefaultModelLoader`` on the
-source checkpoint, through harness.py's four patches (q/k/v and gate/up fusion, TP sharding, the schemes'
+source checkpoint, through harness.py's patches (q/k/v and gate/up fusion, TP sharding, the schemes'
 post-processing, padding, swizzle and FlashInfer's per-arch preparation all run unmodified). The model the
 plugin loads from the bundle, after the source's safetensors are deleted, must hold the same state: every
 parameter and buffer (class, dtype, shape, strides, storage offset, the bytes of its whole storage, so a view is
@@ -68,12 +68,14 @@ def world(tp_size: int = 1, rank: int = 0, init_file: str | None = None) -> Iter
         destroy_distributed_environment()
 
 
-def load(model: str | Path, load_format: str, target: str, tp_size: int = 1) -> nn.Module:
-    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces)."""
-    harness._current["arch"] = "sm120" if target == "sm120" else "sm100"
+def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a4: bool = False) -> nn.Module:
+    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces);
+    ``w4a4``: vLLM's auto among its W4A4 kernels (else the W4A16 cute-dsl kernel, forced)."""
+    arch = "sm120" if target == "sm120" else "sm100"
+    _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
     config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
-                        load_format=load_format, linear_backend="flashinfer_cutedsl",
+                        load_format=load_format, linear_backend=backend,
                         tensor_parallel_size=tp_size).create_engine_config()
     with set_current_vllm_config(config):
         return get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
@@ -120,6 +122,7 @@ def layer_state(model: nn.Module) -> dict[str, object]:
 
 
 FIXTURES = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
+W4A4_FIXTURES = ["modelopt_nvfp4", "ct_nvfp4"]
 # vLLM's Llama fusion (packed_modules_mapping), written out independently of the planner under test.
 PARTITIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -147,9 +150,10 @@ def _differences(got: dict, expected: dict) -> list[str]:
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    """--weight-only bundles (W4A4 checkpoints too) against vLLM's load with the W4A16 cute-dsl kernel."""
     source = _source(tmp_path, fixture)
     bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True)
+    convert(source, target, bundle, fuse=True, weight_only=True)
     expected = layer_state(load(source, "safetensors", target))
     _delete_weights(source)
     got = layer_state(load(bundle, LOAD_FORMAT, target))
@@ -206,19 +210,46 @@ def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, m
     assert "through QutlassNvFP4LinearMethod" in message and "--load-format auto" in message
 
 
-def _tp2_rank(rank: int, cases: list[tuple[str, str, str]], init_file: str, results: str) -> None:
+AUTO_W4A4 = {"sm100": "FlashInferCuteDslNvFp4LinearKernel", "sm120": "FlashInferCutlassNvFp4LinearKernel"}
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", W4A4_FIXTURES)
+def test_w4a4_plugin_state_equals_vllm_auto_load(vllm_world, tmp_path, fixture, target):
+    """A W4A4 bundle (the default for these checkpoints) against vLLM's auto W4A4 load of the source: every
+    parameter (input_global_scale, its inverse and alpha included) and the kernel class auto picks."""
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    _delete_weights(source)
+    got = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    assert expected["model.layers.0.self_attn.qkv_proj:kernel"] == AUTO_W4A4[target]
+    assert "model.layers.0.self_attn.qkv_proj.alpha" in expected
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+def test_w4a4_bundle_refuses_a_kernel_of_another_layout(vllm_world, tmp_path):
+    convert(PRODUCERS / "ct_nvfp4", "sm100", tmp_path / "bundle", fuse=True)
+    with pytest.raises(RepackError) as caught:
+        load(tmp_path / "bundle", LOAD_FORMAT, "sm100")  # the CPU list holds only the W4A16 kernel: vLLM picks it
+    assert "\n" not in str(caught.value)
+    assert "vLLM chose FlashInferCuteDslNvFp4W4A16LinearKernel for this W4A4 bundle" in str(caught.value)
+
+
+def _tp2_rank(rank: int, cases: list[tuple[str, str, str, bool]], init_file: str, results: str) -> None:
     """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's."""
     import torch.distributed as dist
 
     out = {}
     with world(tp_size=2, rank=rank, init_file=init_file):
-        for source, bundle, target in cases:
-            expected = layer_state(load(source, "safetensors", target, tp_size=2))
+        for source, bundle, target, w4a4 in cases:
+            expected = layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4))
             dist.barrier()
             if rank == 0:
                 _delete_weights(Path(source))
             dist.barrier()
-            got = layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2))
+            got = layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4))
             out[Path(source).parent.name] = _differences(got, expected) or (
                 [] if any(k.endswith("qkv_proj:kernel") for k in got) else ["no fused layer loaded"])
     Path(results, f"rank-{rank}.json").write_text(json.dumps(out))
@@ -232,7 +263,8 @@ def _tp2_llama(root: Path, fmt: str, gen: torch.Generator, w4a4: bool = False) -
 
 
 def test_plugin_state_equals_vllm_load_tp2(tmp_path):
-    """Both formats and both targets at TP = 2, in one two-process world (each process imports vLLM once)."""
+    """Both formats and both targets at TP = 2, weight-only and W4A4 (vLLM's auto W4A4 kernels), in one
+    two-process world (each process imports vLLM once)."""
     seed = int(torch.randint(0, 2**31, ()))
     print(f"seed={seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -241,11 +273,16 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
         for target in ("sm100", "sm120"):
             case = tmp_path / f"{fmt}-{target}"
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
-            convert(source, target, case / "bundle", fuse=True, tp=2)
-            cases.append((str(source), str(case / "bundle"), target))  # OUT itself, as `vllm serve OUT` is given
+            convert(source, target, case / "bundle", fuse=True, tp=2, weight_only=True)
+            cases.append((str(source), str(case / "bundle"), target, False))  # OUT itself, as `vllm serve OUT` is given
+    for fmt, target in (("modelopt", "sm100"), ("compressed-tensors", "sm120")):  # W4A4 bundles, the default
+        case = tmp_path / f"w4a4-{fmt}-{target}"
+        source = _tp2_llama(case / "source", fmt, gen, w4a4=True)
+        convert(source, target, case / "bundle", tp=2)
+        cases.append((str(source), str(case / "bundle"), target, True))
     sample = shutil.copytree(SAMPLE_DIR, tmp_path / "sample" / "source")  # the docs' serving example, as written
-    convert(sample, "sm100", tmp_path / "sample" / "bundle", fuse=True, tp=2)
-    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100"))
+    convert(sample, "sm100", tmp_path / "sample" / "bundle", fuse=True, tp=2)  # a weight-only checkpoint
+    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100", False))
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())

@@ -1,5 +1,7 @@
 """GEMM backends. Each is ``linear(x, weight, weight_scale, weight_global_scale, n, k, target) -> y``:
-x bf16 ``[M, K]`` (logical K), the target's runtime tensors, output bf16 ``[M, N]`` (logical N). ``triton`` also
+x bf16 ``[M, K]`` (logical K), the target's runtime tensors, output bf16 ``[M, N]`` (logical N). ``target`` is the
+layout's ``Target.layout_key``: for the W4A4 layout (its id) ``weight_global_scale`` is ``[alpha,
+input_global_scale_inv]`` and the backend quantizes x to NVFP4 (``reference.w4a4_scales``). ``triton`` also
 takes the layer's online input transform (``input_transform=``) where ``fuses_input_transform`` says it applies it
 itself; every other transform runs before the backend, as ``block_transform``.
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...targets.layout import vllm_geometry
+from ...targets.layout import round_up, vllm_geometry
+from ...targets.w4a4 import ALIGNMENT as W4A4_ALIGNMENT
+from ...targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 
 
 def sm100_scale_view(weight_scale: torch.Tensor, n_padded: int, k_padded: int) -> torch.Tensor:
@@ -23,6 +25,8 @@ def sm100_scale_view(weight_scale: torch.Tensor, n_padded: int, k_padded: int) -
 
 
 def linear(x, weight, weight_scale, weight_global_scale, n: int, k: int, target: str) -> torch.Tensor:
+    if target == W4A4_LAYOUT:
+        return linear_w4a4(x, weight, weight_scale, weight_global_scale, n, k)
     from flashinfer.gemm import mm_bf16_fp4
 
     shape = vllm_geometry(n, k)
@@ -34,4 +38,20 @@ def linear(x, weight, weight_scale, weight_global_scale, n: int, k: int, target:
         weight_global_scale,
         backend="cute-dsl",
     )
+    return y[:, :n]
+
+
+def linear_w4a4(x, weight, weight_scale, scales, n: int, k: int) -> torch.Tensor:
+    """FP4 x FP4, as vLLM's FlashInfer W4A4 kernels call it (``scales``: ``[alpha, input_global_scale_inv]``):
+    ``fp4_quantize`` with swizzled scales on the K-padded activations, then ``mm_fp4`` with ``alpha``. The cute-dsl
+    backend on sm10x, CUTLASS elsewhere (vLLM's auto). NOT RUN: written without a Blackwell GPU."""
+    from flashinfer import fp4_quantize, mm_fp4
+
+    padded = round_up(k, W4A4_ALIGNMENT)
+    x_padded = F.pad(x, (0, padded - k)) if padded != k else x
+    x_fp4, x_scale = fp4_quantize(x_padded.contiguous(), scales[1:2], is_sf_swizzled_layout=True)
+    backend = "cute-dsl" if torch.cuda.get_device_capability(x.device)[0] == 10 else "cutlass"
+    b_scale = weight_scale if backend == "cute-dsl" else weight_scale.view(torch.uint8)
+    a_scale = x_scale if backend == "cute-dsl" else x_scale.view(torch.uint8)
+    y = mm_fp4(x_fp4, weight.t(), a_scale, b_scale.t(), scales[0:1], torch.bfloat16, backend=backend)
     return y[:, :n]
