@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import BUNDLE_FORMAT_VERSION, __version__
-from .bundle.layers import LayerPlan, OutputLayer, assemble, plan_layers, rescale_error, whole_piece
+from .bundle.layers import (
+    LayerPlan, OutputLayer, assemble, layer_transforms, plan_layers, rescale_error, whole_piece,
+)
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
     TransformRecord, read_output_record,
@@ -211,7 +213,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             global_scale=writing.global_scales[prefix],
             tensors={t.part: records.pop(t.name) for t in plan.units[prefix]},
             transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
-                        for t in source.transforms.layers.get(prefix, ())],
+                        for t in layer_transforms(source.transforms, layer)],
             partitions=_partitions(layer),
             rescale_error=writing.output.rescale_errors.get(prefix),
         )

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .bundle.layers import OutputLayer, Piece, assemble, rescale_error, whole_piece
+from .bundle.layers import OutputLayer, Piece, assemble, layer_transforms, rescale_error, whole_piece
 from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record
 from .bundle.reader import Bundle, open_bundle
 from .convert import rank_folder
@@ -302,11 +302,15 @@ def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[Ten
     return checks, reference
 
 
-def _check_layer_transforms(bundle: Bundle, src: SourceModel, prefix: str, check: TensorCheck) -> None:
-    have = [(t.location, t.matrix, t.block_size) for t in bundle.manifest.layers[prefix].transforms]
-    want = [(t.location, t.matrix.name, t.matrix.size) for t in src.transforms.layers.get(prefix, ())]
+def _check_layer_transforms(bundle: Bundle, src: SourceModel, planned: OutputLayer, check: TensorCheck) -> None:
+    have = [(t.location, t.matrix, t.block_size) for t in bundle.manifest.layers[planned.prefix].transforms]
+    try:
+        want = [(t.location, t.matrix.name, t.matrix.size) for t in layer_transforms(src.transforms, planned)]
+    except RepackError as exc:
+        check.fail(str(exc))
+        return
     if have != want:
-        check.fail(f"{prefix}: online transforms {have} are not the source's {want}")
+        check.fail(f"{planned.prefix}: online transforms {have} are not the source's {want}")
 
 
 def numerics_sample(layers: dict[str, LayerRecord], gen: torch.Generator) -> set[str]:
@@ -386,7 +390,7 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
             _check_exact(decoded, reference, prefix, check)
             if any(p.scale_ratio != 1.0 for p in planned.pieces):
                 _check_departure(src, planned, reference, record, check)
-        _check_layer_transforms(bundle, src, prefix, check)
+        _check_layer_transforms(bundle, src, planned, check)
         if input_scale is not None:
             input_scale = _check_input_scale(src, planned, input_scale, check)
     for t in record.transforms:  # whether or not numerics run on this layer

@@ -15,6 +15,7 @@ from repack.bundle.manifest import OUTPUT_RECORD
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.bundle.reader import open_bundle
 from repack.runtime import load_bundle
 from repack.sample.synthetic import llama_layers, write_llama
 from repack.verify import verify_output
@@ -249,13 +250,19 @@ def test_tp_below_one_is_a_usage_error(tmp_path, capsys, tp):
     assert list(tmp_path.iterdir()) == [tmp_path / "m"]
 
 
-@pytest.mark.parametrize("options", [{"fuse": True}, {"tp": 2}])
-def test_fusion_and_tp_refuse_online_transforms(tmp_path, options):
-    """A fused or sharded layer would need its partitions' rotations merged or cut: refused, never dropped."""
+def test_tp_refuses_online_transforms_as_vllm_does(tmp_path, capsys):
+    """vLLM 0.33's HadamardTransform raises under tensor parallelism (tests/test_vllm_conformance.py compares the
+    two refusals): one line, nothing written; --fuse alone converts (vLLM's layout at TP = 1)."""
+    from repack.cli import main
+
     source = Path(__file__).parent / "data" / "producers" / "ct_quip_v_had16_nvfp4a16"
-    with pytest.raises(RepackError, match="not supported yet for checkpoints with online transforms"):
-        convert(source, "sm100", tmp_path / "out", **options)
-    assert not (tmp_path / "out").exists()
+    code = main(["convert", str(source), "-t", "sm100", "--tp", "2", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("Error: --tp 2: vLLM 0.33 does not support online transforms")
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+    convert(source, "sm100", tmp_path / "fused", fuse=True)
+    records = open_bundle(tmp_path / "fused").manifest.layers
+    assert [t.location for t in records["model.layers.0.self_attn.qkv_proj"].transforms] == ["input"]
 
 
 def test_tp_reads_each_source_layer_once_and_installs_the_ranks_together(tmp_path, monkeypatch):

@@ -82,3 +82,44 @@ def test_transformed_model_on_gpu(gpu_bundle):
         got = patched(TOKENS.cuda()).logits.double().cpu()
         ref = transformed_reference(fixture)(TOKENS).logits.double()
     assert rel_error(got, ref) < MODEL_REL_TOL
+
+
+@pytest.mark.parametrize("fixture", ["ct_quip_v_had16_nvfp4a16", FIXTURE, WHOLE_K])
+def test_vllm_kernel_class_route_on_sm90(tmp_path, fixture):
+    """What RepackSm90NvFp4LinearKernel.apply_weights runs for a fused sm90 transform bundle that vLLM serves
+    (``nvfp4_matmul`` with the layer's input transform: in the kernels' pre-pass for blocks of 16-128, with the
+    Walsh-Hadamard factors of a Sylvester matrix at M = 1; before them otherwise) = float64 (x T_in) W^T."""
+    from repack.bundle.reader import open_bundle
+    from repack.bundle.layers import source_function
+    from repack.runtime.backends import fuses_input_transform, prepare_backend
+    from repack.runtime.op import nvfp4_matmul
+    from repack.runtime.transforms import walsh_factors
+    from repack.verify import output_layer
+
+    if gpu_target().name != "sm90":
+        pytest.skip("the sm90 Triton kernels")
+    convert(PRODUCERS / fixture, "sm90", tmp_path / "bundle", fuse=True)
+    bundle, source = open_bundle(tmp_path / "bundle"), read_source(PRODUCERS / fixture)
+    seen = set()
+    for prefix, record in bundle.manifest.layers.items():
+        inputs = [t for t in record.transforms if t.location == "input"]
+        if not inputs:
+            continue
+        matrix = bundle.transform_matrix(inputs[0].matrix).cuda()
+        fuse = fuses_input_transform("triton", matrix)
+        walsh = walsh_factors(matrix) if fuse else None
+        seen.add((fuse, walsh is not None))
+        planned = output_layer(prefix, record)
+        weight = source_function(source, planned)
+        first = source.transforms.layers[planned.pieces[0].source][0].matrix
+        exact = load_matrix(source.checkpoint, first) / first.scale
+        tensors = [v.cuda() for v in bundle.runtime_layer(prefix).tensors().values()]  # weight, scale, global
+        # eager calls take the prepared launch (bound with the fused transform), traced ones the op
+        launch = prepare_backend("triton", *tensors, record.n, record.k, "sm90", matrix if fuse else None, walsh)
+        for m, prepared in ((1, launch), (1, None), (5, launch), (33, None)):
+            x = torch.randn(m, record.k).to(torch.bfloat16)
+            y = nvfp4_matmul(x.cuda(), *tensors, record.n, record.k, "sm90", "triton", prepared=prepared,
+                             input_transform=matrix, fuse_input=fuse, input_walsh=walsh.key() if walsh else "")
+            assert rel_error(y.cpu(), blockdiag64(x.double(), exact) @ weight.t()) < BF16_REL_TOL, (prefix, m)
+    assert seen == {"ct_quip_v_had16_nvfp4a16": {(True, True)}, FIXTURE: {(True, True)},
+                    WHOLE_K: {(False, False)}}[fixture], seen

@@ -59,8 +59,11 @@ class Served:
 
 # Synthetic checkpoints: (format, W4A4, layers) of Llama-3-8B's decoder shapes, vocab 32000, served on TRITON_ATTN.
 SYNTHETIC = {"ct-w4a16-8b": ("compressed-tensors", False, 2), "modelopt-w4a4-8b": ("modelopt", True, 1)}
-# The producers' own fixtures (head_dim 16, below TRITON_ATTN's 32): served on FLEX_ATTENTION.
+# The producers' own fixtures (head_dim 16, below TRITON_ATTN's 32): served on FLEX_ATTENTION. The rotated ones
+# (docs/transforms-serving.md) run their input transform inside RepackSm90NvFp4LinearKernel: a Walsh-Hadamard block
+# of 16, one of 32 with vLLM's output transform after it, and SpinQuant's whole-K R4 (not fused: before the GEMM).
 FIXTURES = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
+ROTATED = ["ct_quip_v_had16_nvfp4a16", "ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"]
 
 
 def serve_case(name: str, tmp_path: Path, seed: int) -> Served:
@@ -120,10 +123,10 @@ def patched_gaps(case: Served, prompts: list[list[int]], greedy: list[list[int]]
     return (logprobs.max(-1).values - chosen).cpu()
 
 
-@pytest.mark.parametrize("name", [*SYNTHETIC, *FIXTURES])
+@pytest.mark.parametrize("name", [*SYNTHETIC, *FIXTURES, *ROTATED])
 def test_bundle_serves_like_the_source(tmp_path, random_seed, name):
     """Both producer formats, W4A16 and W4A4 (served weight-only): Llama-3-8B-shaped layers and the producers'
-    fixtures."""
+    fixtures, with and without online transforms (the bf16 reference folds them into its weights)."""
     case = serve_case(name, tmp_path, random_seed)
     prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, case.vocab, torch.Generator().manual_seed(random_seed))
     got = served_by_vllm(case, prompts)

@@ -161,6 +161,26 @@ def test_patched_model_matches_both_references(tmp_path, fixture, target):
     assert rel_error(wrong, reference_logits(fixture, "float reference")) > 0.2, "the transforms matter"
 
 
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
+    """--fuse: each fused module carries its partitions' one input (and output) transform; patch_model runs the
+    fused bundle as the float reference computes (vLLM's state: tests/test_vllm_conformance.py)."""
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / fixture, "sm120", out, fuse=True)
+    manifest = open_bundle(out).manifest
+    source = read_source(PRODUCERS / fixture)
+    for prefix, record in manifest.layers.items():
+        own = {(t.location, t.matrix.name)
+               for p in record.partitions for t in source.transforms.layers.get(p.source, ())}
+        assert {(t.location, t.matrix) for t in record.transforms} == own, prefix
+    assert verify_bundle(out, seed=0).passed
+    patched = dequantized_llama(fixture).to(torch.bfloat16)
+    patch_model(patched, out)
+    with torch.no_grad():
+        got = patched(TOKENS).logits.double()
+    assert rel_error(got, reference_logits(fixture, "float reference")) < MODEL_REL_TOL
+
+
 @pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)
 def test_dense_weight_folds_the_online_transforms(fixture):
     """``SourceModel.dense_weight``, the docs' reference model for a checkpoint with online transforms: a dense
@@ -295,6 +315,39 @@ def test_unsupported_or_broken_transforms_are_refused(make_model, tmp_path, grou
     with pytest.raises(RepackError, match=message):
         convert(model.path, "sm90", tmp_path / "b")
     assert not (tmp_path / "b").exists()
+
+
+def paley(q: int) -> torch.Tensor:
+    """A Hadamard matrix of order q + 1 (Paley's first construction, q a prime = 3 mod 4): not Sylvester's."""
+    i = torch.arange(q)
+    squares = set(((i * i) % q).tolist()) - {0}
+    diff = (i[None, :] - i[:, None]) % q
+    jacobsthal = torch.tensor([[0.0 if d == 0 else (1.0 if d in squares else -1.0) for d in row]
+                               for row in diff.tolist()])
+    core = torch.cat([torch.cat([torch.zeros(1, 1), torch.ones(1, q)], 1),
+                      torch.cat([-torch.ones(q, 1), jacobsthal], 1)])
+    return (torch.eye(q + 1) + core).double()
+
+
+def test_matrix_is_cast_then_divided_as_vllm_does(make_model, tmp_path):
+    """vLLM 0.33's HadamardTransform loads the +-1 matrix in the model dtype, then divides it in place by sqrt(b):
+    a bundle stores those bytes. In bf16 and fp16 that is the rounded float64 quotient for every b <= 4096; in a
+    float32 model not for every b, e.g. 24."""
+    ones = torch.ones(1, dtype=torch.float64)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert all(torch.equal((ones / math.sqrt(b)).to(dtype), ones.to(dtype).div_(math.sqrt(b)))
+                   for b in range(1, 4097))
+    model = make_model(shapes=[(48, 96)])
+    h = paley(23)
+    assert torch.equal(h @ h.t(), 24 * torch.eye(24, dtype=torch.float64))
+    add_transforms(model, {"v": scheme(head_dim=24)}, {f"{FIRST}.v_input.weight": h})
+    config = json.loads((model.path / "config.json").read_text())
+    (model.path / "config.json").write_text(json.dumps(config | {"torch_dtype": "float32"}))
+    convert(model.path, "sm100", tmp_path / "b")
+    stored = load_file(tmp_path / "b" / "model.safetensors")[f"{FIRST}.v_input.weight"]
+    assert torch.equal(stored, h.float().div_(math.sqrt(24)))
+    assert not torch.equal(stored, (h / math.sqrt(24)).float()), "24 is a size where the two differ"
+    assert verify_bundle(tmp_path / "b", seed=0).passed
 
 
 def test_weight_side_transforms_need_nothing_at_run_time(make_model, tmp_path):

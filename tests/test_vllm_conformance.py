@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from repack.bundle.reader import open_bundle
 from repack.convert import convert
@@ -26,7 +26,7 @@ from repack.errors import RepackError
 from repack.sample.synthetic import write_llama
 from repack.verify import verify_output
 
-from .conftest import IN_CI, PRODUCERS
+from .conftest import IN_CI, PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES
 
 HERE = Path(__file__).parent / "vllm"
 VENV = Path(os.environ.get("NVFP4_REPACK_VLLM_VENV", Path(__file__).parent.parent / ".venv-vllm"))
@@ -37,6 +37,40 @@ PRODUCER_FIXTURES = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "c
 SYNTHETIC = {"odd": (80, 5, 1, 48), "tp": (96, 6, 1, 96)}
 SYNTHETIC_FORMATS = {"modelopt": False, "compressed-tensors": True}  # format -> W4A4 (one of each)
 W4A4_FIXTURES = ["modelopt_nvfp4", "ct_nvfp4"]  # and the synthetic "<shape>-<format>-w4a4", W4A4 in both formats
+
+
+# Online-transform checkpoints: the producer fixtures, and variants of one that vLLM cannot hold as they mean
+# (TRANSFORM_VARIANTS). vLLM refuses every one of them at TP = 2.
+TRANSFORM_BASE = "ct_quip_v_had16_nvfp4a16"
+TRANSFORM_VARIANTS = ("partial-input", "split-input", "randomized", "orthogonal-matrix")
+TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VARIANTS)
+
+
+def transform_variant(root: Path, variant: str, seed: int = 0) -> Path:
+    """``TRANSFORM_BASE`` with its ``v`` rotation changed: ``partial-input`` leaves k_proj out (q and v, fused
+    with it, keep theirs), ``split-input`` gives k_proj the same rotation through an apply entry of its own,
+    ``randomized`` adds compressed-tensors' permutation, ``orthogonal-matrix`` makes it a
+    random-matrix transform with a random orthogonal matrix (condition number 1: convert accepts it unfused)."""
+    gen = torch.Generator().manual_seed(seed)
+    root.mkdir(parents=True)
+    config = json.loads((PRODUCERS / TRANSFORM_BASE / "config.json").read_text())
+    tensors = load_file(PRODUCERS / TRANSFORM_BASE / "model.safetensors")
+    v = config["quantization_config"]["transform_config"]["config_groups"]["v"]
+    stored = "model.layers.0.self_attn.q_proj.v_input"
+    if variant in ("partial-input", "split-input"):
+        v["apply"][0]["ignore"].append("re:.*k_proj$")
+        if variant == "split-input":
+            v["apply"].append(dict(v["apply"][0], targets=["re:.*k_proj$"], ignore=[]))
+    elif variant == "randomized":
+        v["randomize"] = True
+        tensors[f"{stored}.perm"] = torch.randperm(16, generator=gen)
+    else:
+        v["type"] = "random-matrix"
+        orthogonal = torch.linalg.qr(torch.randn(16, 16, generator=gen, dtype=torch.float64))[0]
+        tensors[f"{stored}.weight"] = orthogonal.contiguous()
+    (root / "config.json").write_text(json.dumps(config))
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    return root
 
 
 def _vllm_python() -> Path:
@@ -63,6 +97,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
                                     generator=gen, layers=2, w4a4=w4a4)
             out[f"{name}-w4a4"] = write_llama(root / f"{name}-w4a4", fmt, hidden=hidden, heads=heads, kv_heads=kv,
                                               intermediate=inter, generator=gen, layers=2, w4a4=True)
+    out.update({name: PRODUCERS / name for name in TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES)})
+    out.update({name: transform_variant(root / name, name, seed) for name in TRANSFORM_VARIANTS})
     return out
 
 
@@ -79,6 +115,8 @@ def _jobs(names: list[str]) -> list[tuple[str, str]]:
 TP1 = _jobs(PRODUCER_FIXTURES + [f"odd-{f}" for f in SYNTHETIC_FORMATS])
 TP2 = _jobs([f"tp-{f}" for f in SYNTHETIC_FORMATS]) + [
     (name, "sm100") for name in PRODUCER_FIXTURES[::2] + [f"odd-{f}" for f in SYNTHETIC_FORMATS]]
+TRANSFORMED_TP1 = _jobs(TRANSFORMED)
+TRANSFORMED_TP2 = [(name, "sm100") for name in TRANSFORMED]
 W4A4_TP1 = [(name, f"{arch}-w4a4") for name in W4A4_FIXTURES + [f"odd-{f}-w4a4" for f in SYNTHETIC_FORMATS]
             for arch in ARCHS]
 W4A4_TP2 = [(name, f"{arch}-w4a4")
@@ -91,7 +129,7 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     python = _vllm_python()
     subprocess.run(["bash", str(HERE / "make_env.sh")], check=True, env={**os.environ, "NVFP4_REPACK_VLLM_VENV": str(VENV)})
     out = {}
-    for tp, jobs in ((1, TP1 + W4A4_TP1), (2, TP2 + W4A4_TP2)):
+    for tp, jobs in ((1, TP1 + W4A4_TP1 + TRANSFORMED_TP1), (2, TP2 + W4A4_TP2 + TRANSFORMED_TP2)):
         folder = tmp_path_factory.mktemp(f"vllm-tp{tp}")
         args = [arg for name, arch in jobs
                 for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{harness_arch(arch)}")]
@@ -106,6 +144,12 @@ def _assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
     assert set(meta) == set(bundle.manifest.layers)
+    held = {name: t for name, t in theirs.items() if ".partitions." in name}  # online-transform matrices
+    ours = {f"{prefix}.{name}": t for prefix in meta for name, t in bundle.vllm_transforms(prefix).items()}
+    assert set(ours) == set(held)
+    for name, t in ours.items():
+        assert (t.dtype, t.shape) == (held[name].dtype, held[name].shape), name
+        assert torch.equal(t.contiguous().view(torch.uint8), held[name].view(torch.uint8)), name
     for prefix, info in meta.items():
         record = bundle.manifest.layers[prefix]
         assert record.weights_padding_cols == info["weights_padding_cols"], prefix
@@ -150,6 +194,65 @@ def test_tp2_ranks_are_byte_identical_to_vllm_or_both_refuse(name, arch, checkpo
     for rank in range(2):
         assert _assert_rank_identical(out / f"rank-{rank}", dumped, rank) == 8
     assert verify_output(out).passed
+
+
+# Where vLLM refuses a transform checkpoint at TP = 1: (its error, ours). Every other one it loads.
+VLLM_TRANSFORM_REFUSALS = {
+    "ct_spinquant_r3_had16_nvfp4a16": ("There is no module or parameter named 'layers.0.self_attn.R3_q_attn'",
+                                       "location 'q_attn' is not supported"),
+    "partial-input": ("KeyError: 1", "vLLM requires the same input transform on every partition"),
+    "split-input": ("ValueError: Must have same input", "on every partition, from one apply entry"),
+    "randomized": ("'QKVParallelLinear' object has no attribute 'data'", "cannot load randomized transforms"),
+}
+
+
+def _refused(name: str, dumped: Path) -> str:
+    refused = dumped / "refused.txt"
+    return refused.read_text() if refused.exists() else ""
+
+
+@pytest.mark.parametrize("name,arch", TRANSFORMED_TP1, ids=[f"{n}-{a}" for n, a in TRANSFORMED_TP1])
+def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch, checkpoints, oracle, tmp_path):
+    """Per fused module and partition, the online-transform matrices vLLM holds after loading, by its names, byte
+    for byte (with the layers' own tensors); where vLLM refuses to load the checkpoint, convert --fuse refuses."""
+    dumped, out = oracle[1] / f"{name}-{arch}", tmp_path / "bundle"
+    theirs = _refused(name, dumped)
+    if name in VLLM_TRANSFORM_REFUSALS:
+        vllm_says, we_say = VLLM_TRANSFORM_REFUSALS[name]
+        assert vllm_says in theirs
+        with pytest.raises(RepackError, match=we_say):
+            convert(checkpoints[name], arch, out, fuse=True)
+        return
+    assert not theirs, theirs
+    if name == "orthogonal-matrix":  # vLLM loads it, but divides it by sqrt(16): not the checkpoint's function
+        stored = load_file(checkpoints[name] / "model.safetensors")["model.layers.0.self_attn.q_proj.v_input.weight"]
+        held = load_file(dumped / "rank-0.safetensors")["model.layers.0.self_attn.qkv_proj.v_input.weight.partitions.0"]
+        assert torch.equal(held, stored.to(torch.bfloat16) / 4) and not torch.equal(held, stored.to(torch.bfloat16))
+        convert(checkpoints[name], arch, tmp_path / "unfused")  # well conditioned: it converts without --fuse
+        with pytest.raises(RepackError, match="vLLM 0.33 divides random-matrix transforms by sqrt"):
+            convert(checkpoints[name], arch, out, fuse=True)
+        return
+    if name in REFUSED_FIXTURES:  # vLLM loads it; convert refuses it whatever the layout (see test_transforms)
+        with pytest.raises(RepackError, match=REFUSED_FIXTURES[name]):
+            convert(checkpoints[name], arch, out, fuse=True)
+        return
+    convert(checkpoints[name], arch, out, fuse=True)
+    assert _assert_rank_identical(out, dumped, 0) == 8
+    assert open_bundle(out).manifest.transforms, "a transform bundle"
+    assert verify_output(out).passed
+
+
+@pytest.mark.parametrize("name", TRANSFORMED)
+def test_tp2_transform_checkpoints_are_refused_as_vllm_refuses_them(name, checkpoints, oracle, tmp_path):
+    """vLLM refuses every one (most for the TP itself, some for what it refuses at TP = 1 too, found first)."""
+    theirs = _refused(name, oracle[2] / f"{name}-sm100")
+    first = {"ct_spinquant_r3_had16_nvfp4a16": "no module or parameter named", "partial-input": "KeyError: 1",
+             "split-input": "ValueError: Must have same input"}
+    assert first.get(name, "Online transforms with tensor parallelism is not supported") in theirs, theirs[:300]
+    ours = REFUSED_FIXTURES.get(name, "--tp 2: vLLM 0.33 does not support online transforms")
+    with pytest.raises(RepackError, match=ours):
+        convert(checkpoints[name], "sm100", tmp_path / "ranks", tp=2)
+    assert not (tmp_path / "ranks").exists()
 
 
 def _assert_w4a4_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:

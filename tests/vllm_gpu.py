@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from repack.formats import read_source
-from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.nvfp4 import NVFP4Weight
 from repack.sample.synthetic import write_llama
 
 # Decoder shapes (hidden, heads, kv heads, intermediate, head_dim) of Llama-3-8B and Llama-3-70B.
@@ -72,9 +72,10 @@ def write_shaped_llama(root: Path, shape: dict[str, int], layers: int, vocab: in
 
 
 def write_dequantized(source: Path, out: Path) -> Path:
-    """A bf16 checkpoint of ``source`` with every quantized linear dequantized (the reference that vLLM's load of
-    the source and the bundle both approximate), one shard per decoder layer. Tensors that belong to a quantized
-    layer (activation scales) are dropped, biases kept."""
+    """A bf16 checkpoint of ``source`` with every quantized linear dequantized, its online transforms folded in
+    (``SourceModel.dense_weight``: the reference that vLLM's load of the source and the bundle both approximate),
+    one shard per decoder layer. Tensors that belong to a quantized layer (activation scales, transform matrices)
+    are dropped, biases kept."""
     model = read_source(source)
     out.mkdir(parents=True)
     config = json.loads((source / "config.json").read_text())
@@ -83,8 +84,8 @@ def write_dequantized(source: Path, out: Path) -> Path:
     if (source / "generation_config.json").is_file():
         shutil.copy(source / "generation_config.json", out)
     shards: dict[str, dict[str, torch.Tensor]] = {"rest": {}}
-    for prefix, layer in model.layers.items():
-        weight = dequantize(model.load_layer(layer), torch.float32).to(torch.bfloat16)
+    for prefix in model.layers:
+        weight = model.dense_weight(prefix, torch.bfloat16)
         shards.setdefault(prefix.rpartition(".layers.")[2].split(".")[0], {})[f"{prefix}.weight"] = weight
     for name in model.passthrough:
         owner, _, leaf = name.rpartition(".")

@@ -17,6 +17,7 @@ import torch
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
 from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, is_moe_config, read_input_scales
+from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
 
@@ -206,17 +207,55 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
     if not (fuse or tp > 1):
         return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
-    if source.transforms.layers:  # a fused or sharded layer would need its partitions' rotations merged or cut
-        raise RepackError("--fuse and --tp are not supported yet for checkpoints with online transforms "
-                          "(transform_config); convert without them")
     _check_architecture(source.checkpoint.config)
+    if source.transforms.layers:
+        _check_vllm_transforms(source.transforms, tp)
     multipliers = _multipliers(source)
     fusion = {fused: list(parts) for fused, parts in VLLM_FUSION.items()}
     plans = []
     for rank in range(tp):
         layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
+        for layer in layers.values():
+            layer_transforms(source.transforms, layer)  # refused here, before anything is written
         plans.append(LayerPlan(scaled(layers), fusion, tp, rank))
     return plans
+
+
+def _check_vllm_transforms(transforms: SourceTransforms, tp: int) -> None:
+    """What vLLM 0.33's transform path (``compressed_tensors/transform/``) cannot hold as the source means it."""
+    if tp > 1:  # HadamardTransform and SharedWeightParameter raise NotImplementedError under TP
+        raise RepackError(f"--tp {tp}: vLLM 0.33 does not support online transforms (transform_config) with tensor "
+                          "parallelism; convert with --fuse and serve with --tensor-parallel-size 1")
+    shared: dict[tuple[str, int], set[str]] = {}
+    for matrix in transforms.matrices.values():
+        shared.setdefault((matrix.scheme, matrix.size), set()).add(matrix.weight)
+        if len(shared[matrix.scheme, matrix.size]) > 1:  # its SharedWeightParameter keys tensors by (scheme, size)
+            raise RepackError(f"--fuse: transform scheme {matrix.scheme!r} stores more than one [{matrix.size}, "
+                              f"{matrix.size}] matrix; vLLM 0.33 would load them into one shared tensor")
+        if matrix.perm is not None:  # its HadamardTransform has no parameter for the permutation
+            raise RepackError(f"--fuse: {matrix.perm}: vLLM 0.33 cannot load randomized transforms (the "
+                              "permutation); convert without --fuse")
+        if matrix.type not in HADAMARD_TYPES:  # it divides every matrix by sqrt(b): random-matrix is not normalized
+            raise RepackError(f"--fuse: {matrix.weight}: vLLM 0.33 divides {matrix.type} transforms by sqrt(block), "
+                              "which the checkpoint does not mean; convert without --fuse")
+
+
+def layer_transforms(transforms: SourceTransforms, layer: OutputLayer) -> tuple[LayerTransform, ...]:
+    """An output layer's online transforms: its partitions', which must be one and the same (vLLM holds one input
+    transform per fused module and refuses partitions that differ; output transforms that differ per partition
+    would be cut per row range, which bundles do not record)."""
+    own = [transforms.layers.get(p.source, ()) for p in layer.pieces]
+    for location in ("input", "output"):
+        # vLLM compares input transforms with their apply entry; output ones need only their matrix to agree here
+        found = [next((t if location == "input" else t.matrix for t in ts if t.location == location), None)
+                 for ts in own]
+        if any(t != found[0] for t in found):
+            a, b = (p.source for p, t in zip(layer.pieces, found) if t != found[0]), layer.pieces[0].source
+            why = ("vLLM requires the same input transform on every partition, from one apply entry"
+                   if location == "input" else "output transforms that differ between partitions are not supported")
+            raise RepackError(f"{layer.prefix}: cannot fuse, {next(a)} and {b} have different online {location} "
+                              f"transforms ({why})")
+    return own[0]
 
 
 def _cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:

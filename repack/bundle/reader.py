@@ -63,6 +63,19 @@ class Bundle:
                               f"{record.shape}; run verify")
         return tensor
 
+    def vllm_transforms(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Layer ``prefix``'s online-transform matrices as vLLM 0.33 holds them after loading, by its names relative
+        to the layer: ``<scheme>_<location>.weight.partitions.<i>`` for each partition ``i`` (vLLM gives every
+        partition of a fused module its own handle on one shared tensor), the matrix as the checkpoint stores it
+        (vLLM transposes an inverse one at run time) divided by ``sqrt(block)``."""
+        out = {}
+        for t in self.layer(prefix).transforms:
+            record = self.manifest.transforms[t.matrix]
+            matrix = self.transform_matrix(t.matrix)
+            for i in range(len(self.layer(prefix).partitions)):
+                out[f"{record.scheme}_{t.location}.weight.partitions.{i}"] = matrix.t() if record.inverse else matrix
+        return out
+
     def quantized_linear(self) -> Callable[[str], bool] | None:
         """Whether the source's quantization covers a model's linear module, by name (see ``formats.scope``), from
         the config.json and hf_quant_config.json the bundle keeps."""

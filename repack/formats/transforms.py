@@ -77,6 +77,7 @@ class SourceMatrix:
 class LayerTransform:
     location: str  # "input" or "output"
     matrix: SourceMatrix
+    entry: int = 0  # which ``apply`` entry of its scheme: vLLM fuses partitions only under one and the same entry
 
 
 @dataclass
@@ -204,8 +205,8 @@ def read_transforms(checkpoint: Checkpoint, qc: dict, layers: dict) -> SourceTra
     for name, scheme in groups.items():
         uses = [
             (prefix, args["location"], _block_size(scheme, name, args["location"], layers[prefix]),
-             bool(args.get("inverse", False)))
-            for args in _check_scheme(name, scheme) if args["location"] in ONLINE
+             bool(args.get("inverse", False)), entry)
+            for entry, args in enumerate(_check_scheme(name, scheme)) if args["location"] in ONLINE
             for prefix in _online_targets(name, args, modules, linear, layers)
         ]
         for (prefix, *_), transform in zip(uses, _shared_matrices(checkpoint, name, scheme, uses)):
@@ -223,7 +224,7 @@ def read_transforms(checkpoint: Checkpoint, qc: dict, layers: dict) -> SourceTra
     return result
 
 
-def _shared_matrices(checkpoint: Checkpoint, name: str, scheme: dict, uses: list[tuple[str, str, int, bool]]
+def _shared_matrices(checkpoint: Checkpoint, name: str, scheme: dict, uses: list[tuple[str, str, int, bool, int]]
                      ) -> list[LayerTransform]:
     """Each use's matrix: its own stored one, else the one stored matrix of its (block size, inverse) group
     (random-matrix keeps a second matrix for its inverse; Hadamard types transpose the one they have)."""
@@ -233,11 +234,11 @@ def _shared_matrices(checkpoint: Checkpoint, name: str, scheme: dict, uses: list
         return size, inverse and kind == "random-matrix"
 
     stored: dict[tuple[int, bool], list[str]] = {}
-    for prefix, location, size, inverse in uses:
+    for prefix, location, size, inverse, _ in uses:
         if f"{prefix}.{name}_{location}.weight" in checkpoint.tensors:
             stored.setdefault(group(size, inverse), []).append(f"{prefix}.{name}_{location}")
     out = []
-    for prefix, location, size, inverse in uses:
+    for prefix, location, size, inverse, entry in uses:
         own, candidates = f"{prefix}.{name}_{location}", stored.get(group(size, inverse), [])
         if own not in candidates and len(candidates) != 1:
             what = "is missing" if not candidates else f"is ambiguous ({len(candidates)} stored candidates)"
@@ -245,7 +246,7 @@ def _shared_matrices(checkpoint: Checkpoint, name: str, scheme: dict, uses: list
         base = own if own in candidates else candidates[0]
         perm = f"{base}.perm" if scheme.get("randomize") else None
         out.append(LayerTransform(location, SourceMatrix(name, kind, size, f"{base}.weight", perm,
-                                                         inverse and kind in HADAMARD_TYPES)))
+                                                         inverse and kind in HADAMARD_TYPES), entry))
     return out
 
 
@@ -296,5 +297,7 @@ def model_dtype(config: dict) -> torch.dtype:
 
 
 def runtime_matrix(checkpoint: Checkpoint, matrix: SourceMatrix, dtype: torch.dtype) -> torch.Tensor:
-    """``T`` with the normalization fused in, in ``dtype``: what the runtime multiplies by."""
-    return (load_matrix(checkpoint, matrix) / matrix.scale).to(dtype).contiguous()
+    """``T`` with the normalization fused in, in ``dtype``: what the runtime multiplies by. Cast first, then divided
+    in ``dtype``, as vLLM's ``HadamardTransform`` does, so that a bundle holds vLLM's bytes (for +-1 entries the
+    same as the rounded float64 quotient in bfloat16 and float16; in float32 not for every block size)."""
+    return load_matrix(checkpoint, matrix).to(dtype).div_(matrix.scale).contiguous()

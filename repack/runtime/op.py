@@ -74,15 +74,22 @@ def nvfp4_matmul(
     backend: str,
     bias: torch.Tensor | None = None,
     prepared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    input_transform: torch.Tensor | None = None,
+    fuse_input: bool = False,
+    input_walsh: str = "",
 ) -> torch.Tensor:
-    """``F.linear(x, dequant(W), bias)`` from a layer's runtime tensors: for modules that hold the tensors
+    """``F.linear(x @ T_in, dequant(W), bias)`` from a layer's runtime tensors: for modules that hold the tensors
     themselves (vLLM's layers, whose engine compiles and captures the model). Eager calls go to ``prepared``
-    (``prepare_backend`` on the same tensors) when given, traced ones through the op."""
-    x2d = _rows(x, k)
+    (``prepare_backend`` on the same tensors and fused transform) when given, traced ones through the op.
+    ``T_in``, the online input transform if any, goes into the backend's kernels when ``fuse_input``
+    (``fuses_input_transform``; ``input_walsh``: its Walsh-Hadamard factors' key, "" if none), else it runs first
+    as ``block_transform``."""
+    x2d = _rows(x, k, None if fuse_input else input_transform)
     if prepared is not None and eager(x2d):
         y = prepared(x2d)
     else:
-        y = _linear(x2d, weight, weight_scale, weight_global_scale, n, k, target, backend)
+        y = _linear(x2d, weight, weight_scale, weight_global_scale, n, k, target, backend,
+                    input_transform if fuse_input else None, input_walsh)  # fmt: skip
     if x.dim() != 2:
         y = y.reshape(*x.shape[:-1], n)
     return y + bias if bias is not None else y

@@ -5,7 +5,8 @@ layers, so they run that class unchanged. vLLM has no NVFP4 layout of its own fo
 kernels read, so sm90 bundles run :class:`RepackSm90NvFp4LinearKernel`: ``apply_weights`` is this project's
 ``nvfp4_repack::linear`` op (the Triton kernels on the GPU, the reference backend on CPU), and
 ``process_weights_after_loading`` is the offline transform run at load time, so the class also serves a
-source checkpoint through vLLM's own loader.
+source checkpoint through vLLM's own loader. A bundle layer's online input transform, handed over by the
+plugin's loader (``take_input_transform``), runs inside that op instead of in vLLM's transform module.
 """
 
 from __future__ import annotations
@@ -20,13 +21,19 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from ..nvfp4 import NVFP4Weight
-from ..runtime.backends import prepare_backend
+from ..runtime.backends import fuses_input_transform, prepare_backend
 from ..runtime.op import nvfp4_matmul
+from ..runtime.transforms import WalshFactors, walsh_factors
 from ..targets import Target, sm90
 
 
 class RepackSm90NvFp4LinearKernel(NvFp4LinearKernel):
     """BF16 x NVFP4 GEMM on Hopper with nvfp4-repack's sm90 layout (``sm90-triton-v2``) and Triton kernels."""
+
+    input_transform: torch.Tensor | None = None  # the layer's online input transform T (x @ T), once taken over
+    fuse_input = False
+    walsh: WalshFactors | None = None
+    input_walsh = ""
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -60,30 +67,46 @@ class RepackSm90NvFp4LinearKernel(NvFp4LinearKernel):
             replace_parameter(layer, name, tensor.to(device))
         layer.weights_padding_cols = runtime.weights_padding_cols
 
+    def take_input_transform(self, layer: torch.nn.Module, matrix: torch.Tensor) -> None:
+        """Apply the layer's online input transform ``x @ matrix`` here instead of in vLLM's separate transform
+        module (the caller stops calling that one): inside the Triton kernels where they fuse it (their activation
+        pre-pass; the in-kernel Walsh-Hadamard at M = 1 for Sylvester-type matrices), else just before the GEMM."""
+        self.input_transform = matrix.to(layer.weight.device)
+        self.fuse_input = fuses_input_transform(_backend(layer), self.input_transform)
+        self.walsh = walsh_factors(self.input_transform) if self.fuse_input else None
+        self.input_walsh = self.walsh.key() if self.walsh is not None else ""
+
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Eager calls (``enforce_eager``, prefill outside CUDA graphs) take the layer's prepared launch, as
         ``PackedLinear`` does: through the op's Python dispatch a call cost more CPU time than the kernel's GPU
         time at decode sizes (0.56x Humming at eager batch 1). vLLM's compiled graph calls the op."""
         if x.dtype != torch.bfloat16:
             raise ValueError(f"nvfp4-repack sm90 W4A16 requires BF16 input, got {x.dtype}")
-        backend = "triton" if layer.weight.is_cuda else "reference"
-        prepared = None if torch.compiler.is_compiling() else prepared_launch(layer, backend)
+        backend = _backend(layer)
+        fused = self.input_transform if self.fuse_input else None
+        prepared = None if torch.compiler.is_compiling() else prepared_launch(layer, backend, fused, self.walsh)
         return nvfp4_matmul(
             x, layer.weight, layer.weight_scale, layer.weight_global_scale,
             layer.output_size_per_partition, layer.input_size_per_partition, sm90.TARGET.name, backend, bias,
-            prepared,
+            prepared, self.input_transform, self.fuse_input, self.input_walsh,
         )
 
 
-def prepared_launch(layer: torch.nn.Module, backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's backend bound to its current tensors (``prepare_backend``: checked once), kept on the layer
-    and rebuilt when vLLM replaces its weight (a reload installs new parameters)."""
+def _backend(layer: torch.nn.Module) -> str:
+    return "triton" if layer.weight.is_cuda else "reference"
+
+
+def prepared_launch(layer: torch.nn.Module, backend: str, transform: torch.Tensor | None = None,
+                    walsh: WalshFactors | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's backend bound to its current tensors and fused input ``transform`` (``prepare_backend``: checked
+    once), kept on the layer and rebuilt when vLLM replaces its weight (a reload installs new parameters)."""
     held = layer.__dict__.get("_nvfp4_repack_prepared")
-    if held is None or held[0] is not layer.weight or held[1] != backend:
+    if held is None or held[0] is not layer.weight or held[1] != backend or held[2] is not transform:
         launch = prepare_backend(backend, layer.weight, layer.weight_scale, layer.weight_global_scale,
-                                 layer.output_size_per_partition, layer.input_size_per_partition, sm90.TARGET.name)
-        held = layer.__dict__["_nvfp4_repack_prepared"] = (layer.weight, backend, launch)
-    return held[2]
+                                 layer.output_size_per_partition, layer.input_size_per_partition, sm90.TARGET.name,
+                                 transform, walsh)  # fmt: skip
+        held = layer.__dict__["_nvfp4_repack_prepared"] = (layer.weight, backend, transform, launch)
+    return held[3]
 
 
 KERNEL_FOR_TARGET: dict[str, type[NvFp4LinearKernel]] = {

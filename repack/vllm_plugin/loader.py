@@ -10,11 +10,16 @@ repacks the weight into the kernel's layout. A bundle already holds that layout 
 3. for each quantized layer: makes the layer's NVFP4 kernel the one the bundle was made for, points the
    scheme's weight and block-scale parameters at the bundle's tensors, and sets its per-partition global
    scales so that the scheme derives the bundle's multiplier;
-4. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
-5. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
+4. for each layer with online transforms (vLLM builds their modules from the bundle's transform_config): copies
+   the bundle's matrices, already normalized, into the tensors vLLM shares between partitions and layers, and
+   marks them normalized (:func:`_install_transforms`);
+5. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
+6. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
    ``process_weights_after_loading`` (the padding, swizzle and FlashInfer repack) is replaced, for that one
    call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
-   tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer).
+   tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer);
+7. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
+   its kernels (:func:`_kernels_take_input_transforms`); sm100 and sm120 run vLLM's transform method as it is.
 
 Everything else vLLM does after loading (its schemes' Python-side state, W4A4 activation scales, KV-cache
 scales, attention, tied embeddings, the model's own hook) runs as in a load from the source. vLLM's
@@ -33,6 +38,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
 from vllm.model_executor.layers.fusion.quant_activation import expose_input_quant_key
+from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
@@ -94,9 +100,6 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
             f"{folder}: the bundle keeps the checkpoint's unfused modules (q/k/v_proj, gate/up_proj); vLLM holds "
             f"qkv_proj and gate_up_proj: re-convert with --fuse"
         )
-    if bundle.config.get("quantization_config", {}).get("transform_config") or bundle.config.get("transform_config"):
-        raise RepackError(f"{folder}: bundles with online transforms (transform_config) cannot be served by the "
-                          f"{LOAD_FORMAT} loader yet; serve the source checkpoint with --load-format auto")
     _check_device(bundle.target)
     _check_flashinfer(bundle)
     return bundle
@@ -169,6 +172,50 @@ def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record
     del kernel.process_weights_after_loading  # the instance hook; the class's method is untouched
 
 
+def _install_transforms(module: nn.Module, prefix: str, bundle: Bundle, installed: set[int]) -> None:
+    """Give the layer's online-transform modules (vLLM builds them from the bundle's transform_config) the bundle's
+    matrices, copied into vLLM's own tensors so that its sharing between partitions and layers stays as it built
+    it; each is marked as normalized, so vLLM's post-load does not divide it by sqrt(block) a second time.
+    ``installed``: the tensors this load has filled (a shared one must get one value)."""
+    held = {f"{name}.weight.partitions.{i}": partition
+            for name, child in module.named_children() if isinstance(child, HadamardTransform)
+            for i, partition in child.weight.partitions.items()}
+    stored = bundle.vllm_transforms(prefix)
+    if set(held) != set(stored):
+        missing = sorted(set(held) ^ set(stored))[0]
+        raise RepackError(f"{prefix}.{missing}: vLLM's online transforms (from config.json's transform_config) are "
+                          f"not the bundle's; re-convert the source with --fuse")
+    with torch.no_grad():
+        for name, partition in held.items():
+            value = stored[name]
+            if (partition.dtype, partition.shape) != (value.dtype, value.shape):
+                raise RepackError(f"{prefix}.{name}: vLLM holds it as {partition.dtype} {list(partition.shape)}, "
+                                  f"the bundle as {value.dtype} {list(value.shape)}; serve with --dtype "
+                                  f"{str(value.dtype).removeprefix('torch.')}")
+            pointer = partition.data_ptr()
+            if pointer in installed and not torch.equal(partition, value.to(partition.device)):
+                raise RepackError(f"{prefix}.{name}: differs from the matrix vLLM shares it with; run verify")
+            partition.copy_(value)
+            installed.add(pointer)
+            HadamardTransform.scaled_data_ptrs.add(pointer)
+
+
+def _kernels_take_input_transforms(model: nn.Module, bundle: Bundle) -> None:
+    """sm90: each layer's online input transform runs inside this project's kernel class (its activation pre-pass
+    and in-kernel Walsh-Hadamard) instead of vLLM's separate dense GEMM or hadacore call before it; vLLM's transform
+    module keeps its state, its method stops calling it. Output transforms stay vLLM's."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.linear import (  # circular at import
+        CompressedTensorsLinearTransformMethod,
+    )
+
+    for prefix, module in _nvfp4_layers(model).items():
+        method = module.quant_method
+        inputs = [t for t in bundle.layer(prefix).transforms if t.location == "input"]
+        if inputs and type(method) is CompressedTensorsLinearTransformMethod and method.input_transform is not None:
+            _kernel_holder(module).kernel.take_input_transform(module, bundle.transform_matrix(inputs[0].matrix))
+            method.input_transform = None
+
+
 def _check_w4a4_kernel(bundle: Bundle, chosen: str) -> None:
     """A W4A4 bundle keeps the kernel vLLM picked (its ``auto``: cute-dsl on sm10x, FlashInfer CUTLASS on sm12x)
     when that kernel reads the bundle's layout; any other (Marlin, TRT-LLM, a weight-only kernel) is refused."""
@@ -201,6 +248,8 @@ class BundleModelLoader(BaseModelLoader):
         missed = sorted(set(self._opened.manifest.layers) - self._restored)
         if missed:
             raise RepackError(f"vLLM never post-processed bundle layer {missed[0]!r} ({len(missed)} in all)")
+        if self._opened.target.name == "sm90":
+            _kernels_take_input_transforms(model, self._opened)
         return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
@@ -217,8 +266,16 @@ class BundleModelLoader(BaseModelLoader):
         absent = sorted(set(layers) - set(bundle.manifest.layers))
         if absent:
             raise RepackError(f"{bundle.root}: vLLM's NVFP4 layer {absent[0]!r} has no tensors in the bundle")
+        qutlass = [name for name, module in layers.items()
+                   if type(module.quant_method).__name__ == "QutlassNvFP4LinearMethod"]
+        if qutlass:  # its own W4A4 GEMM (fused Hadamard + activation quantization) reads another weight layout
+            raise RepackError(f"{qutlass[0]}: vLLM serves this W4A4 layer with its input Hadamard through "
+                              f"QutlassNvFP4LinearMethod, whose W4A4 GEMM the bundle's {bundle.manifest.layout_id} "
+                              f"layout does not feed (issue 30, part 3); serve the source with --load-format auto")
+        installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)
+            _install_transforms(module, name, bundle, installed)
         model.load_weights(self._passthrough(bundle))
 
     @staticmethod

@@ -12,11 +12,13 @@ the versions are pinned, so that an upgrade fails loudly instead of testing some
         ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
         among its W4A4 kernels for that capability) | sm100-moe | sm120-moe | sm100-moe-ep | sm120-moe-ep
 
-loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``;
-for sm100 the 2-D buffer under vLLM's 6-D view; W4A4 jobs: every tensor the layer holds, each as its whole
-storage's bytes) and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's shape/stride/offset, the kernel
-class; W4A4 jobs: each tensor's dtype/shape/stride/offset and the layer's non-tensor state), or
-``OUT/NAME/refused.txt`` with vLLM's error when it refuses.
+loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
+``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
+online transforms each ``P.<scheme>_<location>.weight.partitions.I``; W4A4 jobs: every tensor the layer holds,
+each as its whole storage's bytes) and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's
+shape/stride/offset, the kernel class; W4A4 jobs: each tensor's dtype/shape/stride/offset and the layer's
+non-tensor state), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses. Between jobs it clears the one
+piece of class-wide state a load leaves (``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
 
 MoE jobs (``sm100-moe``, ``sm120-moe``; ``-ep``: with vLLM's --enable-expert-parallel): vLLM's ``auto`` NVFP4 MoE
 backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-built
@@ -63,6 +65,9 @@ from vllm.model_executor.layers.quantization import modelopt as vmodelopt  # noq
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: E402
     compressed_tensors_moe_w4a4_nvfp4 as vct_moe,
 )
+from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import (  # noqa: E402
+    HadamardTransform,
+)
 from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as vfi_moe  # noqa: E402
 from vllm.model_executor.model_loader import get_model_loader  # noqa: E402
 from vllm.model_executor.layers.quantization.utils import nvfp4_utils  # noqa: E402
@@ -95,6 +100,7 @@ for module in MOE_SELECTORS:
 assert hasattr(vfi_moe, "swizzle_blockscale") and hasattr(vutils_fi, "has_flashinfer_cutlass_fused_moe")
 assert hasattr(flashinfer, "nvfp4_block_scale_interleave")
 
+assert isinstance(HadamardTransform.scaled_data_ptrs, set)
 
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
@@ -201,6 +207,14 @@ def patch() -> None:
     torch.accelerator.current_device_index = lambda: 0
 
 
+def transform_state(layer, prefix: str) -> dict[str, torch.Tensor]:
+    """The online-transform matrices the layer holds, per partition: ``P.<scheme>_<location>.weight.partitions.I``
+    (vLLM's attribute path; partitions that share one tensor in vLLM are dumped once each)."""
+    return {f"{prefix}.{name}.weight.partitions.{i}": part.data.detach().clone()
+            for name, child in layer.named_children() if isinstance(child, HadamardTransform)
+            for i, part in sorted(child.weight.partitions.items())}
+
+
 NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths",
               "is_w4a16_nvfp4")
 
@@ -244,6 +258,7 @@ def dump(model, out: Path, rank: int) -> None:
             scale = layer.weight_scale
             buffer = scale.detach() if scale.is_contiguous() else (  # sm100: the buffer its 6-D view looks at
                 torch.empty(0, dtype=scale.dtype).set_(scale.untyped_storage()))
+            tensors.update(transform_state(layer, prefix))
             tensors[f"{prefix}.weight"] = layer.weight.detach().contiguous()
             tensors[f"{prefix}.weight_scale"] = buffer.contiguous().view(torch.uint8).clone()
             tensors[f"{prefix}.weight_global_scale"] = layer.weight_global_scale.detach().reshape(-1).clone()
@@ -281,6 +296,9 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     """One model build (one VllmConfig each: attention layers register their names in it)."""
     moe, ep = arch in MOE_ARCH, arch.endswith("-ep")
     _, backend = select(MOE_ARCH.get(arch, arch))
+    # a fresh process's state: vLLM normalizes each transform tensor once per data_ptr, remembered class-wide, so
+    # a later model's tensor at a freed address would be left unnormalized
+    HadamardTransform.scaled_data_ptrs.clear()
     cfg = EngineArgs(
         model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
         linear_backend=backend, tensor_parallel_size=tp, distributed_executor_backend="mp",

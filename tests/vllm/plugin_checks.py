@@ -32,11 +32,13 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
 from vllm.model_executor.model_loader import get_model_loader
 
 from repack.convert import convert
 from repack.errors import RepackError
-from repack.formats import read_source
+from repack.formats import SourceModel, read_source
+from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama
@@ -71,6 +73,7 @@ def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a
     ``w4a4``: vLLM's auto among its W4A4 kernels (else the W4A16 cute-dsl kernel, forced)."""
     arch = "sm120" if target == "sm120" else "sm100"
     _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
+    HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
     config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
                         load_format=load_format, linear_backend=backend,
                         tensor_parallel_size=tp_size).create_engine_config()
@@ -83,12 +86,31 @@ def tensor_state(t: torch.Tensor) -> tuple:
             bytes(t.untyped_storage()))
 
 
+def transform_state(name: str, module: HadamardTransform, first: dict[int, str]) -> dict[str, object]:
+    """An online-transform module's matrices (not parameters: a dict on its SharedWeightParameter): per partition
+    its tensor, the first partition of the model it shares memory with, whether vLLM counts it as normalized; and
+    the schemes it applies."""
+    state: dict[str, object] = {f"{name}:transforms": repr(module.transforms)}
+    for i, part in sorted(module.weight.partitions.items()):
+        key = f"{name}.weight.partitions.{i}"
+        state[key] = tensor_state(part)
+        state[f"{key}:shares"] = first.setdefault(part.data_ptr(), key)
+        state[f"{key}:normalized"] = part.data_ptr() in HadamardTransform.scaled_data_ptrs
+    return state
+
+
 def layer_state(model: nn.Module) -> dict[str, object]:
-    """Every parameter and buffer of ``model``, and each NVFP4 layer's kernel class and kernel-read attributes."""
+    """Every parameter and buffer of ``model``, each NVFP4 layer's kernel class and kernel-read attributes, its
+    quantization method's class, and its online-transform modules' state."""
     state: dict[str, object] = {}
+    first: dict[int, str] = {}
     for name, module in model.named_modules():
         for part, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             state[f"{name}.{part}"] = tensor_state(t)
+        if isinstance(module, HadamardTransform):
+            state.update(transform_state(name, module, first))
+        if hasattr(module, "quant_method"):
+            state[f"{name}:quant_method"] = type(module.quant_method).__name__
         holder = getattr(module, "scheme", None) or getattr(module, "quant_method", None)
         kernel = getattr(holder, "kernel", None)
         if kernel is not None:
@@ -137,6 +159,55 @@ def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
     got = layer_state(load(bundle, LOAD_FORMAT, target))
     assert any(k.endswith("qkv_proj:kernel") for k in expected)
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+def test_plugin_serves_transform_bundles_as_vllm_loads_them(vllm_world, tmp_path, fixture, target):
+    """A QuIP (input and output rotations, W4A4) and a SpinQuant (whole-K R4, W4A16) bundle: the same state as
+    vLLM's load of the source, transform matrices, their sharing and vLLM's transform method included."""
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    reference = load(source, "safetensors", target)
+    expected = layer_state(reference)
+    _delete_weights(source)
+    served = load(bundle, LOAD_FORMAT, target)
+    got = layer_state(served)
+    assert any(k.endswith(":transforms") for k in expected)
+    assert any(v == "CompressedTensorsLinearTransformMethod" for v in expected.values())
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+def test_plugin_refuses_a_bundle_whose_transforms_vllm_does_not_build(vllm_world, tmp_path):
+    convert(PRODUCERS / "ct_quip_v_had16_nvfp4a16", "sm100", tmp_path / "bundle", fuse=True)
+    _edit_json(tmp_path / "bundle" / "config.json",
+               lambda c: c["quantization_config"]["transform_config"]["config_groups"]["v"]["apply"][0]["ignore"]
+               .append("re:.*down_proj$"))
+    assert "down_proj.v_input.weight.partitions.0: vLLM's online transforms" in _refused(tmp_path / "bundle")
+
+
+def test_plugin_refuses_transforms_in_another_dtype_than_the_servers(vllm_world, tmp_path):
+    """A float16 model's bundle holds float16 matrices; served in bfloat16, vLLM would have rounded the source's
+    matrix to bfloat16 itself: no cast of the bundle's reproduces that, so it is refused."""
+    source = _source(tmp_path, "ct_quip_v_had16_nvfp4a16")
+    _edit_json(source / "config.json", lambda c: c.update(dtype="float16"))
+    convert(source, "sm100", tmp_path / "bundle", fuse=True)
+    assert "vLLM holds it as torch.bfloat16 [16, 16], the bundle as torch.float16" in _refused(tmp_path / "bundle")
+
+
+def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch):
+    """On Blackwell vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does
+    not read the W4A16 layout; emulated here by answering vLLM's capability question as sm100 would."""
+    from vllm.platforms import current_platform
+
+    convert(PRODUCERS / "ct_quip_vu_rhad16_nvfp4", "sm100", tmp_path / "bundle", fuse=True)
+    def blackwell(capability, device_id=0) -> bool:
+        return (capability if isinstance(capability, int) else capability[0] * 10 + capability[1]) <= 100
+
+    monkeypatch.setattr(current_platform, "has_device_capability", blackwell)
+    message = _refused(tmp_path / "bundle")
+    assert "through QutlassNvFP4LinearMethod" in message and "--load-format auto" in message
 
 
 AUTO_W4A4 = {"sm100": "FlashInferCuteDslNvFp4LinearKernel", "sm120": "FlashInferCutlassNvFp4LinearKernel"}
@@ -219,6 +290,16 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
         assert all(not diff for diff in result.values()), f"rank {rank}: {result}"
 
 
+def _sm90_model(tmp_path: Path, fixture: str) -> tuple[SourceModel, nn.Module, torch.Generator, int]:
+    """The fixture's source, the model vLLM loads from its fused sm90 bundle, a seeded generator and its seed."""
+    source = _source(tmp_path, fixture)
+    convert(source, "sm90", tmp_path / "bundle", fuse=True)
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    return read_source(source), model, torch.Generator().manual_seed(seed), seed
+
+
 def test_sample_tp2_output_holds_what_vllm_serve_reads(tmp_path):
     """`vllm serve OUT --tensor-parallel-size 2` on the built-in sample's --tp 2 output: vLLM's engine config and
     tokenizer come from OUT's top (the weights: test_plugin_state_equals_vllm_load_tp2)."""
@@ -237,13 +318,7 @@ def test_sample_tp2_output_holds_what_vllm_serve_reads(tmp_path):
 def test_sm90_kernel_class_matches_float64(vllm_world, tmp_path, fixture):
     """vLLM's own layer objects, loaded from an sm90 bundle, run through RepackSm90NvFp4LinearKernel (reference
     backend on CPU) = a float64 GEMM with the source's dequantized partitions."""
-    source = _source(tmp_path, fixture)
-    convert(source, "sm90", tmp_path / "bundle", fuse=True)
-    weights = read_source(source)
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"seed={seed}")
-    gen = torch.Generator().manual_seed(seed)
-    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm90")
+    weights, model, gen, seed = _sm90_model(tmp_path, fixture)
     layers = {name: m for name, m in model.named_modules() if hasattr(m, "weights_padding_cols")}
     assert len(layers) == 8
     for name, layer in layers.items():
@@ -258,6 +333,51 @@ def test_sm90_kernel_class_matches_float64(vllm_world, tmp_path, fixture):
         err = float((y.double() - ref).norm() / ref.norm())
         assert y.dtype == torch.bfloat16 and y.shape == ref.shape
         assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
+
+
+def _float64_transforms(weights, prefix: str) -> dict[str, torch.Tensor]:
+    """The source's online transforms of the (fused) layer ``prefix``, normalized, float64 (its partitions share
+    them: convert refuses fused modules whose partitions differ)."""
+    parent, _, leaf = prefix.rpartition(".")
+    first = f"{parent}.{PARTITIONS.get(leaf, (leaf,))[0]}"
+    return {t.location: load_matrix(weights.checkpoint, t.matrix) / t.matrix.scale
+            for t in weights.transforms.layers.get(first, ())}
+
+
+def _blockdiag(x: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
+    return x if matrix is None else (x.unflatten(-1, (-1, matrix.shape[0])) @ matrix).flatten(-2)
+
+
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+def test_sm90_kernel_class_applies_the_input_transform(vllm_world, tmp_path, fixture):
+    """sm90 transform bundles: the input transform runs in RepackSm90NvFp4LinearKernel (on CPU its reference
+    backend applies it before the GEMM; on the GPU the Triton kernels fuse blocks of 16-128: tests/
+    test_gpu_transforms.py), vLLM's module no longer; the output transform stays vLLM's (its dense GEMM does not run
+    on vLLM's CPU platform, so it is not run here). The scheme's GEMM = float64 (x T_in) W^T with the source's
+    dequantized partitions and matrix."""
+    weights, model, gen, seed = _sm90_model(tmp_path, fixture)
+    taken = 0
+    for name, layer in model.named_modules():
+        if not hasattr(layer, "weights_padding_cols"):
+            continue
+        matrices = _float64_transforms(weights, name)
+        kernel = layer.scheme.kernel
+        assert type(kernel) is RepackSm90NvFp4LinearKernel
+        assert (kernel.input_transform is not None) == ("input" in matrices), name
+        if "input" in matrices:
+            assert layer.quant_method.input_transform is None, "vLLM's own input transform no longer runs"
+            assert not kernel.fuse_input, "the reference backend applies it before its GEMM"
+            taken += 1
+        parent, _, leaf = name.rpartition(".")
+        w = torch.cat([dequantize(weights.load_layer(weights.layers[f"{parent}.{p}"]))
+                       for p in PARTITIONS.get(leaf, (leaf,))])
+        x = torch.randn(5, layer.input_size_per_partition, generator=gen).to(torch.bfloat16)
+        assert (getattr(layer.quant_method, "output_transform", None) is not None) == ("output" in matrices), name
+        y = layer.scheme.apply_weights(layer, x)
+        ref = _blockdiag(x.double(), matrices.get("input")) @ w.t()
+        err = float((y.double() - ref).norm() / ref.norm())
+        assert err <= 1e-2, f"{name}: relative L2 {err:.2e} (seed {seed})"
+    assert taken, "some layer has an input transform"
 
 
 def test_sm90_kernel_class_eager_calls_skip_the_op(vllm_world, tmp_path, monkeypatch):
@@ -337,13 +457,3 @@ def test_refuses_another_tp_size(vllm_world, tmp_path):
 def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
-
-
-HADAMARD = {"config_groups": {"u": {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "weight_input"},
-                                                                    {"targets": ["Linear"], "location": "input"}]}}}
-
-
-def test_refuses_online_transforms(vllm_world, sm100_bundle):
-    _edit_json(sm100_bundle / "config.json",
-               lambda c: c["quantization_config"].update(transform_config=HADAMARD))
-    assert "online transforms" in _refused(sm100_bundle)
