@@ -149,15 +149,23 @@ def test_w4a4_patched_model_logits_against_the_base_model(fixture, target, tmp_p
     """A W4A4 bundle (the producers' calibrated input scales) in the base model: logits near the base model's
     (weight and activation quantization error), and off the weight-only producer model's by the activations'."""
     convert(PRODUCERS / fixture, target.name, tmp_path / "bundle")
+    unused, got, base, peer = patched_logits(fixture, tmp_path / "bundle")
+    assert unused == []
+    assert float((got - base).norm() / base.norm()) < LOGITS_VS_BASE
+    assert float((got - peer).norm() / peer.norm()) > LOGITS_VS_PEER  # the activations were quantized
+
+
+def patched_logits(fixture: str, bundle) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bundle's tensors the patch left unused, and float64 logits of fresh random tokens from the bf16 base
+    model patched with the bundle, from the float32 base model and from the producer-dequantized one."""
     patched = llama(torch.bfloat16)
-    assert patch_model(patched, tmp_path / "bundle") == []
+    unused = patch_model(patched, bundle)
     tokens = torch.randint(0, patched.config.vocab_size, (4, 32))
     with torch.no_grad():
         got = patched(tokens).logits.double()
         base = llama(torch.float32)(tokens).logits.double()
         peer = llama(torch.float32, fixture)(tokens).logits.double()
-    assert float((got - base).norm() / base.norm()) < LOGITS_VS_BASE
-    assert float((got - peer).norm() / peer.norm()) > LOGITS_VS_PEER  # the activations were quantized
+    return unused, got, base, peer
 
 
 def llama(dtype: torch.dtype, fixture: str | None = None):
@@ -179,13 +187,7 @@ def test_patched_model_logits_against_the_base_model(fixture, target, tmp_path):
     """The base model with its linears swapped for a bundle's: logits near the base model's (quantization error
     only) and equal to the producer-dequantized model's up to bf16 activations (--weight-only: W4A4 below)."""
     convert(PRODUCERS / fixture, target.name, tmp_path / "bundle", weight_only=True)
-    patched = llama(torch.bfloat16)
-    unused = patch_model(patched, tmp_path / "bundle")
+    unused, got, base, peer = patched_logits(fixture, tmp_path / "bundle")
     assert all(name.endswith(("input_scale", "input_global_scale")) for name in unused)
-    tokens = torch.randint(0, patched.config.vocab_size, (4, 32))
-    with torch.no_grad():
-        got = patched(tokens).logits.double()
-        base = llama(torch.float32)(tokens).logits.double()
-        peer = llama(torch.float32, fixture)(tokens).logits.double()
     assert float((got - base).norm() / base.norm()) < LOGITS_VS_BASE
     assert float((got - peer).norm() / peer.norm()) < LOGITS_VS_PEER

@@ -226,49 +226,50 @@ def layer_tensors(layer) -> dict[str, torch.Tensor]:
     return found
 
 
-def dump_w4a4(model, out: Path, rank: int) -> None:
-    """Every tensor of every fused NVFP4 layer as its whole storage's bytes, with its view in the json."""
-    tensors, meta = {}, {}
+def fused_layers(model):
+    """``(prefix, layer, its NVFP4 linear kernel)`` for every fused linear module of every decoder layer."""
     for li in range(len(model.model.layers)):
         for fused in FUSED:
             prefix = f"model.layers.{li}.{fused}"
             layer = model.get_submodule(prefix)
-            kernel = getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
-            info = {"kernel": type(kernel).__name__, "tensors": {}}
-            info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
-            for name, value in sorted(layer_tensors(layer).items()):
-                storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
-                tensors[f"{prefix}.{name}"] = storage.clone()
-                info["tensors"][name] = {"class": type(value).__name__, "dtype": str(value.dtype).replace("torch.", ""),
-                                         "shape": list(value.shape), "stride": list(value.stride()),
-                                         "offset": value.storage_offset()}
-            meta[prefix] = info
+            yield prefix, layer, getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
+
+
+def dump_w4a4(model, out: Path, rank: int) -> None:
+    """Every tensor of every fused NVFP4 layer as its whole storage's bytes, with its view in the json."""
+    tensors, meta = {}, {}
+    for prefix, layer, kernel in fused_layers(model):
+        info = {"kernel": type(kernel).__name__, "tensors": {}}
+        info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+        for name, value in sorted(layer_tensors(layer).items()):
+            storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+            tensors[f"{prefix}.{name}"] = storage.clone()
+            info["tensors"][name] = {"class": type(value).__name__, "dtype": str(value.dtype).replace("torch.", ""),
+                                     "shape": list(value.shape), "stride": list(value.stride()),
+                                     "offset": value.storage_offset()}
+        meta[prefix] = info
     save_file(tensors, out / f"rank-{rank}.safetensors")
     (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
 
 
 def dump(model, out: Path, rank: int) -> None:
     tensors, meta = {}, {}
-    for li in range(len(model.model.layers)):
-        for fused in FUSED:
-            prefix = f"model.layers.{li}.{fused}"
-            layer = model.get_submodule(prefix)
-            kernel = getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
-            assert type(kernel) is KERNEL, type(kernel)
-            scale = layer.weight_scale
-            buffer = scale.detach() if scale.is_contiguous() else (  # sm100: the buffer its 6-D view looks at
-                torch.empty(0, dtype=scale.dtype).set_(scale.untyped_storage()))
-            tensors.update(transform_state(layer, prefix))
-            tensors[f"{prefix}.weight"] = layer.weight.detach().contiguous()
-            tensors[f"{prefix}.weight_scale"] = buffer.contiguous().view(torch.uint8).clone()
-            tensors[f"{prefix}.weight_global_scale"] = layer.weight_global_scale.detach().reshape(-1).clone()
-            meta[prefix] = {
-                "weights_padding_cols": getattr(layer, "weights_padding_cols", None),
-                "weight_scale_dtype": str(scale.dtype).replace("torch.", ""),
-                "weight_scale_shape": list(buffer.shape),
-                "weight_scale_view": [list(scale.shape), list(scale.stride()), scale.storage_offset()],
-                "kernel": type(kernel).__name__,
-            }
+    for prefix, layer, kernel in fused_layers(model):
+        assert type(kernel) is KERNEL, type(kernel)
+        scale = layer.weight_scale
+        buffer = scale.detach() if scale.is_contiguous() else (  # sm100: the buffer its 6-D view looks at
+            torch.empty(0, dtype=scale.dtype).set_(scale.untyped_storage()))
+        tensors.update(transform_state(layer, prefix))
+        tensors[f"{prefix}.weight"] = layer.weight.detach().contiguous()
+        tensors[f"{prefix}.weight_scale"] = buffer.contiguous().view(torch.uint8).clone()
+        tensors[f"{prefix}.weight_global_scale"] = layer.weight_global_scale.detach().reshape(-1).clone()
+        meta[prefix] = {
+            "weights_padding_cols": getattr(layer, "weights_padding_cols", None),
+            "weight_scale_dtype": str(scale.dtype).replace("torch.", ""),
+            "weight_scale_shape": list(buffer.shape),
+            "weight_scale_view": [list(scale.shape), list(scale.stride()), scale.storage_offset()],
+            "kernel": type(kernel).__name__,
+        }
     save_file(tensors, out / f"rank-{rank}.safetensors")
     (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
 
