@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from repack.nvfp4 import NVFP4Weight, dequantize
-from repack.runtime.formulas import decode, swizzle_128x4_offsets
+from repack.runtime.formulas import decode
+from repack.targets.layout import swizzle_128x4_offsets
 from repack.sample.synthetic import random_nvfp4
 from repack.targets import RuntimeLayer, resolve_target
 from repack.targets.layout import round_up, vllm_geometry

@@ -23,7 +23,7 @@ import torch
 
 from ..nvfp4 import BLOCK_SIZE, e2m1_to_float
 from ..targets import RuntimeLayer, resolve_target
-from ..targets.layout import round_up
+from ..targets.layout import round_up, swizzle_128x4_offsets
 from ..targets.sm90 import DECODE_BIAS_LOG2, decode_pairs
 from ..targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 
@@ -112,14 +112,6 @@ def sm100_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int, a
 
 def w4a4_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return sm100_code_offsets(rows, cols, n, k, alignment=32)
-
-
-def swizzle_128x4_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """cuBLAS's 128x4 scale layout: ``((r//128)*(Kp/4) + b//4)*512 + (r%32)*16 + ((r%128)//32)*4 + b%4``,
-    ``Kp = round_up(K/16, 4)`` (docs/NVFP4_REFERENCE.md §3)."""
-    kp = round_up(k // BLOCK_SIZE, 4)
-    row = (rows // 128) * (kp // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
-    return row[:, None] + ((blocks // 4) * 512 + blocks % 4)[None, :]
 
 
 def sm120_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:

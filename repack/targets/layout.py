@@ -71,6 +71,15 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(rows, cols // 4).view(torch.uint8).view(scales.dtype)
 
 
+def swizzle_128x4_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """``[R, B]`` byte offsets of scales ``(rows [R], blocks [B])`` in the 128x4 layout of an ``[n, k]`` layer, by the
+    formula alone (the index-formula decoders' reading, independent of :func:`swizzle_128x4`'s permute):
+    ``((r//128)*(Kp/4) + b//4)*512 + (r%32)*16 + ((r%128)//32)*4 + b%4``, ``Kp = round_up(K/16, 4)``."""
+    kp = round_up(k // BLOCK_SIZE, 4)
+    row = (rows // 128) * (kp // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
+    return row[:, None] + ((blocks // 4) * 512 + blocks % 4)[None, :]
+
+
 def unswizzle_128x4(swizzled: torch.Tensor, n: int, k_sf: int) -> torch.Tensor:
     """Exact inverse of :func:`swizzle_128x4`: the linear ``[n, k_sf]`` scales, padding dropped."""
     rows, cols = swizzled_scale_shape(n, k_sf * BLOCK_SIZE)

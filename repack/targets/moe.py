@@ -10,7 +10,8 @@ from types import ModuleType
 import torch
 
 from ..errors import RepackError
-from .layout import round_up, swizzle_128x4, unswizzle_128x4
+from ..nvfp4 import BLOCK_SIZE
+from .layout import round_up, swizzle_128x4, swizzle_128x4_offsets, unswizzle_128x4
 
 SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale")
 
@@ -94,12 +95,11 @@ def shared_input_scale(scales: torch.Tensor, experts: int) -> torch.Tensor:
     return scales.max().to(torch.float32).repeat(experts)
 
 
-def scale_offset(expert: torch.Tensor, row: torch.Tensor, col: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Flat byte offset of block scale ``(row, col)`` of ``expert`` in a swizzled ``[E, rows, cols]`` buffer
-    (``rows``/``cols``: the unpadded sizes): the 128x4 formula inside the expert's own padded block."""
-    rows_p, cols_p = round_up(rows, 128), round_up(cols, 4)
-    inside = ((row // 128) * (cols_p // 4) + col // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
-    return expert * (rows_p * cols_p) + inside
+def scale_offset(expert: int, rows: torch.Tensor, held_rows: int, cols: int) -> torch.Tensor:
+    """``[R, cols]`` flat byte offsets of block scales ``rows`` x ``[0, cols)`` of ``expert`` in a swizzled
+    ``[E, held_rows, cols]`` buffer (unpadded sizes): the 128x4 formula inside the expert's own padded block."""
+    block = round_up(held_rows, 128) * round_up(cols, 4)
+    return expert * block + swizzle_128x4_offsets(rows, torch.arange(cols), held_rows, cols * BLOCK_SIZE)
 
 
 def moe_layout(family: str) -> ModuleType:

@@ -100,7 +100,6 @@ def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hid
     rows = torch.arange(n)
     held_rows = w13_row(rows, intermediate) if which == "w13" else rows
     codes = tensors[f"{which}_weight"][expert].index_select(0, held_rows)
-    r, c = torch.meshgrid(held_rows, torch.arange(k // BLOCK_SIZE), indexing="ij")
     flat = tensors[f"{which}_weight_scale"].reshape(-1).view(torch.uint8)
-    scales = flat[scale_offset(torch.tensor(expert), r, c, n, k // BLOCK_SIZE)].view(torch.float8_e4m3fn)
+    scales = flat[scale_offset(expert, held_rows, n, k // BLOCK_SIZE)].view(torch.float8_e4m3fn)
     return codes, scales

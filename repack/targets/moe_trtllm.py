@@ -156,7 +156,6 @@ def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hid
                                   else (hidden, intermediate, hp, ip // BLOCK_SIZE))
     rows = held_row(torch.arange(n), which, hidden, intermediate)
     codes = tensors[f"{which}_weight"][expert].index_select(0, rows)[:, : k // 2]
-    r, c = torch.meshgrid(rows, torch.arange(k // BLOCK_SIZE), indexing="ij")
     flat = tensors[f"{which}_weight_scale"].reshape(-1).view(torch.uint8)
-    scales = flat[scale_offset(torch.tensor(expert), r, c, rows_held, cols_held)].view(torch.float8_e4m3fn)
+    scales = flat[scale_offset(expert, rows, rows_held, cols_held)].view(torch.float8_e4m3fn)[:, : k // BLOCK_SIZE]
     return codes, scales
