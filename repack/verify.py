@@ -571,10 +571,11 @@ def _prefixed(checks: list[TensorCheck], label: str) -> list[TensorCheck]:
     return checks
 
 
-def outputs_scales(ranks: list[Bundle], regions) -> list[torch.Tensor]:
-    """The ``input_global_scale_inv`` of each W4A4 rank layer that holds a region (none for W4A16 bundles)."""
-    return [ranks[r].read(f"{prefix}.input_global_scale_inv") for r, prefix, _ in regions
-            if ranks[r].target.scheme == "W4A4"]
+def _held_input_scale(ranks: list[Bundle], regions) -> torch.Tensor | None:
+    """The ``input_global_scale_inv`` the W4A4 rank layers holding ``regions`` quantize with (each rank's own
+    verify checks it against the source's), or None for W4A16 bundles."""
+    r, prefix, _ = next(iter(regions))
+    return ranks[r].read(f"{prefix}.input_global_scale_inv") if ranks[r].target.scheme == "W4A4" else None
 
 
 def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator) -> list[TensorCheck]:
@@ -606,6 +607,7 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
             if part.scale_ratio != 1.0:
                 rescaled = assemble(src, output_layer(prefix, ranks[r].manifest.layers[prefix]))
                 weight[rows[0]:rows[1], cols[0]:cols[1]] = dequantize(rescaled, torch.float64)[part.rows[0]:part.rows[1]]
+        scale = _held_input_scale(ranks, regions.values())
         worst = 0.0
         for m in BATCH_SIZES:
             x = torch.randn(m, layer.k, generator=gen).to(torch.bfloat16)
@@ -617,7 +619,6 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
                     module = loaded[r].layer(prefix)
                     outputs[key] = module(x[:, cols[0]:cols[1]].to(loaded[r].device)).to("cpu", torch.float64)
                 y[:, rows[0]:rows[1]] += outputs[key][:, part.rows[0]:part.rows[1]]
-            scale = next(iter(outputs_scales(ranks, regions.values())), None)
             ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_products(x, weight, scale)
             worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
