@@ -153,3 +153,18 @@ def test_a_flipped_expert_byte_fails_integrity(converted, tmp_path, capsys):
     flip_tensor_byte(path / "rank-0", f"{MODULE}.w2_weight", offset=17)
     code, text = _verify(path, capsys)
     assert code == 1 and f"rank-0: {MODULE}.w2_weight: blake3 digest differs from the manifest" in text, text
+
+
+def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", str(converted["sm120"] / "rank-1")]) == 0
+    text = capsys.readouterr().out
+    assert (f"2 FusedMoE layers, layout {moe_cutlass.LAYOUT_ID} (vLLM backend FLASHINFER_CUTLASS, FlashInferExperts)"
+            in text), text
+    row = next(line for line in text.splitlines() if MODULE in line)
+    cells = [cell.strip() for cell in row.split("│")[2:7]]
+    assert cells == ["2:4 of 4 (expert parallel)", "2", "64", "128 (0:128)", "local experts"], row
+    assert main(["inspect", str(converted["sm100"]), "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)
+    assert [r["moe"][MODULE]["expert_map"] for r in ranks] == [[0, 1, -1, -1], [-1, -1, 0, 1]]
+    assert {r["moe"][MODULE]["layout_id"] for r in ranks} == {moe_trtllm.LAYOUT_ID}
