@@ -194,3 +194,19 @@ def test_the_ranks_of_one_output_share_each_read_of_an_expert(tmp_path, monkeypa
     experts = {mode: sorted(p for p in loaded if ".experts." in p) for mode, loaded in counts.items()}
     assert len(experts["fuse"]) == 2 * 2 * 4 * 3  # layers x (codes, scales) x experts x projections
     assert experts["tp4"] == experts["tp2"] == experts["fuse"]
+
+
+@pytest.mark.parametrize("name,args,code,message", [
+    ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there yet"),
+    ("modelopt_moe_nvfp4", ["-t", "sm100", "--fuse", "--weight-only"], 1,
+     "Error: --weight-only: NVFP4 MoE experts have no weight-only layout here"),
+    ("ct_moe_nvfp4a16", ["-t", "sm120", "--tp", "2"], 1, "Error: NVFP4A16 MoE (weight-only experts) is not supported"),
+    ("ct_moe_i48_nvfp4", ["-t", "sm120", "--fuse"], 1, "needs 2 x intermediate size per rank a multiple of 128"),
+    ("ct_moe_nvfp4", ["-t", "sm100", "--fuse", "--ep"], 2, "--ep places whole experts on tensor-parallel ranks"),
+])
+def test_moe_refusals_are_one_line_and_write_nothing(tmp_path, capsys, name, args, code, message):
+    out = tmp_path / "out"
+    assert main(["convert", str(PRODUCERS / name), "-o", str(out), *args]) == code
+    err = capsys.readouterr().err
+    assert message in err and (code == 2 or err.count("\n") == 1), err
+    assert not out.exists() and not list(tmp_path.iterdir())
