@@ -210,3 +210,28 @@ def test_moe_refusals_are_one_line_and_write_nothing(tmp_path, capsys, name, arg
     err = capsys.readouterr().err
     assert message in err and (code == 2 or err.count("\n") == 1), err
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("experts", [3, 5], "experts \\[3, 5\\] of 4 or rows"),
+    ("expert_map", [0, 1, -1], "expert_map must give each of the 4 experts"),
+    ("input_scales", "some", "input_scales must be all or local"),
+    ("members", {"gate": [], "up": [], "down": []}, "members must name each held expert"),
+    ("layout_id", "moe-flashinfer-cutlass-v1", "is not sm100's \\(moe-flashinfer-trtllm-v1\\)"),
+    ("tensors", "drop g1_scale_c", "are not the moe-flashinfer-trtllm-v1 layout's"),
+])
+def test_a_malformed_moe_record_is_refused_in_one_line(converted, tmp_path, field, value, message):
+    from repack.errors import RepackError
+
+    rank = tmp_path / "rank-1"
+    shutil.copytree(converted["sm100"] / "rank-1", rank)
+    manifest = json.loads((rank / "manifest.json").read_text())
+    record = manifest["moe"][MODULE]
+    if value == "drop g1_scale_c":
+        del record["tensors"]["g1_scale_c"]
+    else:
+        record[field] = value
+    (rank / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RepackError, match=message) as err:
+        open_bundle(rank)
+    assert "\n" not in str(err.value)
