@@ -49,8 +49,9 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
             plan = plans[record.source]
             first, last = plan.experts
             assert (record.layout_id, record.backend, record.kernel) == (layout.LAYOUT_ID, layout.BACKEND, layout.KERNEL)
-            assert (record.num_experts, record.experts, record.rows, record.hidden, record.intermediate, record.top_k) \
-                == (4, [first, last], list(plan.rows), 64, 128 // (1 if ep else tp), 2)
+            assert (record.num_experts, record.local_experts, record.experts, record.rows, record.hidden,
+                    record.intermediate, record.top_k) == (4, last - first, [first, last], list(plan.rows), 64,
+                                                           128 // (1 if ep else tp), 2)
             assert record.members["down"] == [f"{record.source}.{e}.down_proj" for e in range(first, last)]
             assert record.input_scales == ("all" if name.startswith("modelopt") else "local")
             assert record.expert_map == ([e - first if first <= e < last else -1 for e in range(4)] if ep else None)
@@ -213,7 +214,8 @@ def test_moe_refusals_are_one_line_and_write_nothing(tmp_path, capsys, name, arg
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("experts", [3, 5], "experts \\[3, 5\\] of 4 or rows"),
+    ("experts", [3, 5], "experts \\[3, 5\\] \\(2 local\\) of 4 or rows"),
+    ("local_experts", 3, "experts \\[2, 4\\] \\(3 local\\) of 4"),
     ("expert_map", [0, 1, -1], "expert_map must give each of the 4 experts"),
     ("input_scales", "some", "input_scales must be all or local"),
     ("members", {"gate": [], "up": [], "down": []}, "members must name each held expert"),
