@@ -237,3 +237,36 @@ def test_a_malformed_moe_record_is_refused_in_one_line(converted, tmp_path, fiel
     with pytest.raises(RepackError, match=message) as err:
         open_bundle(rank)
     assert "\n" not in str(err.value)
+
+
+def test_ctrl_c_then_resume_of_a_fused_moe_convert_matches_a_clean_run(tmp_path, monkeypatch):
+    """Shards a Ctrl-C left (FusedMoE layers among them) are kept by --resume, and the result is byte-identical to an
+    uninterrupted run (tests/test_resume.py for dense ones)."""
+    import repack.convert
+    from repack.convert import convert
+    from repack.errors import Interrupted
+
+    from .test_atomicity import tree_digest
+
+    source = PRODUCERS / "ct_moe_nvfp4"
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    convert(source, "sm100", reference, fuse=True, max_shard_size="20KB")
+    real, taken = repack.convert._Writing.take_experts, []
+
+    def take(self, tensors, stack, last):
+        if len(taken) == 5:  # layer 0's FusedMoE tensors (four weights in one chunk, the scalars) are queued
+            raise KeyboardInterrupt
+        taken.append(tensors[0].name)
+        real(self, tensors, stack, last)
+
+    monkeypatch.setattr(repack.convert._Writing, "take_experts", take)
+    with pytest.raises(Interrupted) as caught:
+        convert(source, "sm100", out, fuse=True, max_shard_size="20KB")
+    staging = caught.value.kept[0][1]
+    journal = json.loads((staging / ".nvfp4-repack-resume.json").read_text())
+    assert any(f"{MODULE.replace('layers.1', 'layers.0')}.w13_weight" in shard["tensors"]
+               for shard in journal["shards"].values()), journal  # layer 0's FusedMoE shard is kept
+    monkeypatch.undo()
+    summary = convert(source, "sm100", out, fuse=True, max_shard_size="20KB", resume=True)
+    assert summary.kept_shards == caught.value.kept[0][2]
+    assert tree_digest(out) == tree_digest(reference)
