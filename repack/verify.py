@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .bundle.layers import (
-    ExpertPlan, OutputLayer, Piece, assemble, expert_range, layer_transforms, rescale_error, whole_piece,
+    ExpertPlan, OutputLayer, Piece, assemble, layer_transforms, rescale_error, whole_piece,
 )
 from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, MoERecord, PartitionRecord, read_output_record
 from .bundle.reader import Bundle, open_bundle

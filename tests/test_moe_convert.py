@@ -270,3 +270,16 @@ def test_ctrl_c_then_resume_of_a_fused_moe_convert_matches_a_clean_run(tmp_path,
     summary = convert(source, "sm100", out, fuse=True, max_shard_size="20KB", resume=True)
     assert summary.kept_shards == caught.value.kept[0][2]
     assert tree_digest(out) == tree_digest(reference)
+
+
+def test_verify_fails_a_tp_output_whose_ranks_miss_experts(converted, tmp_path, capsys):
+    """A rank whose manifest lost a FusedMoE record (its own checks then have nothing to check): the ranks no longer
+    hold every expert, which the output's check names."""
+    path = tmp_path / "out"
+    shutil.copytree(converted["sm120"], path)
+    manifest = json.loads((path / "rank-1" / "manifest.json").read_text())
+    del manifest["moe"][MODULE]
+    (path / "rank-1" / "manifest.json").write_text(json.dumps(manifest))
+    code, text = _verify(path, capsys)
+    assert code == 1 and ("model.layers.1.mlp.experts: the ranks do not hold each expert's rows exactly once "
+                          "(expert 2 is not all there)") in text, text

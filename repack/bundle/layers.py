@@ -16,7 +16,7 @@ import torch
 
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
-from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, is_moe_config, read_input_scales
+from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, read_input_scales
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
