@@ -283,3 +283,27 @@ def test_verify_fails_a_tp_output_whose_ranks_miss_experts(converted, tmp_path, 
     code, text = _verify(path, capsys)
     assert code == 1 and ("model.layers.1.mlp.experts: the ranks do not hold each expert's rows exactly once "
                           "(expert 2 is not all there)") in text, text
+
+
+def test_a_non_finite_expert_multiplier_is_refused_naming_the_layer(tmp_path):
+    """The scalars' pass reads the experts' multipliers from their 4-byte scales, refused as ``load_layer`` refuses
+    them."""
+    from safetensors.torch import load_file, save_file
+
+    from repack.bundle.layers import expert_multipliers
+    from repack.convert import convert
+    from repack.errors import RepackError
+    from repack.sample.synthetic import write_qwen_moe
+
+    root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=3, intermediate=64,
+                          generator=torch.Generator().manual_seed(0))
+    tensors = load_file(root / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale_2"] = torch.tensor(float("nan"))
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    source = read_source(root)
+    downs = tuple(f"model.layers.0.mlp.experts.{e}.down_proj" for e in range(3))
+    with pytest.raises(RepackError, match=r"experts\.1\.down_proj: global scale must be finite and positive, got nan"):
+        expert_multipliers(source, downs)
+    with pytest.raises(RepackError, match=r"experts\.1\.down_proj: global scale must be finite and positive"):
+        convert(root, "sm100", tmp_path / "out", fuse=True)  # the weights' pass refuses it first
+    assert not (tmp_path / "out").exists()
