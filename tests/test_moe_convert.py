@@ -11,14 +11,23 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from repack.bundle.layers import assemble_experts, plan_experts
+import repack.convert
+from repack.bundle.layers import assemble_experts, expert_multipliers, plan_experts
 from repack.bundle.reader import open_bundle
 from repack.cli import main
+from repack.convert import convert
+from repack.errors import Interrupted, RepackError
 from repack.formats import read_source
+from repack.formats.source import SourceModel
+from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe_cutlass, moe_trtllm
+from repack.targets.moe import w3w1
 
 from .conftest import PRODUCERS
+from .test_atomicity import tree_digest
+from .test_verify import flip_tensor_byte, rewrite_consistently
 
 LAYOUTS = {"sm100": moe_trtllm, "sm120": moe_cutlass}
 
@@ -99,8 +108,6 @@ MODULE = "model.layers.1.mlp.experts.routed_experts"
 def _tamper(path, change) -> None:
     """Rank 1's ``MODULE`` tensors changed by ``change`` (held -> {name: new tensor}), its manifest rewritten to
     match: what only the comparison with the source catches."""
-    from .test_verify import rewrite_consistently
-
     rank = path / "rank-1"
     held = open_bundle(rank).moe_tensors(MODULE)
     for name, value in change(held).items():
@@ -110,8 +117,6 @@ def _tamper(path, change) -> None:
 def _swapped_halves(target):
     """w13 built from each expert's up rows where its gate rows go and back (through the layout, so that the
     sm100 interleave puts them where the kernel reads gate rows)."""
-    from repack.targets.moe import w3w1
-
     source = read_source(PRODUCERS / "ct_moe_nvfp4")
     plan = plan_experts(source, 2, 1, ep=True)["model.layers.1.mlp.experts"]
     stack = assemble_experts(source, plan)
@@ -154,8 +159,6 @@ def test_verify_names_a_corrupted_or_swapped_expert_or_swapped_halves(converted,
 def test_a_flipped_expert_byte_fails_integrity(converted, tmp_path, capsys):
     path = tmp_path / "out"
     shutil.copytree(converted["sm100"], path)
-    from .test_verify import flip_tensor_byte
-
     flip_tensor_byte(path / "rank-0", f"{MODULE}.w2_weight", offset=17)
     code, text = _verify(path, capsys)
     assert code == 1 and f"rank-0: {MODULE}.w2_weight: blake3 digest differs from the manifest" in text, text
@@ -179,8 +182,6 @@ def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypat
 def test_the_ranks_of_one_output_share_each_read_of_an_expert(tmp_path, monkeypatch):
     """One pass for every rank: each expert layer is loaded as often at --tp 4 (4 bundles) as at --fuse (one): once
     per layout tensor made from it (codes, then block scales), whatever the number of ranks."""
-    from repack.formats.source import SourceModel
-
     counts: dict[str, list[str]] = {}
     original = SourceModel.load_layer
 
@@ -223,8 +224,6 @@ def test_moe_refusals_are_one_line_and_write_nothing(tmp_path, capsys, name, arg
     ("tensors", "drop g1_scale_c", "are not the moe-flashinfer-trtllm-v1 layout's"),
 ])
 def test_a_malformed_moe_record_is_refused_in_one_line(converted, tmp_path, field, value, message):
-    from repack.errors import RepackError
-
     rank = tmp_path / "rank-1"
     shutil.copytree(converted["sm100"] / "rank-1", rank)
     manifest = json.loads((rank / "manifest.json").read_text())
@@ -242,12 +241,6 @@ def test_a_malformed_moe_record_is_refused_in_one_line(converted, tmp_path, fiel
 def test_ctrl_c_then_resume_of_a_fused_moe_convert_matches_a_clean_run(tmp_path, monkeypatch):
     """Shards a Ctrl-C left (FusedMoE layers among them) are kept by --resume, and the result is byte-identical to an
     uninterrupted run (tests/test_resume.py for dense ones)."""
-    import repack.convert
-    from repack.convert import convert
-    from repack.errors import Interrupted
-
-    from .test_atomicity import tree_digest
-
     source = PRODUCERS / "ct_moe_nvfp4"
     reference, out = tmp_path / "reference", tmp_path / "out"
     convert(source, "sm100", reference, fuse=True, max_shard_size="20KB")
@@ -288,13 +281,6 @@ def test_verify_fails_a_tp_output_whose_ranks_miss_experts(converted, tmp_path, 
 def test_a_non_finite_expert_multiplier_is_refused_naming_the_layer(tmp_path):
     """The scalars' pass reads the experts' multipliers from their 4-byte scales, refused as ``load_layer`` refuses
     them."""
-    from safetensors.torch import load_file, save_file
-
-    from repack.bundle.layers import expert_multipliers
-    from repack.convert import convert
-    from repack.errors import RepackError
-    from repack.sample.synthetic import write_qwen_moe
-
     root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=3, intermediate=64,
                           generator=torch.Generator().manual_seed(0))
     tensors = load_file(root / "model.safetensors")
