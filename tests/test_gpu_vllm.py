@@ -57,8 +57,10 @@ class Served:
     attention: str
 
 
-# Synthetic checkpoints: (format, W4A4, layers) of Llama-3-8B's decoder shapes, vocab 32000, served on TRITON_ATTN.
-SYNTHETIC = {"ct-w4a16-8b": ("compressed-tensors", False, 2), "modelopt-w4a4-8b": ("modelopt", True, 1)}
+# Synthetic checkpoints: (format, W4A4, layers, input Hadamard block or 0) of Llama-3-8B's decoder shapes, vocab
+# 32000, served on TRITON_ATTN; the rotated one as llm-compressor's QuIP writes it (``add_input_hadamard``).
+SYNTHETIC = {"ct-w4a16-8b": ("compressed-tensors", False, 2, 0), "modelopt-w4a4-8b": ("modelopt", True, 1, 0),
+             "ct-w4a16-had128-8b": ("compressed-tensors", False, 1, 128)}  # fmt: skip
 # The producers' own fixtures (head_dim 16, below TRITON_ATTN's 32): served on FLEX_ATTENTION. The rotated ones
 # (docs/transforms-serving.md) run their input transform inside RepackSm90NvFp4LinearKernel: a Walsh-Hadamard block
 # of 16, one of 32 with vLLM's output transform after it, and SpinQuant's whole-K R4 (not fused: before the GEMM).
@@ -70,9 +72,11 @@ def serve_case(name: str, tmp_path: Path, seed: int) -> Served:
     """Source, sm90 ``--fuse`` bundle and dequantized bf16 model of a producer fixture or a ``SYNTHETIC`` case."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     if name in SYNTHETIC:
-        fmt, w4a4, layers = SYNTHETIC[name]
+        fmt, w4a4, layers, block = SYNTHETIC[name]
         source = vllm_gpu.write_shaped_llama(tmp_path / "source", vllm_gpu.LLAMA3_8B, layers, 32000,
                                              torch.Generator().manual_seed(seed), 128, fmt, w4a4)  # fmt: skip
+        if block:
+            vllm_gpu.add_input_hadamard(source, block)
     else:
         source = PRODUCERS / name
     convert(source, "sm90", tmp_path / "bundle", fuse=True)

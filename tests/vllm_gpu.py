@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from repack.formats import read_source
 from repack.nvfp4 import NVFP4Weight
+from repack.runtime.transforms import sylvester
 from repack.sample.synthetic import write_llama
 
 # Decoder shapes (hidden, heads, kv heads, intermediate, head_dim) of Llama-3-8B and Llama-3-70B.
@@ -69,6 +70,25 @@ def write_shaped_llama(root: Path, shape: dict[str, int], layers: int, vocab: in
                        intermediate=shape["intermediate"], head_dim=shape["head_dim"], vocab=vocab, layers=layers,
                        generator=gen, quantized=random_decoder(shape, layers, gen), max_positions=max_positions,
                        plain_std=0.02, w4a4=w4a4)  # fmt: skip
+
+
+def add_input_hadamard(root: Path, block: int) -> Path:
+    """Give a single-file compressed-tensors checkpoint (``write_shaped_llama``) the online input transform of
+    llm-compressor's ``QuIPModifier(rotations=["v"], transform_type="hadamard")`` on every decoder linear, in
+    blocks of ``block``: its config group and Sylvester's unnormalized matrix, stored once under the first layer
+    that uses it, as the producer writes them (tests/data/producers/README.md). The weights stay as they are (a
+    random model, rotated, is a random model); ``write_dequantized`` folds the transform into its reference."""
+    config = json.loads((root / "config.json").read_text())
+    apply = [{"targets": ["Linear"], "location": location, "inverse": inverse, "ignore": ["lm_head"]}
+             for location, inverse in (("input", False), ("weight_input", True))]  # fmt: skip
+    config["quantization_config"]["transform_config"] = {"config_groups": {"v": {
+        "type": "hadamard", "head_dim": block, "precision": "torch.float64", "randomize": False,
+        "requires_grad": False, "apply": apply}}}  # fmt: skip
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    path = root / "model.safetensors"
+    matrix = {"model.layers.0.self_attn.q_proj.v_input.weight": sylvester(block)}
+    save_file(load_file(path) | matrix, path, metadata={"format": "pt"})
+    return root
 
 
 def write_dequantized(source: Path, out: Path) -> Path:
