@@ -9,23 +9,24 @@ JOBS: waves separated by spaces, each ``SET:MODES:MODELS`` or several joined by 
 ``8b-32:default,eager:bundle,source,bf16``. A set names its models: ``SHAPE-LAYERS`` (``8b`` or ``70b``:
 Llama-3-8B's or Llama-3-70B's decoder shapes), with ``-hadB`` an online input Hadamard of block B on every decoder
 linear (llm-compressor's QuIP "v" rotation, ``tests/vllm_gpu.add_input_hadamard``). In ``WORK/SET``
-(``--prepare-only`` writes them; a run reuses what ``WORK/SET/ready.json`` records and waits for a preparation
-running elsewhere): a compressed-tensors NVFP4A16 Llama, vocab 128256 (32000 for ``70b``), random weights of
-standard deviation about 0.01 (``tests/vllm_gpu.py``); its bundle from the CLI (``convert --target sm90 --fuse
---no-fsync``, timed); its dequantized bf16 copy, when a job names ``bf16``.
+(``--prepare-only`` writes them, one process per set; a run reuses what ``WORK/SET/ready.json`` records and waits
+for a preparation running elsewhere): a compressed-tensors NVFP4A16 Llama, vocab 128256 (32000 for ``70b``), random
+weights of standard deviation about 0.01 (``tests/vllm_gpu.py``); its bundle from the CLI (``convert --target sm90
+--fuse --no-fsync``, timed); its dequantized bf16 copy, when a job names ``bf16``.
 
 Every engine runs in a fresh process with a fresh HOME (cold vLLM compile, Triton and Humming caches), vLLM's
 engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the load can be measured). The engines of a wave
 (at most ``--parallel N`` of them: a larger one is split) build at once, each with a fixed KV cache of ``--kv-gib``
 when N > 1; once every engine of the wave is built (and the ``--gate`` file exists: a test run on the same GPU has
-finished), they measure one at a time while the others wait idle, then exit, and the next wave starts. A wave's
-engine start times are therefore taken while the other engines build. Per engine:
+finished), they measure one at a time in the order of JOBS while the others wait idle, each exiting when done;
+then the next wave starts. A wave's engine start times are therefore taken while the other engines build. Per
+engine:
 
 * engine start: ``LLM(...)`` wall time (load, memory profiling, KV cache, torch.compile, CUDA graph capture);
 * model load: the model runner's ``load_model`` wall time, and the peak of allocated GPU memory during it above what
   was allocated before (the source's load also holds its repack's temporaries);
 * decode tok/s at each batch: ``batch x 128`` greedy tokens over the time between a 16-token and a 144-token
-  generation of the same 32-token prompts (prefill and engine overhead cancel; best of 2);
+  generation of the same 32-token prompts (prefill and engine overhead cancel; best of 2, eager: one);
 * prefill tok/s: 4 fresh prompts of 2000 tokens, one output token (best of 3);
 * prompt log-probabilities of 4 fixed prompts of 64 tokens: the mean |difference| to bf16's is printed;
 * ``--profile-eager``: in eager mode, the host-side time per op of 8 greedy steps at batch 1 and 32
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -49,9 +49,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -173,7 +173,7 @@ def timed_load(load_model, stats: dict[str, float]):
     return timed
 
 
-def decode_tps(llm: object, batch: int, gen: torch.Generator) -> float:
+def decode_tps(llm: object, batch: int, gen: torch.Generator, rounds: int) -> float:
     prompts = vllm_gpu.random_prompts(batch, DECODE_PROMPT, PROMPT_VOCAB, gen)
 
     def seconds(tokens: int) -> float:
@@ -182,7 +182,7 @@ def decode_tps(llm: object, batch: int, gen: torch.Generator) -> float:
         return time.perf_counter() - started
 
     seconds(4)
-    best = min(seconds(DECODE_SHORT + DECODE_STEPS) - seconds(DECODE_SHORT) for _ in range(2))
+    best = min(seconds(DECODE_SHORT + DECODE_STEPS) - seconds(DECODE_SHORT) for _ in range(rounds))
     return batch * DECODE_STEPS / best
 
 
@@ -213,19 +213,8 @@ def host_profile(llm: object, batch: int, gen: torch.Generator) -> dict[str, obj
                                       round(e.count / PROFILE_STEPS, 1)) for e in events]}  # fmt: skip
 
 
-@contextlib.contextmanager
-def exclusive(lock: Path) -> Iterator[None]:
-    """One engine of a wave measures at a time."""
-    with lock.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def child(spec: dict[str, object]) -> dict[str, object]:
-    """One engine: build it, say so (``spec['built']``), wait for the wave's go, then measure under the lock."""
+    """One engine: build it, say so (``spec['built']``), wait for its turn (``spec['go']``), then measure."""
     from vllm import LLM
 
     from repack.vllm_plugin import register
@@ -241,15 +230,15 @@ def child(spec: dict[str, object]) -> dict[str, object]:
     print("RESULT " + json.dumps(stats), flush=True)  # what survives if the engine is killed before it measures
     Path(spec["built"]).touch()
     if not wait_for(Path(spec["go"]), spec["wait_s"]):
-        stats["note"] = "measured without the wave's go"
-    with exclusive(Path(spec["lock"])):
-        gen = torch.Generator().manual_seed(1)
-        prompts = vllm_gpu.random_prompts(CHECK_PROMPTS, CHECK_LEN, PROMPT_VOCAB, gen)
-        stats["logprobs"] = vllm_gpu.prompt_logprobs(llm, prompts).tolist()
-        stats["decode_tps"] = {str(b): decode_tps(llm, b, gen) for b in spec["batches"]}
-        stats["prefill_tps"] = prefill_tps(llm, gen)
-        if spec["profile"] and spec["mode"] == "eager":
-            stats["profile"] = {str(b): host_profile(llm, b, gen) for b in PROFILE_BATCHES}
+        stats["note"] = "measured without waiting for its turn"
+    gen = torch.Generator().manual_seed(1)
+    stats["logprobs"] = vllm_gpu.prompt_logprobs(llm, vllm_gpu.random_prompts(CHECK_PROMPTS, CHECK_LEN, PROMPT_VOCAB,
+                                                                             gen)).tolist()  # fmt: skip
+    rounds = 1 if spec["mode"] == "eager" else 2  # an eager step is 20-60 ms: one round is steady, two cost a minute
+    stats["decode_tps"] = {str(b): decode_tps(llm, b, gen, rounds) for b in spec["batches"]}
+    stats["prefill_tps"] = prefill_tps(llm, gen)
+    if spec["profile"] and spec["mode"] == "eager":
+        stats["profile"] = {str(b): host_profile(llm, b, gen) for b in PROFILE_BATCHES}
     return stats
 
 
@@ -258,7 +247,8 @@ def start_child(work: Path, job: Job, wave: Path, args: argparse.Namespace) -> t
     root = work / job.set
     spec = {"model": str(root / job.model), "load_format": "nvfp4_repack" if job.model == "bundle" else "auto",
             "mode": job.mode, "batches": [int(b) for b in args.batches.split(",")], "profile": args.profile_eager,
-            "built": str(wave / f"{job.name}.built"), "go": str(wave / "go"), "lock": str(work / "measure.lock"),
+            "built": str(wave / f"{job.name}.built"), "go": str(wave / f"{job.name}.go"),
+            "done": str(wave / f"{job.name}.done"),
             "wait_s": args.budget if math.isfinite(args.budget) else 3600.0,
             "memory": {} if args.parallel == 1 else {"kv_cache_memory_bytes": int(args.kv_gib * 2**30),
                                                      "gpu_memory_utilization": 0.05}}  # fmt: skip
@@ -284,8 +274,8 @@ def result_of(log: Path, returncode: int | None) -> dict[str, object]:
 
 def run_wave(work: Path, jobs: list[Job], index: int, args: argparse.Namespace, deadline: float,
              gate: Path | None) -> dict[Job, dict[str, object]]:  # fmt: skip
-    """Build the wave's engines at once; let them measure (one at a time) once all are built and the gate is
-    open; kill what is left at the deadline."""
+    """Build the wave's engines at once; once all are built and the gate is open, let them measure one at a time,
+    in the order of ``jobs``; kill what is left at the deadline."""
     wave = work / f"wave{index}"
     wave.mkdir(exist_ok=True)
     running = {job: start_child(work, job, wave, args) for job in jobs}
@@ -297,8 +287,12 @@ def run_wave(work: Path, jobs: list[Job], index: int, args: argparse.Namespace, 
                 del running[job]
                 report(job, results[job])
         built = all((wave / f"{job.name}.built").exists() for job in running)
-        if built and not (wave / "go").exists() and (gate is None or gate.exists() or time.monotonic() > args.gate_by):
-            (wave / "go").write_text(f"gate {'open' if gate is None or gate.exists() else 'timed out'}\n")
+        measuring = any((wave / f"{job.name}.go").exists() and not (wave / f"{job.name}.done").exists()
+                        for job in running)  # fmt: skip
+        gate_open = gate is None or gate.exists() or time.monotonic() > args.gate_by
+        turn = next((job for job in jobs if job in running and not (wave / f"{job.name}.go").exists()), None)
+        if built and not measuring and gate_open and turn is not None:
+            (wave / f"{turn.name}.go").write_text(f"gate {'open' if gate is None or gate.exists() else 'timed out'}\n")
         if time.monotonic() > deadline:
             for job, (process, log) in running.items():
                 with contextlib.suppress(ProcessLookupError):
@@ -358,7 +352,9 @@ def table(results: dict[Job, dict[str, object]], batches: list[int]) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        print("RESULT " + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
+        spec = json.loads(sys.argv[2])
+        print("RESULT " + json.dumps(child(spec)), flush=True)
+        Path(spec["done"]).touch()  # the next engine's turn: this one's teardown is no part of its measures
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True)
@@ -380,9 +376,10 @@ def main() -> None:
     waves = [jobs[i : i + args.parallel] for jobs in parse_jobs(args.jobs) for i in range(0, len(jobs), args.parallel)]
     jobs = [job for wave in waves for job in wave]
     sets = {job.set: any(j.model == "bf16" for j in jobs if j.set == job.set) for job in jobs}
-    if args.prepare_only:
-        for name, dense in sets.items():
-            print(json.dumps(prepare(args.work, name, dense)), flush=True)
+    if args.prepare_only:  # one process per set (CPU only: no CUDA in the forked children)
+        with ProcessPoolExecutor(len(sets)) as pool:
+            for info in pool.map(prepare, [args.work] * len(sets), sets, sets.values()):
+                print(json.dumps(info), flush=True)
         return
     started = time.monotonic()
     deadline, args.gate_by = started + args.budget, started + args.gate_wait

@@ -181,8 +181,21 @@ def bundle_and_reference(tmp_path: Path, seed: int) -> tuple[Path, list[list[int
     convert(source, "sm90", tmp_path / "bundle", fuse=True)
     prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, 1024, gen)
     with vllm_gpu.engine(tmp_path / "bundle", load_format=LOAD_FORMAT, **SMALL) as llm:
-        reference = {"logprobs": vllm_gpu.prompt_logprobs(llm, prompts), "greedy": vllm_gpu.greedy(llm, prompts, NEW_TOKENS)}
+        greedy, margins = vllm_gpu.greedy_with_margins(llm, prompts, NEW_TOKENS)
+        reference = {"logprobs": vllm_gpu.prompt_logprobs(llm, prompts), "greedy": greedy, "margins": margins}
     return tmp_path / "bundle", prompts, reference
+
+
+def assert_same_greedy(got: list[list[int]], reference: dict[str, object]) -> None:
+    """Each prompt's greedy tokens are the reference engine's, token for token, up to a step where the reference's
+    runner-up was within ``TIE_NATS`` of its choice (a near tie, which another engine of the same model may break the
+    other way; the two continuations differ after it). Seen on the H200: a random ``TINY`` model, vocab 1024."""
+    for prompt, (mine, theirs, margins) in enumerate(zip(got, reference["greedy"], reference["margins"])):
+        assert len(mine) == len(theirs), (prompt, mine, theirs)
+        split = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if split is not None:
+            print(f"prompt {prompt}: greedy tokens split at step {split}, a tie of {margins[split]:.4f} nats")
+            assert margins[split] <= TIE_NATS, (prompt, split, margins[split], mine, theirs)
 
 
 @pytest.mark.skipif(not REASON and not plugin_installed(), reason="nvfp4-repack is not installed (its entry point)")
@@ -200,7 +213,7 @@ def test_multiprocess_engine_finds_the_plugin_through_its_entry_point(tmp_path, 
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["plugin_imported_here"]  # by vLLM's plugin loader: the script itself never imports it
-    assert result["greedy"] == reference["greedy"]
+    assert_same_greedy(result["greedy"], reference)
     assert float((torch.tensor(result["logprobs"], dtype=torch.float64) - reference["logprobs"]).abs().max()) <= 1e-3
 
 
@@ -255,4 +268,4 @@ def test_openai_server_serves_the_bundle(tmp_path, random_seed):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(30)
         log.close()
-    assert answer["choices"][0]["token_ids"] == reference["greedy"][0]
+    assert_same_greedy([answer["choices"][0]["token_ids"]], reference)

@@ -151,12 +151,25 @@ def prompt_logprobs(llm: object, prompts: list[list[int]]) -> torch.Tensor:
 
 def greedy(llm: object, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """``tokens`` greedy tokens after each prompt (end-of-sequence ignored)."""
+    return [list(o.token_ids) for o in _greedy_outputs(llm, prompts, tokens, None)]
+
+
+def greedy_with_margins(llm: object, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """``greedy``'s tokens, and at each step how far (nats) the runner-up was below the chosen token: where that is
+    near 0, another engine of the same model may break the tie the other way."""
+    outputs = _greedy_outputs(llm, prompts, tokens, 2)
+    margins = [[float(top[0] - top[1]) for top in (sorted((p.logprob for p in step.values()), reverse=True)
+                                                   for step in o.logprobs)] for o in outputs]  # fmt: skip
+    return [list(o.token_ids) for o in outputs], margins
+
+
+def _greedy_outputs(llm: object, prompts: list[list[int]], tokens: int, logprobs: int | None) -> list[object]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=logprobs)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [o.outputs[0] for o in outputs]
 
 
 def linear_kernels(model: torch.nn.Module) -> list[str]:
