@@ -201,7 +201,8 @@ def assert_same_greedy(got: list[list[int]], reference: dict[str, object]) -> No
 @pytest.mark.skipif(not REASON and not plugin_installed(), reason="nvfp4-repack is not installed (its entry point)")
 def test_multiprocess_engine_finds_the_plugin_through_its_entry_point(tmp_path, random_seed):
     """vLLM's default engine (core in a subprocess): a script that never imports the plugin serves the bundle, so
-    the ``vllm.general_plugins`` entry point registered the loader in both processes; same output as in-process."""
+    the ``vllm.general_plugins`` entry point registered the loader in both processes; the in-process engine's prompt
+    log-probabilities (to 1e-3) and greedy tokens (``assert_same_greedy``)."""
     bundle, prompts, reference = bundle_and_reference(tmp_path, random_seed)
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD))
@@ -239,7 +240,7 @@ def wait_healthy(server: subprocess.Popen, port: int, seconds: float) -> None:
 @pytest.mark.skipif(not REASON and not plugin_installed(), reason="nvfp4-repack is not installed (its entry point)")
 def test_openai_server_serves_the_bundle(tmp_path, random_seed):
     """One completion through ``vllm serve BUNDLE --load-format nvfp4_repack`` on loopback: the in-process greedy
-    tokens."""
+    tokens (``assert_same_greedy``)."""
     bundle, prompts, reference = bundle_and_reference(tmp_path, random_seed)
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(bundle), "--load-format", LOAD_FORMAT,

@@ -290,6 +290,27 @@ def test_randomized_hadamard_with_permutation_and_inverse(make_model, tmp_path):
         assert rel_error(loaded.layer(prefix)(x), ref) < BF16_REL_TOL, prefix
 
 
+def test_synthetic_quip_checkpoint_is_what_the_producer_writes(tmp_path):
+    """``vllm_gpu.add_input_hadamard`` (the rotated model of the GPU tests and the serving benchmark): the config
+    group of llm-compressor's ``ct_quip_v_had16_nvfp4a16`` with another block, an input transform on every decoder
+    linear, which ``dense_weight`` folds in as ``W @ blockdiag(H / sqrt(b))`` (float64, written out)."""
+    from .vllm_gpu import TINY, add_input_hadamard, write_shaped_llama
+
+    source = write_shaped_llama(tmp_path / "source", TINY, 1, 64, torch.Generator().manual_seed(3), 128)
+    add_input_hadamard(source, 64)
+
+    def group(folder):
+        return json.loads((folder / "config.json").read_text())["quantization_config"]["transform_config"]
+
+    assert group(source) == {"config_groups": {"v": group(PRODUCERS / "ct_quip_v_had16_nvfp4a16")["config_groups"]["v"]
+                                                     | {"head_dim": 64}}}  # fmt: skip
+    model = read_source(source)
+    assert sorted(model.transforms.layers) == sorted(model.layers) and len(model.layers) == 7
+    for prefix, layer in model.layers.items():
+        want = blockdiag64(dequantize(model.load_layer(layer), torch.float64), sylvester(64) / 8)
+        assert torch.allclose(model.dense_weight(prefix, torch.float64), want, rtol=1e-12, atol=1e-15), prefix
+
+
 @pytest.mark.parametrize("groups, tensors, message", [
     ({"R3": scheme("q_attn")}, {}, "transform scheme 'R3': location 'q_attn' is not supported"),
     ({"R3": scheme("k_cache")}, {}, "transform scheme 'R3': location 'k_cache' is not supported"),
