@@ -48,6 +48,7 @@ from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
+from .targets.w4a4 import qutlass_scales
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -248,10 +249,11 @@ def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
     return None
 def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight,
                     check: TensorCheck, gen: torch.Generator, one_call: bool,
-                    transforms: dict[str, torch.Tensor], input_scale: InputScale | None = None) -> None:
+                    transforms: dict[str, torch.Tensor], activation_scale: torch.Tensor | None = None) -> None:
     """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (the weight it is meant to
     hold: a rescaled layer's rescaled weight), with the layer's online ``transforms`` (location -> float64
-    normalized matrix) applied around it. ``input_scale``: a W4A4 layer's, with which the reference quantizes the
+    normalized matrix) applied around it. ``activation_scale``: a W4A4 layer's quantizer global scale (its
+    ``input_global_scale_inv``, or QuTLASS's 6), with which the reference quantizes the (rotated, bf16)
     activations first, as the layer's FP4 x FP4 GEMM must (:func:`w4a4_products`)."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
@@ -260,10 +262,16 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
         ys = [layer(x.to(device)).to("cpu", torch.float64) for x in xs]
     worst = 0.0
     inputs = [_block64(x.to(torch.float64), transforms.get("input")) for x in xs]
-    if input_scale is not None:
+    if activation_scale is not None:
         weight = dequantize(reference)
-        # the bf16 activations themselves (W4A4 layers have no online transforms: convert keeps those weight-only)
-        products = [w4a4_products(x, weight, input_scale.inverse) for x in xs]
+        # the kernels quantize bf16 activations rotated by the matrix as the server holds it, the source's rounded to
+        # the model dtype: the float64 matrix would round apart from it at e2m1 boundaries, a whole code step each
+        # (1-2% of a layer's output for blocks whose sqrt is not exact)
+        held = transforms.get("input")
+        if held is not None:
+            held = held.to(layer.input_transform.dtype).to(torch.float64)
+        rotated = [_block64(x.to(torch.float64), held) for x in xs]
+        products = [w4a4_products(r.to(torch.bfloat16), weight, activation_scale) for r in rotated]
     else:
         products = _reference_products(reference, inputs)
     refs = [_block64(r, transforms.get("output")) for r in products]
@@ -289,10 +297,10 @@ def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[Ten
             check.fail(f"{name}: not an online-transform matrix of the source")
             reference[name] = None
             continue
-        recorded = (record.scheme, record.type, record.block_size, record.inverse, record.scale)
-        if recorded != (matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale):
-            check.fail(f"{name}: manifest says {recorded}, the source's transform is "
-                       f"{(matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale)}")
+        recorded = (record.scheme, record.type, record.block_size, record.inverse, record.scale, record.whole)
+        source = (matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale, matrix.whole)
+        if recorded != source:
+            check.fail(f"{name}: manifest says {recorded}, the source's transform is {source}")
         reference[name] = load_matrix(src.checkpoint, matrix) / matrix.scale
         expected = runtime_matrix(src.checkpoint, matrix, DTYPES[record.tensor.dtype])
         if stored is not None and not _same_bits(stored, expected):
@@ -400,8 +408,10 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
     if any(m is None for m in transforms.values()):
         check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
     elif numerics:
+        activation_scale = None if input_scale is None else (
+            qutlass_scales(runtime.weight_global_scale)[1] if bundle.runs_qutlass(prefix) else input_scale.inverse)
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
-                        loaded.backend == "reference", transforms, input_scale)
+                        loaded.backend == "reference", transforms, activation_scale)
     return check
 
 

@@ -63,6 +63,7 @@ class TransformRecord:
     inverse: bool  # applied transposed
     scale: float  # the source matrix was divided by this
     tensor: TensorRecord
+    whole: bool = False  # the scheme has no head_dim: its block is the whole K (or N) of the layers it rotates
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,7 @@ def _transform(obj: Any, where: str, algorithm: str) -> TransformRecord:
         block_size=_int(obj, "block_size", where), source_tensors=list(sources),
         inverse=_get(obj, "inverse", bool, where), scale=float(scale),
         tensor=_tensor(_get(obj, "tensor", dict, where), f"{where}.tensor", algorithm),
+        whole=_get(obj, "whole", bool, where) if "whole" in obj else False,
     )
 
 

@@ -14,6 +14,7 @@ from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_head
 from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
+from ..targets.w4a4 import qutlass_scales, runs_qutlass
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
 
 
@@ -75,6 +76,26 @@ class Bundle:
             for i in range(len(self.layer(prefix).partitions)):
                 out[f"{record.scheme}_{t.location}.weight.partitions.{i}"] = matrix.t() if record.inverse else matrix
         return out
+
+    def runs_qutlass(self, prefix: str) -> bool:
+        """Whether vLLM serves layer ``prefix`` through QuTLASS (``targets/w4a4.py``): a W4A4 layer (its layout
+        exists on sm100 and sm120 only, both past vLLM's capability 100) whose online input transforms all have a
+        block QuTLASS fuses."""
+        blocks = [None if self.manifest.transforms[t.matrix].whole else t.block_size
+                  for t in self.layer(prefix).transforms if t.location == "input"]
+        return self.target.scheme == "W4A4" and runs_qutlass(blocks)
+
+    def vllm_qutlass(self, prefix: str) -> dict[str, torch.Tensor]:
+        """What QutlassNvFP4LinearMethod adds to layer ``prefix`` after loading, by vLLM's names (empty where vLLM
+        does not run it): ``fused_alpha``, ``fused_global_scale`` and ``hadamard_matrix`` (its input transform's
+        first partition, the tensor itself)."""
+        if not self.runs_qutlass(prefix):
+            return {}
+        alpha, scale = qutlass_scales(self.read(f"{prefix}.weight_global_scale"))
+        scheme = next(self.manifest.transforms[t.matrix].scheme for t in self.layer(prefix).transforms
+                      if t.location == "input")
+        matrix = self.vllm_transforms(prefix)[f"{scheme}_input.weight.partitions.0"].contiguous()
+        return {"fused_alpha": alpha, "fused_global_scale": scale, "hadamard_matrix": matrix}
 
     def quantized_linear(self) -> Callable[[str], bool] | None:
         """Whether the source's quantization covers a model's linear module, by name (see ``formats.scope``), from

@@ -14,6 +14,7 @@ from ..bundle.layers import VLLM_FUSION
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
+from ..targets.w4a4 import qutlass_scales
 from .backends import choose_backend, fuses_input_transform, prepare_backend
 from .backends.reference import w4a4_scales
 from .op import nvfp4_linear
@@ -25,8 +26,9 @@ class PackedLinear(nn.Module):
 
     def __init__(self, runtime: RuntimeLayer, n: int, k: int, target: str, backend: str,
                  device: torch.device, bias: torch.Tensor | None = None,
-                 transforms: dict[str, torch.Tensor] | None = None) -> None:
+                 transforms: dict[str, torch.Tensor] | None = None, qutlass: bool = False) -> None:
         super().__init__()
+        self.qutlass = qutlass  # a W4A4 layer vLLM serves through QuTLASS: its activations quantize with scale 6
         self.n, self.k = n, k
         self.in_features, self.out_features = k, n
         self.target, self.backend = target, backend
@@ -62,9 +64,13 @@ class PackedLinear(nn.Module):
     @property
     def gemm_scale(self) -> torch.Tensor:
         """What the backends take as ``weight_global_scale``: the multiplier, or for a W4A4 layer (which has an
-        ``alpha``) its ``[alpha, input_global_scale_inv]``."""
+        ``alpha``) its ``[alpha, input_global_scale_inv]``; QuTLASS's ``[fused_alpha, fused_global_scale]`` where
+        vLLM serves the layer through it (its quantizer ignores the checkpoint's activation scale)."""
         alpha = getattr(self, "alpha", None)
-        return self.weight_global_scale if alpha is None else w4a4_scales(alpha, self.input_global_scale_inv)
+        if alpha is None:
+            return self.weight_global_scale
+        return w4a4_scales(*qutlass_scales(self.weight_global_scale)) if self.qutlass else w4a4_scales(
+            alpha, self.input_global_scale_inv)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors
         self._prepared = None
@@ -97,7 +103,7 @@ class LoadedBundle:
         runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
         transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms}
         return PackedLinear(runtime, record.n, record.k, self.bundle.target.layout_key, self.backend, self.device, bias,
-                            transforms)
+                            transforms, self.bundle.runs_qutlass(prefix))
 
     def matrix(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One online-transform matrix on this device, read once per dtype."""
