@@ -212,7 +212,8 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             weights_padding_cols=geometry.weights_padding_cols,
             global_scale=writing.global_scales[prefix],
             tensors={t.part: records.pop(t.name) for t in plan.units[prefix]},
-            transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
+            transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size,
+                                             None if t.partitions is None else list(t.partitions))
                         for t in layer_transforms(source.transforms, layer)],
             partitions=_partitions(layer),
             rescale_error=writing.output.rescale_errors.get(prefix),

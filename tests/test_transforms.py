@@ -27,14 +27,16 @@ from repack.formats.safetensors_io import tensor_bytes
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
+from repack.runtime.layer import PackedLinear
 from repack.sample import SAMPLE_DIR
 from repack.runtime.backends import fuses_input_transform, prepare_backend
-from repack.runtime.transforms import WalshFactors, block_transform, walsh_factors
+from repack.runtime.transforms import WalshFactors, block_transform, rows_transform, walsh_factors
 from repack.runtime.transforms import sylvester as runtime_sylvester
 from repack.targets import TARGETS
 from repack.verify import verify_bundle
 
 from .conftest import PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES, require
+from .vllm.variants import output_variant
 from .test_runtime import BF16_REL_TOL, dequantized_llama, rel_error
 
 MODEL_REL_TOL = 3e-2  # bf16 activations through a whole model (as test_runtime's whole-model test)
@@ -181,6 +183,47 @@ def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
     with torch.no_grad():
         got = patched(TOKENS).logits.double()
     assert rel_error(got, reference_logits(fixture, "float reference")) < MODEL_REL_TOL
+
+
+@pytest.mark.parametrize("weight_only", [True, False], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize("variant,parts", [("partial-output", [[0, 2]]), ("whole-n-output", [[0], [1, 2]])])
+def test_output_transforms_per_partition_of_a_fused_module(tmp_path, monkeypatch, variant, parts, weight_only):
+    """--fuse keeps per-partition output transforms as vLLM holds them (byte conformance: test_vllm_conformance):
+    on q and v only, or whole-N, one matrix per partition size; the runtime rotates each partition's rows with its
+    own matrix, which verify's float64 reference (the source's function) holds it to: skipping them fails."""
+    source = output_variant(tmp_path / "source", variant)
+    out = tmp_path / "bundle"
+    convert(source, "sm120", out, fuse=True, weight_only=weight_only)
+    record = open_bundle(out).manifest.layers["model.layers.0.self_attn.qkv_proj"]
+    assert [t.partitions for t in record.transforms if t.location == "output"] == parts
+    seed = int(torch.randint(0, 2**31, ()))
+    assert verify_bundle(out, seed=seed, numerics="all").passed, f"seed {seed}"
+    monkeypatch.setattr(PackedLinear, "output_parts", property(lambda self: []))
+    failed = {c.name for c in verify_bundle(out, seed=seed, numerics="all").layers if c.status == "fail"}
+    assert failed == {f"model.layers.{i}.self_attn.qkv_proj" for i in (0, 1)}, f"seed {seed}"
+
+
+def test_rows_transform_rotates_each_range_with_its_own_matrix():
+    """Ranges given in any order, gaps left as they are; each range block-diagonal in its own matrix."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    value = torch.randn(3, 40, generator=gen, dtype=torch.float64)
+    a, b = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    expected = value.clone()
+    expected[:, :8], expected[:, 8:16] = value[:, :8] @ a, value[:, 8:16] @ a
+    expected[:, 24:28], expected[:, 28:32] = value[:, 24:28] @ b, value[:, 28:32] @ b
+    assert torch.allclose(rows_transform(value, [(24, 32, b), (0, 16, a)]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_overlapping_output_transforms_are_refused(tmp_path):
+    out = tmp_path / "bundle"
+    convert(output_variant(tmp_path / "source", "whole-n-output"), "sm100", out, fuse=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    outputs = [t for t in manifest["layers"]["model.layers.0.self_attn.qkv_proj"]["transforms"]
+               if t["location"] == "output"]
+    outputs[1]["partitions"] = [0, 2]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RepackError, match="qkv_proj: its online transforms overlap"):
+        open_bundle(out)
 
 
 @pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)

@@ -27,6 +27,7 @@ from repack.sample.synthetic import write_llama
 from repack.verify import verify_output
 
 from .conftest import IN_CI, PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES
+from .vllm.variants import OUTPUT_VARIANTS, output_variant
 
 HERE = Path(__file__).parent / "vllm"
 VENV = Path(os.environ.get("NVFP4_REPACK_VLLM_VENV", Path(__file__).parent.parent / ".venv-vllm"))
@@ -43,10 +44,11 @@ W4A4_FIXTURES = ["modelopt_nvfp4", "ct_nvfp4"]  # and the synthetic "<shape>-<fo
 # (TRANSFORM_VARIANTS). vLLM refuses every one of them at TP = 2.
 TRANSFORM_BASE = "ct_quip_v_had16_nvfp4a16"
 TRANSFORM_VARIANTS = ("partial-input", "split-input", "randomized", "orthogonal-matrix")
-TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VARIANTS)
+TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VARIANTS) + list(OUTPUT_VARIANTS)
 # W4A4 ones, served W4A4 (vLLM's QuTLASS method where every input block is 16..128, else its transform method around
-# the W4A4 kernel): the producers' (blocks 16 and 32) and "whole-k-w4a4", whose R4 rotation has no block size.
-TRANSFORMED_W4A4 = [f for f in TRANSFORM_FIXTURES if f.endswith("_nvfp4")] + ["whole-k-w4a4"]
+# the W4A4 kernel): the producers' (blocks 16 and 32), "whole-k-w4a4", whose R4 rotation has no block size, and the
+# per-partition output transforms of tests/vllm/variants.py.
+TRANSFORMED_W4A4 = [f for f in TRANSFORM_FIXTURES if f.endswith("_nvfp4")] + ["whole-k-w4a4", *OUTPUT_VARIANTS]
 WHOLE_K_BASE, WHOLE_K_DONOR = "ct_spinquant_r1r2r4_had16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"
 
 
@@ -119,6 +121,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     out.update({name: PRODUCERS / name for name in TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES)})
     out.update({name: transform_variant(root / name, name, seed) for name in TRANSFORM_VARIANTS})
     out["whole-k-w4a4"] = whole_k_w4a4(root / "whole-k-w4a4")
+    out.update({name: output_variant(root / name, name) for name in OUTPUT_VARIANTS})
     return out
 
 

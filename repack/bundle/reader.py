@@ -70,10 +70,11 @@ class Bundle:
         partition of a fused module its own handle on one shared tensor), the matrix as the checkpoint stores it
         (vLLM transposes an inverse one at run time) divided by ``sqrt(block)``."""
         out = {}
-        for t in self.layer(prefix).transforms:
+        layer = self.layer(prefix)
+        for t in layer.transforms:
             record = self.manifest.transforms[t.matrix]
             matrix = self.transform_matrix(t.matrix)
-            for i in range(len(self.layer(prefix).partitions)):
+            for i in range(len(layer.partitions)) if t.partitions is None else t.partitions:
                 out[f"{record.scheme}_{t.location}.weight.partitions.{i}"] = matrix.t() if record.inverse else matrix
         return out
 
@@ -159,15 +160,21 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
 
 
 def _check_layer_transforms(prefix: str, record: LayerRecord, manifest: Manifest) -> None:
-    """At most one input and one output transform, each a square float matrix whose block divides K or N: the
-    runtime reshapes activations by it."""
-    locations = [t.location for t in record.transforms]
-    if len(set(locations)) != len(locations):
-        raise RepackError(f"{MANIFEST_NAME}: {prefix}: more than one {locations[0]} transform")
+    """At most one input transform, on the whole layer; output transforms on the whole layer (one) or on disjoint
+    sets of its partitions; each a square float matrix whose block divides K, or the rows it rotates: the runtime
+    reshapes activations by it."""
+    inputs = [t for t in record.transforms if t.location == "input"]
+    outputs = [t for t in record.transforms if t.location == "output"]
+    parts = [i for t in outputs for i in t.partitions or ()]
+    if len(inputs) > 1 or any(t.partitions is not None for t in inputs) or (
+            len(outputs) > 1 and any(t.partitions is None for t in outputs)) or len(set(parts)) != len(parts) or any(
+            i >= len(record.partitions) for i in parts):
+        raise RepackError(f"{MANIFEST_NAME}: {prefix}: its online transforms overlap or name partitions it does not "
+                          f"have")
     for t in record.transforms:
-        dim = record.k if t.location == "input" else record.n
+        sizes = [record.k] if t.location == "input" else [stop - start for start, stop in record.output_rows(t)]
         tensor = manifest.transforms[t.matrix].tensor
-        if t.block_size == 0 or dim % t.block_size or tensor.shape != [t.block_size, t.block_size] or not (
-                DTYPES[tensor.dtype].is_floating_point):
+        if t.block_size == 0 or any(d % t.block_size for d in sizes) or tensor.shape != [
+                t.block_size, t.block_size] or not DTYPES[tensor.dtype].is_floating_point:
             raise RepackError(f"{MANIFEST_NAME}: {prefix}: {t.location} transform {t.matrix!r} is not a float "
-                              f"[{t.block_size}, {t.block_size}] matrix whose block divides {dim}")
+                              f"[{t.block_size}, {t.block_size}] matrix whose block divides {sizes[0]}")

@@ -26,7 +26,8 @@ class PackedLinear(nn.Module):
 
     def __init__(self, runtime: RuntimeLayer, n: int, k: int, target: str, backend: str,
                  device: torch.device, bias: torch.Tensor | None = None,
-                 transforms: dict[str, torch.Tensor] | None = None, qutlass: bool = False) -> None:
+                 transforms: dict[str, torch.Tensor] | None = None, qutlass: bool = False,
+                 output_parts: list[tuple[int, int, torch.Tensor]] | None = None) -> None:
         super().__init__()
         self.qutlass = qutlass  # a W4A4 layer vLLM serves through QuTLASS: its activations quantize with scale 6
         self.n, self.k = n, k
@@ -37,11 +38,20 @@ class PackedLinear(nn.Module):
         for location in ("input", "output"):  # online transforms: x @ T_in before the GEMM, y @ T_out after
             matrix = (transforms or {}).get(location)
             self.register_buffer(f"{location}_transform", matrix.to(device) if matrix is not None else None)
+        # output transforms per partition (rows [start, stop), each its own matrix), where not on the whole layer
+        self.output_rows = [(start, stop) for start, stop, _ in output_parts or ()]
+        for i, (_, _, matrix) in enumerate(output_parts or ()):
+            self.register_buffer(f"output_transform_{i}", matrix.to(device))
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
         self._fuses_input = fuses_input_transform(backend, self.input_transform)  # a shape fact: fixed by .to()
         # its Walsh-Hadamard factors, read once from the matrix here (never in a traced or captured call)
         self._walsh = walsh_factors(self.input_transform) if self._fuses_input else None
         self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def output_parts(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The per-partition output transforms: ``(start, stop, matrix)`` each (:func:`rows_transform`)."""
+        return [(start, stop, getattr(self, f"output_transform_{i}")) for i, (start, stop) in enumerate(self.output_rows)]
 
     @property
     def fused_input_transform(self) -> torch.Tensor | None:
@@ -82,6 +92,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         shown = [f"{loc}_transform=[{m.shape[0]}]" for loc, m in
                  (("input", self.input_transform), ("output", self.output_transform)) if m is not None]
+        shown += [f"output_transform[{start}:{stop}]=[{m.shape[0]}]" for start, stop, m in self.output_parts]
         return ", ".join([f"in_features={self.k}, out_features={self.n}, target={self.target}, "
                           f"backend={self.backend}", *shown])
 
@@ -101,9 +112,11 @@ class LoadedBundle:
         matrices are shared between layers and held in ``dtype`` (default: as stored, the source model's dtype)."""
         record = self.bundle.layer(prefix)
         runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
-        transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms}
+        transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms if t.partitions is None}
+        parts = [(start, stop, self.matrix(t.matrix, dtype)) for t in record.transforms if t.partitions is not None
+                 for start, stop in record.output_rows(t)]
         return PackedLinear(runtime, record.n, record.k, self.bundle.target.layout_key, self.backend, self.device, bias,
-                            transforms, self.bundle.runs_qutlass(prefix))
+                            transforms, self.bundle.runs_qutlass(prefix), parts)
 
     def matrix(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One online-transform matrix on this device, read once per dtype."""

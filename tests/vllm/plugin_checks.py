@@ -45,6 +45,7 @@ from repack.sample.synthetic import write_llama
 from repack.vllm_plugin import register
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
+from variants import OUTPUT_VARIANTS, output_variant
 
 harness.patch()
 register()  # what vLLM's plugin loader does through the vllm.general_plugins entry point
@@ -138,6 +139,9 @@ def vllm_world():
 
 
 def _source(tmp_path: Path, fixture: str) -> Path:
+    """A producer fixture's copy, or a variant of one (tests/vllm/variants.py)."""
+    if fixture in OUTPUT_VARIANTS:
+        return output_variant(tmp_path / "source", fixture)
     return Path(shutil.copytree(PRODUCERS / fixture, tmp_path / "source"))
 
 
@@ -166,11 +170,13 @@ def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
 
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
-@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16",
+                                     *OUTPUT_VARIANTS])
 def test_plugin_serves_transform_bundles_as_vllm_loads_them(vllm_world, tmp_path, fixture, target):
-    """A QuIP (input and output rotations, a W4A4 checkpoint, --weight-only) and a SpinQuant (whole-K R4, W4A16)
-    bundle: the same state as vLLM's load of the source with the W4A16 kernel, transform matrices, their sharing
-    and vLLM's transform method included."""
+    """A QuIP (input and output rotations, a W4A4 checkpoint, --weight-only), a SpinQuant (whole-K R4, W4A16)
+    bundle, and output transforms per partition (on q and v only; whole-N, one matrix per partition size): the
+    same state as vLLM's load of the source with the W4A16 kernel, transform matrices, their sharing and vLLM's
+    transform method included."""
     source = _source(tmp_path, fixture)
     bundle = tmp_path / "bundle"
     convert(source, target, bundle, fuse=True, weight_only=True)
@@ -218,7 +224,7 @@ def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, m
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
 @pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_quip_vu_had32_nvfp4",
-                                     "ct_spinquant_r1r2r4_had16_nvfp4"])
+                                     "ct_spinquant_r1r2r4_had16_nvfp4", "whole-n-output"])
 def test_plugin_serves_rotated_w4a4_bundles_through_qutlass(vllm_world, tmp_path, fixture, target):
     """W4A4 rotated checkpoints on (emulated) Blackwell, where vLLM's auto gives layers whose input blocks are all
     16..128 QutlassNvFP4LinearMethod: the W4A4 bundle's model holds the state of vLLM's load of the source, its
