@@ -48,7 +48,6 @@ from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
-from .targets.w4a4 import qutlass_scales
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -253,9 +252,10 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
                     activation_scale: torch.Tensor | None = None) -> None:
     """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (the weight it is meant to
     hold: a rescaled layer's rescaled weight), with the layer's online transforms (float64 normalized matrices:
-    ``input_matrix`` before it, ``output_parts`` on their output rows after it) applied around it. ``activation_scale``: a W4A4 layer's quantizer global scale (its
-    ``input_global_scale_inv``, or QuTLASS's 6), with which the reference quantizes the (rotated, bf16)
-    activations first, as the layer's FP4 x FP4 GEMM must (:func:`w4a4_products`)."""
+    ``input_matrix`` before it, ``output_parts`` on their output rows after it) applied around it.
+    ``activation_scale``: a W4A4 layer's quantizer global scale (its ``input_global_scale_inv``, or QuTLASS's 6),
+    with which the reference quantizes the (rotated, bf16) activations first, as the layer's FP4 x FP4 GEMM must
+    (:func:`w4a4_products`)."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
         ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
@@ -413,8 +413,9 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         input_matrix = next((matrices[t.matrix] for t in record.transforms if t.location == "input"), None)
         output_parts = [(start, stop, matrices[t.matrix]) for t in record.transforms if t.location == "output"
                         for start, stop in record.output_rows(t)]
-        activation_scale = None if input_scale is None else (
-            qutlass_scales(runtime.weight_global_scale)[1] if bundle.runs_qutlass(prefix) else input_scale.inverse)
+        # what the layer's activation quantizer multiplies by: QuTLASS's fixed scale where vLLM serves it so
+        activation_scale = None if input_scale is None else bundle.vllm_qutlass(prefix).get(
+            "fused_global_scale", input_scale.inverse)
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
                         loaded.backend == "reference", input_matrix, output_parts, activation_scale)
     return check

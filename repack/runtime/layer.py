@@ -51,7 +51,8 @@ class PackedLinear(nn.Module):
     @property
     def output_parts(self) -> list[tuple[int, int, torch.Tensor]]:
         """The per-partition output transforms: ``(start, stop, matrix)`` each (:func:`rows_transform`)."""
-        return [(start, stop, getattr(self, f"output_transform_{i}")) for i, (start, stop) in enumerate(self.output_rows)]
+        return [(start, stop, getattr(self, f"output_transform_{i}"))
+                for i, (start, stop) in enumerate(self.output_rows)]
 
     @property
     def fused_input_transform(self) -> torch.Tensor | None:

@@ -3,10 +3,11 @@ every fused linear layer holds after process_weights_after_loading.
 
 Runs in the vLLM virtualenv (tests/vllm/make_env.sh), never in the project's env, and imports nothing
 from the project. Only GPU-only leaf calls are replaced (the blocks marked PATCH, two of them the emulated
-capability that the W4A4 kernels' is_supported and vLLM's choice of QuTLASS for rotated W4A4 layers read); vLLM's config, model construction, kernel selection (its auto,
-for W4A4 jobs), weight loading and fusion, the quantization scheme's post-processing, padding, swizzle and
-FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
-the versions are pinned, so that an upgrade fails loudly instead of testing something else.
+capability that the W4A4 kernels' is_supported and vLLM's choice of QuTLASS for rotated W4A4 layers read); vLLM's
+config, model construction, kernel selection (its auto, for W4A4 jobs), weight loading and fusion, the
+quantization scheme's post-processing, padding, swizzle and FlashInfer's per-arch repack run unmodified. Every
+patched name is asserted to exist and the versions are pinned, so that an upgrade fails loudly instead of testing
+something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
         ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
@@ -17,8 +18,9 @@ loads every job in one process (imports dominate the time) and writes ``OUT/NAME
 online transforms each ``P.<scheme>_<location>.weight.partitions.I``; W4A4 jobs: every tensor the layer holds,
 each as its whole storage's bytes, and the transforms) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
 view's shape/stride/offset, the kernel class; W4A4 jobs: each tensor's dtype/shape/stride/offset, the layer's
-non-tensor state and its quantization method's class), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses. Between jobs it clears the one
-piece of class-wide state a load leaves (``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
+non-tensor state and its quantization method's class), or ``OUT/NAME/refused.txt`` with vLLM's error when it
+refuses. Between jobs it clears the one piece of class-wide state a load leaves (``HadamardTransform.
+scaled_data_ptrs``), as a fresh process would have it.
 
 MoE jobs (``sm100-moe``, ``sm120-moe``; ``-ep``: with vLLM's --enable-expert-parallel): vLLM's ``auto`` NVFP4 MoE
 backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-built
