@@ -214,6 +214,19 @@ def test_rows_transform_rotates_each_range_with_its_own_matrix():
     assert torch.allclose(rows_transform(value, [(24, 32, b), (0, 16, a)]), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_manifest_says_which_transforms_have_no_block_size(tmp_path):
+    """``whole`` (no head_dim: it decides vLLM's QuTLASS route) is recorded, and verify holds it to the source."""
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / "ct_spinquant_r1r2r4_rhad_nvfp4a16", "sm100", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {name: rec["whole"] for name, rec in manifest["transforms"].items()} == {
+        "model.layers.0.mlp.down_proj.R4_input.weight": True}
+    manifest["transforms"]["model.layers.0.mlp.down_proj.R4_input.weight"]["whole"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_bundle(out, seed=0)
+    assert [c.name for c in report.transforms if c.status == "fail"] == ["model.layers.0.mlp.down_proj.R4_input.weight"]
+
+
 def test_overlapping_output_transforms_are_refused(tmp_path):
     out = tmp_path / "bundle"
     convert(output_variant(tmp_path / "source", "whole-n-output"), "sm100", out, fuse=True)
