@@ -559,6 +559,7 @@ def test_inspect_shows_transforms(transformed_bundle, capsys):
     text = " ".join(capsys.readouterr().out.split())  # rich wraps table cells at the test's terminal width
     assert "2 online-transform matrices, each stored once" in text
     assert "model.layers.0.self_attn.q_proj.u_output.weight.T (BF16 [32]^2, /5.65685)" in text
+    assert text.count("QuTLASS") == 12, "the layers with v's input rotation of block 32, a W4A4 bundle"
 
 
 def test_manifest_refuses_a_layer_transform_without_its_matrix(transformed_bundle):

@@ -193,6 +193,7 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
                                f"{manifest.transforms[t.matrix].type} b={t.block_size}"
                                + (f" (partitions {t.partitions})" if t.partitions is not None else "")
                                for t in layer.transforms)
+        transforms += "; vLLM runs QuTLASS" if bundle.runs_qutlass(prefix) else ""
         table.add_row(show(prefix), f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
                       str(layer.weights_padding_cols), f"{layer.global_scale:.6g}", *([show(origin)] * sliced),
                       *([show(transforms or "-")] if manifest.transforms else []))
