@@ -207,19 +207,24 @@ def test_plugin_refuses_transforms_in_another_dtype_than_the_servers(vllm_world,
     assert "vLLM holds it as torch.bfloat16 [16, 16], the bundle as torch.float16" in _refused(tmp_path / "bundle")
 
 
-def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch):
-    """On Blackwell vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does
-    not read the W4A16 layout of a --weight-only bundle; emulated here by answering vLLM's capability question as
-    sm100 would."""
+@pytest.mark.parametrize("fixture,says", [
+    ("ct_quip_vu_rhad16_nvfp4", "re-convert without --weight-only"),  # W4A4, --weight-only: the W4A4 bundle serves
+    ("ct_quip_v_had16_nvfp4a16", "weight-only (NVFP4A16) layer"),  # vLLM 0.33 gives NVFP4A16 layers QuTLASS too
+])
+def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch, fixture, says):
+    """On Blackwell vLLM gives layers with a block-16..128 input Hadamard its QuTLASS method (W4A4 checkpoints and,
+    in vLLM 0.33, NVFP4A16 ones too), whose GEMM does not read the W4A16 layout; emulated here by answering vLLM's
+    capability question as sm100 would."""
     from vllm.platforms import current_platform
 
-    convert(PRODUCERS / "ct_quip_vu_rhad16_nvfp4", "sm100", tmp_path / "bundle", fuse=True, weight_only=True)
+    convert(PRODUCERS / fixture, "sm100", tmp_path / "bundle", fuse=True, weight_only=True)
+
     def blackwell(capability, device_id=0) -> bool:
         return (capability if isinstance(capability, int) else capability[0] * 10 + capability[1]) <= 100
 
     monkeypatch.setattr(current_platform, "has_device_capability", blackwell)
     message = _refused(tmp_path / "bundle")
-    assert "through QutlassNvFP4LinearMethod" in message and "re-convert without --weight-only" in message
+    assert "QutlassNvFP4LinearMethod" in message and says in message
 
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
