@@ -21,6 +21,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.nvfp4 import InputScale, NVFP4Weight, dequantize, w4a4_reference
 from repack.runtime.backends import reference
+from repack.runtime import load_bundle
 from repack.runtime.layer import PackedLinear
 from repack.runtime.formulas import decode
 from repack.sample.synthetic import random_nvfp4, write_llama
@@ -264,13 +265,10 @@ def test_rotated_w4a4_bundle_quantizes_as_qutlass(fixture, qutlass, tmp_path, mo
     assert sum(bundle.runs_qutlass(p) for p in bundle.manifest.layers) == qutlass
     seed = int(torch.randint(0, 2**31, ()))
     assert verify_bundle(out, seed=seed, numerics="all").passed, f"seed {seed}"
-    original = PackedLinear.__init__
-
-    def checkpoint_scale(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.qutlass = False
-
-    monkeypatch.setattr(PackedLinear, "__init__", checkpoint_scale)
+    assert all(hasattr(load_bundle(out).layer(p), "fused_alpha") == bundle.runs_qutlass(p)
+               for p in bundle.manifest.layers)
+    checkpoint_scale = property(lambda self: reference.w4a4_scales(self.alpha, self.input_global_scale_inv))
+    monkeypatch.setattr(PackedLinear, "gemm_scale", checkpoint_scale)
     report = verify_bundle(out, seed=seed, numerics="all")
     failed = {c.name for c in report.layers if c.status == "fail"}
     assert failed and failed <= {p for p in bundle.manifest.layers if bundle.runs_qutlass(p)}, f"seed {seed}"

@@ -29,12 +29,15 @@ class PackedLinear(nn.Module):
                  transforms: dict[str, torch.Tensor] | None = None, qutlass: bool = False,
                  output_parts: list[tuple[int, int, torch.Tensor]] | None = None) -> None:
         super().__init__()
-        self.qutlass = qutlass  # a W4A4 layer vLLM serves through QuTLASS: its activations quantize with scale 6
         self.n, self.k = n, k
         self.in_features, self.out_features = k, n
         self.target, self.backend = target, backend
         for name, tensor in runtime.tensors().items():
             self.register_buffer(name, tensor.to(device))
+        if qutlass:  # a W4A4 layer vLLM serves through QuTLASS: its GEMM scalars, as vLLM computes them after loading
+            alpha, scale = qutlass_scales(runtime.weight_global_scale)
+            self.register_buffer("fused_alpha", alpha.to(device))
+            self.register_buffer("fused_global_scale", scale.to(device))
         for location in ("input", "output"):  # online transforms: x @ T_in before the GEMM, y @ T_out after
             matrix = (transforms or {}).get(location)
             self.register_buffer(f"{location}_transform", matrix.to(device) if matrix is not None else None)
@@ -77,11 +80,10 @@ class PackedLinear(nn.Module):
         """What the backends take as ``weight_global_scale``: the multiplier, or for a W4A4 layer (which has an
         ``alpha``) its ``[alpha, input_global_scale_inv]``; QuTLASS's ``[fused_alpha, fused_global_scale]`` where
         vLLM serves the layer through it (its quantizer ignores the checkpoint's activation scale)."""
+        if hasattr(self, "fused_alpha"):
+            return w4a4_scales(self.fused_alpha, self.fused_global_scale)
         alpha = getattr(self, "alpha", None)
-        if alpha is None:
-            return self.weight_global_scale
-        return w4a4_scales(*qutlass_scales(self.weight_global_scale)) if self.qutlass else w4a4_scales(
-            alpha, self.input_global_scale_inv)
+        return self.weight_global_scale if alpha is None else w4a4_scales(alpha, self.input_global_scale_inv)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors
         self._prepared = None
