@@ -142,9 +142,11 @@ def patch() -> None:
 
     # PATCH W4A4 2: vLLM gives W4A4 layers whose input transforms all have a block of 16..128 QuTLASS's method
     # (QutlassNvFP4LinearMethod) where current_platform.has_device_capability(100) holds, False on CPU; in W4A4
-    # jobs, while vLLM picks a layer's transform method, the platform answers the emulated capability.
-    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors  # noqa: F401 (first:
-    from vllm.model_executor.layers.quantization.compressed_tensors.transform.linear import (  # it imports linear)
+    # jobs, while vLLM picks a layer's transform method, the platform answers the emulated capability. W4A16 jobs
+    # keep the CPU's answer (vLLM's transform method around the forced W4A16 kernel).
+    # compressed_tensors first: transform.linear imported on its own is a circular import
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors  # noqa: F401
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.linear import (
         CompressedTensorsLinearTransformMethod,
     )
 
