@@ -179,6 +179,63 @@ def test_shared_experts_and_dense_layers_stay_dense(tmp_path, random_seed):
     assert not set(extra) & {m for g in groups.values() for m in g.members}
 
 
+# The other producer-made MoE architectures: (FusedMoE modules, experts, intermediate, expert 3's gate in each format)
+ARCH_FIXTURES = {
+    "modelopt_deepseek_v3_nvfp4": (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj"),
+    "ct_deepseek_v3_nvfp4": (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj"),
+    "modelopt_mixtral_nvfp4": ([f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)], 4, 64, "3.w1"),
+    "ct_mixtral_nvfp4": ([f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)], 4, 64, "3.gate_proj"),
+}
+
+
+@pytest.mark.parametrize("name", ARCH_FIXTURES)
+def test_deepseek_v3_and_mixtral_group_as_vllm_builds_them(name):
+    """DeepSeek-V3: the dense first layer and the shared expert stay dense layers, the router and its score
+    correction bias pass through unquantized. Mixtral: ModelOpt's ``w1/w3/w2`` are gate/up/down (vLLM's
+    ckpt_names), llm-compressor's ``gate/up/down_proj`` too, and both name the same experts' data."""
+    modules, experts, intermediate, gate = ARCH_FIXTURES[name]
+    source = read_source(PRODUCERS / name)
+    groups = expert_groups(source)
+    assert list(groups) == modules
+    for group in groups.values():
+        assert (group.experts, group.hidden, group.intermediate) == (experts, 64, intermediate)
+        assert group.gate[3] == f"{group.prefix}.{gate}"
+        router = group.prefix.removesuffix(".experts") + ".gate"
+        assert f"{router}.weight" in source.passthrough and router not in source.layers
+    members = {m for g in groups.values() for m in g.members}
+    assert len(members) == sum(3 * g.experts for g in groups.values())
+    dense = {p.rpartition(".")[0] for p in source.layers if p not in members}
+    if "deepseek" in name:  # its attention is bf16, as in NVIDIA's DeepSeek NVFP4 checkpoints
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in source.passthrough
+        assert dense == {"model.layers.0.mlp", "model.layers.1.mlp.shared_experts"}
+    else:
+        assert dense == {f"model.layers.{i}.self_attn" for i in range(2)}
+
+
+def test_mixtral_w1_w3_w2_are_gate_up_down():
+    """The two producers' Mixtral experts hold the same codes under their two namings (w1 = gate, w3 = up, w2 =
+    down), wherever the quantizers agree: ModelOpt's and llm-compressor's codes differ by rounding only."""
+    ours, theirs = (read_source(PRODUCERS / n) for n in ("modelopt_mixtral_nvfp4", "ct_mixtral_nvfp4"))
+    for (a, b) in zip(expert_groups(ours).values(), expert_groups(theirs).values()):
+        for pa, pb in zip(a.members, b.members):
+            x, y = ours.load_layer(ours.layers[pa]), theirs.load_layer(theirs.layers[pb])
+            assert (x.codes == y.codes).float().mean() > 0.9, (pa, pb)
+
+
+def test_other_moe_architectures_are_refused_in_one_line():
+    source = read_source(PRODUCERS / "modelopt_mixtral_nvfp4")
+    for archs in (["GptOssForCausalLM"], ["DeepseekV2ForCausalLM"], []):
+        config = {**source.checkpoint.config, "architectures": archs}
+        other = dataclasses.replace(source, checkpoint=dataclasses.replace(source.checkpoint, config=config))
+        with pytest.raises(RepackError, match=r"MoE architecture .* is not supported; supported: Qwen3MoeForCausalLM, "
+                                              r"Qwen2MoeForCausalLM, DeepseekV3ForCausalLM, MixtralForCausalLM$"):
+            expert_groups(other)
+    both = dict(source.layers)
+    both["model.layers.0.block_sparse_moe.experts.1.gate_proj"] = both["model.layers.0.block_sparse_moe.experts.1.w1"]
+    with pytest.raises(RepackError, match="expert 1 has both w1 and gate_proj"):
+        find_expert_groups(both, {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
+
+
 def test_expert_parallel_plans_whole_experts_as_vllm_places_them():
     assert [expert_range(5, 2, r) for r in range(2)] == [(0, 3), (3, 5)]
     assert [expert_range(4, 3, r) for r in range(3)] == [(0, 2), (2, 3), (3, 4)]
@@ -319,7 +376,8 @@ def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
 
 
 def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys, random_seed):
-    """Mixtral-style ``experts.<e>.w1/w2/w3``: inspect still works and says why MoE layouts do not apply."""
+    """Mixtral's ``experts.<e>.w1/w2/w3`` in a Qwen3-MoE checkpoint (vLLM's Qwen3-MoE loader reads only
+    gate/up/down_proj): inspect still works and says why MoE layouts do not apply."""
     from safetensors.torch import load_file, save_file
 
     root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=2, intermediate=64,

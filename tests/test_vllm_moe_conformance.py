@@ -2,7 +2,9 @@
 leaves it with the backend its ``auto`` picks on an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer
 CUTLASS MoE), byte for byte against our layout of the same experts; vLLM's refusals are ours.
 
-Checkpoints: the producer-made Qwen3-MoE fixtures (ModelOpt and llm-compressor, intermediate 128 and 48) and fresh
+Checkpoints: the producer-made fixtures (ModelOpt and llm-compressor) of Qwen3-MoE (intermediate 128 and 48),
+DeepSeek-V3 (MLA attention, a dense first layer, a shared expert, grouped routing with a score correction bias)
+and Mixtral (``w1/w3/w2`` from ModelOpt, ``gate/up/down_proj`` from llm-compressor; intermediate 64), and fresh
 synthetic ones of odd shapes with random per-expert input scales, in both formats. vLLM runs through
 tests/vllm/harness.py (``sm100-moe`` / ``sm120-moe`` jobs) in its own virtualenv, one process per rank.
 """
@@ -26,12 +28,14 @@ from repack.targets import moe_cutlass, moe_trtllm
 from .conftest import PRODUCERS
 from .test_vllm_conformance import HERE, _vllm_python
 
-PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
+PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4",
+                     "modelopt_deepseek_v3_nvfp4", "ct_deepseek_v3_nvfp4", "modelopt_mixtral_nvfp4", "ct_mixtral_nvfp4"]
 # "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is refused at TP 2 on sm120 (per-rank
 # 2I = 64); "wide" has 5 experts, 2I = 512 (256 per rank) and gate/up multipliers that differ (vLLM keeps w1's);
 # "shared" is a Qwen2-MoE with a shared expert (a dense MLP beside the FusedMoE) and a dense first layer
 # (mlp_only_layers). The i48 fixtures are refused at TP 1 on sm120 (2I = 96; sm100 pads I to 64) and by us at
 # TP 2 (per-rank intermediate 24: not whole scale blocks; vLLM refuses on sm120, and on sm100 loads it mis-scaled).
+# The Mixtral fixtures (intermediate 64) are refused at TP 2 on sm120 (per-rank 2I = 64; sm100 pads I to 64).
 SYNTHETIC = {
     "odd": dict(hidden=80, experts=3, intermediate=64),
     "wide": dict(hidden=64, experts=5, intermediate=256, shared_scales=False),
@@ -57,7 +61,8 @@ def checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-EP = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", *(f"{s}-{f}" for s in ("wide", "shared") for f in FORMATS)]
+EP = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", *PRODUCER_FIXTURES[4:], *(f"{s}-{f}" for s in ("wide", "shared")
+                                                                   for f in FORMATS)]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +119,11 @@ def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool) -> None:
             assert (info["backend"], info["experts"]) == (layout.BACKEND, layout.KERNEL)
             ours = layout.to_runtime(assemble_experts(source, plan), prefix)
             leftovers = CT_LEFTOVERS if source.format == "compressed-tensors" else set()
+            bias = f"{prefix.removesuffix('.experts')}.gate.e_score_correction_bias"  # DeepSeek-V3's router's
+            if bias in source.checkpoint.tensors:  # the module holds it (the router's own parameter, as loaded)
+                leftovers = leftovers | {"e_score_correction_bias"}
+                assert torch.equal(theirs[f"{prefix}.routed_experts.e_score_correction_bias"],
+                                   source.checkpoint.read(bias)), prefix
             assert set(info["tensors"]) == set(ours) | leftovers | ({"_expert_map"} if ep else set()), prefix
             if ep:  # global expert -> local index, -1 elsewhere
                 expected = torch.full((plan.group.experts,), -1, dtype=torch.int32)
