@@ -11,7 +11,15 @@ import json
 import pytest
 import torch
 
-from repack.bundle.layers import assemble_experts, expert_range, plan_experts, plan_layers
+from repack.bundle.layers import (
+    VLLM_FUSION,
+    _rank_layers,
+    assemble_experts,
+    expert_range,
+    plan_experts,
+    plan_layers,
+    vllm_fusion,
+)
 from repack.cli import main
 from repack.convert import convert
 from repack.errors import RepackError
@@ -234,6 +242,29 @@ def test_other_moe_architectures_are_refused_in_one_line():
     both["model.layers.0.block_sparse_moe.experts.1.gate_proj"] = both["model.layers.0.block_sparse_moe.experts.1.w1"]
     with pytest.raises(RepackError, match="expert 1 has both w1 and gate_proj"):
         find_expert_groups(both, {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
+
+
+def test_deepseek_v3_dense_layers_fuse_as_vllm_and_nvfp4_mla_is_refused():
+    """Beside the experts: the dense first layer's gate/up and the shared expert's fuse (vLLM's DeepseekV2MLP),
+    down_proj split along K at TP 2; an NVFP4 MLA projection is refused in one line. vLLM's own load of the same:
+    tests/test_vllm_moe_conformance.py::test_dense_layers_beside_the_experts_are_byte_identical_to_vllm."""
+    source = read_source(PRODUCERS / "ct_deepseek_v3_nvfp4")
+    assert vllm_fusion(source.checkpoint.config) == {
+        **VLLM_FUSION, "shared_experts.gate_up_proj": ("shared_experts.gate_proj", "shared_experts.up_proj")}
+    assert vllm_fusion(read_source(PRODUCERS / "ct_nvfp4").checkpoint.config) == VLLM_FUSION
+    experts = {m for group in expert_groups(source).values() for m in group.members}
+    dense = dataclasses.replace(source, layers={p: x for p, x in source.layers.items() if p not in experts})
+    planned = _rank_layers(dense, 2, 1)
+    shared = "model.layers.1.mlp.shared_experts"
+    assert sorted(planned) == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_up_proj",
+                               f"{shared}.down_proj", f"{shared}.gate_up_proj"]
+    assert [(p.source, p.rows) for p in planned[f"{shared}.gate_up_proj"].pieces] == [
+        (f"{shared}.gate_proj", (64, 128)), (f"{shared}.up_proj", (64, 128))]
+    assert [p.cols for p in planned[f"{shared}.down_proj"].pieces] == [(64, 128)]
+    mla = {**dense.layers, "model.layers.0.self_attn.kv_b_proj": dataclasses.replace(
+        dense.layers["model.layers.0.mlp.up_proj"], prefix="model.layers.0.self_attn.kv_b_proj")}
+    with pytest.raises(RepackError, match=r"self_attn.kv_b_proj is NVFP4; MLA attention is supported unquantized only"):
+        _rank_layers(dataclasses.replace(dense, layers=mla), 1, 0)
 
 
 def test_expert_parallel_plans_whole_experts_as_vllm_places_them():

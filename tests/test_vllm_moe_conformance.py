@@ -11,6 +11,7 @@ tests/vllm/harness.py (``sm100-moe`` / ``sm120-moe`` jobs) in its own virtualenv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -18,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from repack.bundle.layers import assemble_experts, plan_experts
+from repack.bundle.layers import _rank_layers, assemble, assemble_experts, plan_experts
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
-from repack.targets import moe_cutlass, moe_trtllm
+from repack.targets import moe_cutlass, moe_trtllm, sm100, sm120
 
 from .conftest import PRODUCERS
 from .test_vllm_conformance import HERE, _vllm_python
@@ -146,3 +147,36 @@ def test_expert_parallel_ranks_are_byte_identical_to_vllm(name, arch, checkpoint
     dumped = oracle["ep"] / f"{name}-{arch}"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     _assert_ranks_identical(read_source(checkpoints[name]), dumped, LAYOUTS[arch], 2, ep=True)
+
+
+# The dense layers' W4A16 layout (the MoE jobs load them with the cute-dsl kernel) per harness arch; the checkpoints
+# whose FusedMoE layers vLLM loads at that TP size on that arch (their dense layers are dumped beside them).
+DENSE_LAYOUTS = {"sm100": sm100, "sm120": sm120}
+DENSE_CASES = [(name, arch, tp) for name in ("modelopt_moe_nvfp4", "ct_moe_nvfp4", *PRODUCER_FIXTURES[4:],
+                                             *(f"shared-{f}" for f in FORMATS))
+               for arch in LAYOUTS for tp in (1, 2) if not ("mixtral" in name and arch == "sm120" and tp == 2)]
+
+
+@pytest.mark.parametrize("name,arch,tp", DENSE_CASES, ids=[f"{n}-{a}-tp{t}" for n, a, t in DENSE_CASES])
+def test_dense_layers_beside_the_experts_are_byte_identical_to_vllm(name, arch, tp, checkpoints, oracle):
+    """Every NVFP4 linear module vLLM builds beside the FusedMoE ones (attention; DeepSeek-V3's dense first layer
+    and its shared expert, ``mlp.shared_experts.gate_up_proj``; Qwen2-MoE's ``mlp.shared_expert.gate_up_proj`` and
+    dense first layer), planned by the dense fusion rules with the experts left out, per rank, byte for byte: fused
+    and split as vLLM fuses and splits them."""
+    dumped, source = oracle[tp] / f"{name}-{arch}", read_source(checkpoints[name])
+    experts = {m for group in expert_groups(source).values() for m in group.members}
+    dense = dataclasses.replace(source, layers={p: x for p, x in source.layers.items() if p not in experts})
+    for rank in range(tp):
+        meta = json.loads((dumped / f"rank-{rank}.json").read_text())
+        theirs = load_file(dumped / f"rank-{rank}.safetensors")
+        planned = _rank_layers(dense, tp, rank)
+        assert sorted(meta) == sorted(planned)
+        for prefix, layer in planned.items():
+            held = DENSE_LAYOUTS[arch].to_runtime(assemble(source, layer))
+            assert held.weights_padding_cols == meta[prefix]["weights_padding_cols"], prefix
+            weight, ref = held.weight, theirs[f"{prefix}.weight"]
+            assert (weight.dtype, weight.shape) == (ref.dtype, ref.shape) and torch.equal(weight, ref), (rank, prefix)
+            multiplier, ref = held.weight_global_scale.reshape(-1), theirs[f"{prefix}.weight_global_scale"]
+            assert torch.equal(multiplier.view(torch.uint8), ref.view(torch.uint8)), (rank, prefix)
+            scale = held.weight_scale.contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(scale, theirs[f"{prefix}.weight_scale"].reshape(-1)), (rank, prefix)

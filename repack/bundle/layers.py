@@ -26,8 +26,19 @@ VLLM_FUSION: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# vLLM 0.33.0's deepseek_v2.py and qwen2_moe.py: the shared experts are a dense MLP of their own (DeepseekV2MLP at
+# mlp.shared_experts, Qwen2MoeMLP at mlp.shared_expert), fused and split as the dense one (DeepSeek-V3's
+# first_k_dense_replace layers and Qwen2-MoE's mlp_only_layers fuse by VLLM_FUSION).
+ARCHITECTURE_FUSION: dict[str, dict[str, tuple[str, ...]]] = {
+    "DeepseekV3ForCausalLM": {"shared_experts.gate_up_proj": ("shared_experts.gate_proj", "shared_experts.up_proj")},
+    "Qwen2MoeForCausalLM": {"shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj")},
+}
+# Its MLA projections: vLLM fuses q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj held whole on every rank
+# (disable_tp) and dequantizes kv_b_proj at load for its attention kernels; not planned (NVFP4 MLA is refused).
+MLA_PROJECTIONS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.kv_b_proj")
 FUSABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # split along K; every other fused layer along N
+# split along K; every other fused layer along N
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "shared_experts.down_proj", "shared_expert.down_proj")
 
 
 @dataclass(frozen=True)
@@ -83,23 +94,33 @@ def _check_architecture(config: dict) -> None:
         raise RepackError(f"--fuse/--tp: {what} is not supported; supported (dense only): {supported}")
 
 
+def vllm_fusion(config: dict) -> dict[str, tuple[str, ...]]:
+    """vLLM's fused modules for the checkpoint's architecture: ``{fused: its partitions}`` (``VLLM_FUSION``, plus
+    what ``ARCHITECTURE_FUSION`` adds)."""
+    return {**VLLM_FUSION, **ARCHITECTURE_FUSION.get(next(iter(config.get("architectures") or []), ""), {})}
+
+
 def _fused_groups(source: SourceModel) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:
     """``{fused prefix: its source layers in vLLM's order}`` and the layers that stay as they are."""
-    members = {m: fused for fused, parts in VLLM_FUSION.items() for m in parts}
+    fusion = vllm_fusion(source.checkpoint.config)
+    members = {m: fused for fused, parts in fusion.items() for m in parts}
     found: dict[tuple[str, str], dict[str, QuantizedLayer]] = {}
     alone = []
     for prefix, layer in source.layers.items():
         owner, module = _split_owner(prefix)
+        if module in MLA_PROJECTIONS:
+            raise RepackError(f"--fuse/--tp: {prefix} is NVFP4; MLA attention is supported unquantized only (vLLM "
+                              "fuses q_a_proj with kv_a_proj_with_mqa unsharded and dequantizes kv_b_proj at load)")
         if module in members:
             found.setdefault((owner, members[module]), {})[module] = layer
         else:
             alone.append(layer)
     groups = {}
     for (owner, fused), have in found.items():
-        missing = [m for m in VLLM_FUSION[fused] if m not in have]
+        missing = [m for m in fusion[fused] if m not in have]
         if missing:
             raise RepackError(f"{owner}.{fused}: cannot fuse, {owner}.{missing[0]} is not an NVFP4 layer of the source")
-        parts = [have[m] for m in VLLM_FUSION[fused]]
+        parts = [have[m] for m in fusion[fused]]
         if len({p.k for p in parts}) != 1:
             raise RepackError(f"{owner}.{fused}: cannot fuse, its partitions have different K")
         groups[f"{owner}.{fused}"] = parts
@@ -211,7 +232,7 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
     multipliers = _multipliers(source)
-    fusion = {fused: list(parts) for fused, parts in VLLM_FUSION.items()}
+    fusion = {fused: list(parts) for fused, parts in vllm_fusion(source.checkpoint.config).items()}
     plans = []
     for rank in range(tp):
         layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
