@@ -220,6 +220,24 @@ def test_deepseek_v3_and_mixtral_group_as_vllm_builds_them(name):
         assert dense == {f"model.layers.{i}.self_attn" for i in range(2)}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)
+@pytest.mark.parametrize("name", ARCH_FIXTURES)
+def test_deepseek_v3_and_mixtral_experts_verify_exact_and_compute_the_source(name, layout, random_seed):
+    """verify's per-expert checks on their layouts: every expert exact, a swapped pair named (by the checkpoint's
+    own names, ``w1`` for ModelOpt's Mixtral), and FP4 x FP4 numerics within the bound on two experts."""
+    source = read_source(PRODUCERS / name)
+    prefix = ARCH_FIXTURES[name][0][-1]
+    plan = plan_experts(source)[prefix]
+    held = layout.to_runtime(assemble_experts(source, plan))
+    assert check_experts(source, plan, held, layout) == []
+    swapped = {**held, "w13_weight": held["w13_weight"][[0, 2, 1, 3]]}
+    gate = plan.group.gate[1].rpartition(".")[2]
+    assert f"{prefix}.1.{gate}: codes differ" in check_experts(source, plan, swapped, layout)
+    errors = expert_numerics(source, plan, held, layout, [1, 2], torch.Generator().manual_seed(random_seed),
+                             tokens=16, w4a4=True)
+    assert len(errors) == 6 and max(errors.values()) <= EXPERT_W4A4_REL_ERROR, errors
+
+
 def test_mixtral_w1_w3_w2_are_gate_up_down():
     """The two producers' Mixtral experts hold the same codes under their two namings (w1 = gate, w3 = up, w2 =
     down), wherever the quantizers agree: ModelOpt's and llm-compressor's codes differ by rounding only."""
