@@ -110,29 +110,14 @@ MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]  # llm-compressor's Qwen3-MoE example
 # Tiny DeepSeek-V3: MLA attention (q_lora_rank set, so vLLM fuses q_a_proj + kv_a_proj_with_mqa), the first layer
 # dense (first_k_dense_replace 1, intermediate 192), then an MoE layer of 4 routed experts (intermediate 128) in 2
 # groups (grouped top-2 of top-1 group, noaux_tc: sigmoid scores with e_score_correction_bias) and 1 shared expert.
-# Attention stays bf16, as in NVIDIA's published DeepSeek-V3/R1 NVFP4 checkpoints (only the MLPs are FP4).
+# Attention stays bf16 (both producers told so): the fused path refuses NVFP4 MLA (docs/moe.md); only MLPs are FP4.
 TINY_CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
                 tie_word_embeddings=False, dtype="bfloat16")
 DEEPSEEK_CFG = dict(
-    **TINY_CFG,
-    intermediate_size=192,
-    moe_intermediate_size=128,
-    first_k_dense_replace=1,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    topk_method="noaux_tc",
-    scoring_func="sigmoid",
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
+    **TINY_CFG, intermediate_size=192, moe_intermediate_size=128, first_k_dense_replace=1,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
 )
 DEEPSEEK_FIXTURES = ["base_deepseek_v3_bf16", "ct_deepseek_v3_nvfp4", "modelopt_deepseek_v3_nvfp4"]
 DEEPSEEK_IGNORE = [*MOE_IGNORE, "re:.*self_attn.*"]
