@@ -238,6 +238,24 @@ def test_deepseek_v3_and_mixtral_experts_verify_exact_and_compute_the_source(nam
     assert len(errors) == 6 and max(errors.values()) <= EXPERT_W4A4_REL_ERROR, errors
 
 
+def test_inspect_shows_deepseek_v3_and_mixtral_and_names_what_it_supports(tmp_path, capsys):
+    assert main(["inspect", str(PRODUCERS / "modelopt_deepseek_v3_nvfp4"), "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    assert (moe["fused_moe_layers"], moe["experts"], moe["shared_expert_modules"]) == (1, [4], 1)
+    assert main(["inspect", str(PRODUCERS / "modelopt_mixtral_nvfp4")]) == 0
+    assert "MoE: 2 FusedMoE layers of 4 experts (top-2)" in " ".join(capsys.readouterr().out.split())
+    other = tmp_path / "gpt-oss"
+    other.mkdir()
+    for file in ("model.safetensors", "hf_quant_config.json", "config.json"):
+        (other / file).write_bytes((PRODUCERS / "modelopt_mixtral_nvfp4" / file).read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["GptOssForCausalLM"]}))
+    assert main(["inspect", str(other), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["moe"] == {"unsupported": (
+        "MoE architecture 'GptOssForCausalLM' is not supported; supported: Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+        "DeepseekV3ForCausalLM, MixtralForCausalLM")}
+
+
 def test_mixtral_w1_w3_w2_are_gate_up_down():
     """The two producers' Mixtral experts hold the same codes under their two namings (w1 = gate, w3 = up, w2 =
     down), wherever the quantizers agree: ModelOpt's and llm-compressor's codes differ by rounding only."""
