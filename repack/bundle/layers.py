@@ -16,7 +16,14 @@ import torch
 
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
-from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, is_moe_config, read_input_scales
+from ..formats.moe import (
+    GLOBAL_INPUT_SCALES,
+    ExpertGroup,
+    architecture,
+    expert_groups,
+    is_moe_config,
+    read_input_scales,
+)
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
@@ -97,7 +104,7 @@ def _check_architecture(config: dict) -> None:
 def vllm_fusion(config: dict) -> dict[str, tuple[str, ...]]:
     """vLLM's fused modules for the checkpoint's architecture: ``{fused: its partitions}`` (``VLLM_FUSION``, plus
     what ``ARCHITECTURE_FUSION`` adds)."""
-    return {**VLLM_FUSION, **ARCHITECTURE_FUSION.get(next(iter(config.get("architectures") or []), ""), {})}
+    return {**VLLM_FUSION, **ARCHITECTURE_FUSION.get(architecture(config), {})}
 
 
 def _fused_groups(source: SourceModel) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:

@@ -90,12 +90,16 @@ def find_expert_groups(layers: dict[str, QuantizedLayer],
     return groups
 
 
+def architecture(config: dict) -> str:
+    """config.json's model class (its first ``architectures`` entry; ``""`` if none)."""
+    return next(iter(config.get("architectures") or []), "")
+
+
 def check_moe_architecture(config: dict) -> None:
     """One-line refusal of an MoE architecture outside ``MOE_ARCHITECTURES`` (its experts or routing may be named
     alike but were never checked against vLLM's load)."""
-    archs = config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in MOE_ARCHITECTURES:
-        raise RepackError(f"MoE architecture {archs[0] if archs else 'unknown'!r} is not supported; supported: "
+    if len(config.get("architectures") or []) != 1 or architecture(config) not in MOE_ARCHITECTURES:
+        raise RepackError(f"MoE architecture {architecture(config) or 'unknown'!r} is not supported; supported: "
                           f"{', '.join(MOE_ARCHITECTURES)}")
 
 
@@ -107,11 +111,11 @@ def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
     moe = is_moe_config(config)
     if moe:
         check_moe_architecture(config)
-    groups = find_expert_groups(source.layers, EXPERT_ALIASES.get(next(iter(config.get("architectures") or []), "")))
+    groups = find_expert_groups(source.layers, EXPERT_ALIASES.get(architecture(config)))
     if not groups and moe:
         raise RepackError(f"{source.checkpoint.root}: an MoE config, but no NVFP4 routed experts named "
-                          f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}} (Mixtral: or w1/w3/w2); only that naming is "
-                          "supported")
+                          f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}} (Mixtral: or w1/w3/w2); only that naming "
+                          "is supported")
     for module in groups:
         router = module.removesuffix(".experts") + ".gate"
         if router in source.layers:
