@@ -128,6 +128,14 @@ DEEPSEEK_IGNORE = [*MOE_IGNORE, "re:.*self_attn.*"]
 MIXTRAL_CFG = dict(**TINY_CFG, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2,
                    head_dim=16)
 MIXTRAL_FIXTURES = ["base_mixtral_bf16", "ct_mixtral_nvfp4", "modelopt_mixtral_nvfp4"]
+
+# Tiny Qwen2-MoE: layer 0 dense (mlp_only_layers, intermediate 192), layer 1 with 4 routed experts (intermediate
+# 128, top-2) and a shared expert (intermediate 96) behind its sigmoid gate (mlp.shared_expert_gate, [1, 64]),
+# q/k/v with biases. Both routers stay bf16.
+QWEN2_MOE_CFG = dict(**TINY_CFG, intermediate_size=192, moe_intermediate_size=128, shared_expert_intermediate_size=96,
+                     num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], num_key_value_heads=2)
+QWEN2_MOE_FIXTURES = ["base_qwen2_moe_bf16", "ct_qwen2_moe_nvfp4", "modelopt_qwen2_moe_nvfp4"]
+QWEN2_MOE_IGNORE = [*MOE_IGNORE, "re:.*mlp.shared_expert_gate$"]
 MIXTRAL_IGNORE = ["lm_head", "re:.*block_sparse_moe.gate$"]
 
 FIXTURES = [
@@ -142,6 +150,7 @@ FIXTURES = [
     *MOE_FIXTURES,
     *DEEPSEEK_FIXTURES,
     *MIXTRAL_FIXTURES,
+    *QWEN2_MOE_FIXTURES,
 ]
 
 
@@ -192,6 +201,16 @@ def build_random_mixtral_model():
 
     torch.manual_seed(SEED)
     model = MixtralForCausalLM(MixtralConfig(**MIXTRAL_CFG))
+    _randomized(model)
+    return model
+
+
+def build_random_qwen2_moe_model():
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**QWEN2_MOE_CFG))
     _randomized(model)
     return model
 
@@ -418,30 +437,24 @@ def make_modelopt_moe_i48_nvfp4(name):
     _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_moe_i48_bf16")
 
 
-# --------------------------------------------------------------------------- MoE (DeepSeek-V3)
-def make_base_deepseek_v3_bf16(name):
-    build_random_deepseek_model().save_pretrained(fresh_dir(name))
+# --------------------------------------------------------------------------- MoE (DeepSeek-V3, Mixtral, Qwen2-MoE)
+def _arch_moe_makers(arch: str, build, ignore: list[str], exclude: list[str]) -> dict:
+    """``make_base_<arch>_bf16``, ``make_ct_<arch>_nvfp4`` (llm-compressor NVFP4, calibrated, ``ignore``) and
+    ``make_modelopt_<arch>_nvfp4`` (NVFP4_DEFAULT_CFG, also disabling ``exclude``)."""
+    base = f"base_{arch}_bf16"
+    return {
+        f"make_{base}": lambda name: build().save_pretrained(fresh_dir(name)),
+        f"make_ct_{arch}_nvfp4": lambda name: _llmc(name, "NVFP4", calibrate=True, shard=False, base=base,
+                                                     ignore=ignore),
+        f"make_modelopt_{arch}_nvfp4": lambda name: _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base=base,
+                                                              exclude=exclude),
+    }
 
 
-def make_ct_deepseek_v3_nvfp4(name):
-    _llmc(name, "NVFP4", calibrate=True, shard=False, base="base_deepseek_v3_bf16", ignore=DEEPSEEK_IGNORE)
-
-
-def make_modelopt_deepseek_v3_nvfp4(name):
-    _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_deepseek_v3_bf16", exclude=["*self_attn*"])
-
-
-# --------------------------------------------------------------------------- MoE (Mixtral)
-def make_base_mixtral_bf16(name):
-    build_random_mixtral_model().save_pretrained(fresh_dir(name))
-
-
-def make_ct_mixtral_nvfp4(name):
-    _llmc(name, "NVFP4", calibrate=True, shard=False, base="base_mixtral_bf16", ignore=MIXTRAL_IGNORE)
-
-
-def make_modelopt_mixtral_nvfp4(name):
-    _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_mixtral_bf16")
+for _arch, _spec in {"deepseek_v3": (build_random_deepseek_model, DEEPSEEK_IGNORE, ["*self_attn*"]),
+                     "mixtral": (build_random_mixtral_model, MIXTRAL_IGNORE, []),
+                     "qwen2_moe": (build_random_qwen2_moe_model, QWEN2_MOE_IGNORE, [])}.items():
+    globals().update(_arch_moe_makers(_arch, *_spec))
 
 
 # --------------------------------------------------------------------------- cleanup / summary

@@ -187,21 +187,30 @@ def test_shared_experts_and_dense_layers_stay_dense(tmp_path, random_seed):
     assert not set(extra) & {m for g in groups.values() for m in g.members}
 
 
-# The other producer-made MoE architectures: (FusedMoE modules, experts, intermediate, expert 3's gate in each format)
+# The other producer-made MoE architectures: (FusedMoE modules, experts, intermediate, expert 3's gate in the
+# checkpoint, the modules of the other NVFP4 layers)
+ATTENTION = {f"model.layers.{i}.self_attn" for i in range(2)}
+MIXTRAL = [f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)]
+DEEPSEEK = (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj",
+            {"model.layers.0.mlp", "model.layers.1.mlp.shared_experts"})
+QWEN2 = (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj",
+         {*ATTENTION, "model.layers.0.mlp", "model.layers.1.mlp.shared_expert"})
 ARCH_FIXTURES = {
-    "modelopt_deepseek_v3_nvfp4": (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj"),
-    "ct_deepseek_v3_nvfp4": (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj"),
-    "modelopt_mixtral_nvfp4": ([f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)], 4, 64, "3.w1"),
-    "ct_mixtral_nvfp4": ([f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)], 4, 64, "3.gate_proj"),
+    "modelopt_deepseek_v3_nvfp4": DEEPSEEK,  # attention bf16 (the fixture's choice: NVFP4 MLA is refused fused)
+    "ct_deepseek_v3_nvfp4": DEEPSEEK,
+    "modelopt_mixtral_nvfp4": (MIXTRAL, 4, 64, "3.w1", ATTENTION),
+    "ct_mixtral_nvfp4": (MIXTRAL, 4, 64, "3.gate_proj", ATTENTION),
+    "modelopt_qwen2_moe_nvfp4": QWEN2,
+    "ct_qwen2_moe_nvfp4": QWEN2,
 }
 
 
 @pytest.mark.parametrize("name", ARCH_FIXTURES)
-def test_deepseek_v3_and_mixtral_group_as_vllm_builds_them(name):
-    """DeepSeek-V3: the dense first layer and the shared expert stay dense layers, the router and its score
-    correction bias pass through unquantized. Mixtral: ModelOpt's ``w1/w3/w2`` are gate/up/down (vLLM's
-    ckpt_names), llm-compressor's ``gate/up/down_proj`` too, and both name the same experts' data."""
-    modules, experts, intermediate, gate = ARCH_FIXTURES[name]
+def test_deepseek_v3_mixtral_and_qwen2_moe_group_as_vllm_builds_them(name):
+    """DeepSeek-V3 and Qwen2-MoE: the dense first layer and the shared expert stay dense layers, the routers (and
+    DeepSeek-V3's score correction bias, Qwen2-MoE's shared expert gate) pass through unquantized. Mixtral:
+    ModelOpt's ``w1/w3/w2`` are gate/up/down (vLLM's ckpt_names), llm-compressor's ``gate/up/down_proj`` too."""
+    modules, experts, intermediate, gate, dense = ARCH_FIXTURES[name]
     source = read_source(PRODUCERS / name)
     groups = expert_groups(source)
     assert list(groups) == modules
@@ -212,17 +221,14 @@ def test_deepseek_v3_and_mixtral_group_as_vllm_builds_them(name):
         assert f"{router}.weight" in source.passthrough and router not in source.layers
     members = {m for g in groups.values() for m in g.members}
     assert len(members) == sum(3 * g.experts for g in groups.values())
-    dense = {p.rpartition(".")[0] for p in source.layers if p not in members}
-    if "deepseek" in name:  # its attention is bf16 (the fixture's choice: NVFP4 MLA is refused fused)
-        assert "model.layers.1.mlp.gate.e_score_correction_bias" in source.passthrough
-        assert dense == {"model.layers.0.mlp", "model.layers.1.mlp.shared_experts"}
-    else:
-        assert dense == {f"model.layers.{i}.self_attn" for i in range(2)}
+    assert {p.rpartition(".")[0] for p in source.layers if p not in members} == dense
+    unquantized = {"deepseek": "mlp.gate.e_score_correction_bias", "qwen2": "mlp.shared_expert_gate.weight"}
+    assert all(f"model.layers.1.{t}" in source.passthrough for arch, t in unquantized.items() if arch in name)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)
 @pytest.mark.parametrize("name", ARCH_FIXTURES)
-def test_deepseek_v3_and_mixtral_experts_verify_exact_and_compute_the_source(name, layout, random_seed):
+def test_moe_architectures_experts_verify_exact_and_compute_the_source(name, layout, random_seed):
     """verify's per-expert checks on their layouts: every expert exact, a swapped pair named (by the checkpoint's
     own names, ``w1`` for ModelOpt's Mixtral), and FP4 x FP4 numerics within the bound on two experts."""
     source = read_source(PRODUCERS / name)
