@@ -212,14 +212,16 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             weights_padding_cols=geometry.weights_padding_cols,
             global_scale=writing.global_scales[prefix],
             tensors={t.part: records.pop(t.name) for t in plan.units[prefix]},
-            transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size)
+            transforms=[LayerTransformRecord(t.location, t.matrix.name, t.matrix.size,
+                                             None if t.partitions is None else list(t.partitions))
                         for t in layer_transforms(source.transforms, layer)],
             partitions=_partitions(layer),
             rescale_error=writing.output.rescale_errors.get(prefix),
         )
     transforms = {
         name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
-                              source_tensors=[t for t in (m.weight, m.perm) if t], tensor=records.pop(name))
+                              source_tensors=[t for t in (m.weight, m.perm) if t], tensor=records.pop(name),
+                              whole=m.whole)
         for name, m in source.transforms.matrices.items()
     }
     origin = source.checkpoint.origin
@@ -462,7 +464,7 @@ def convert(
     (what interrupted converts left and this one removed).
 
     The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
-    sm120; sm90 is weight-only for every checkpoint, and so are checkpoints with online transforms), a weight-only
+    sm120; sm90 is weight-only for every checkpoint), a weight-only
     one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
     W4A4 layouts existed.
     """
@@ -527,10 +529,10 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
 
 
 def served_scheme(source: SourceModel, weight_only: bool = False) -> str:
-    """The activation scheme the bundles serve: the checkpoint's (vLLM's auto), or W4A16 with ``weight_only`` and,
-    for now, for checkpoints with online transforms (QuIP, SpinQuant): they rotate activations in bf16 before the
-    quantizer, and W4A4 numerics for that are not verified yet (docs/w4a4.md)."""
-    return "W4A16" if weight_only or source.transforms.layers else source.activation_scheme
+    """The activation scheme the bundles serve: the checkpoint's (vLLM's auto; a W4A4 one with online transforms
+    too, which vLLM serves through QuTLASS or its transform method around the W4A4 kernel), or W4A16 with
+    ``weight_only``."""
+    return "W4A16" if weight_only else source.activation_scheme
 
 
 def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:

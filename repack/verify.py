@@ -45,7 +45,7 @@ from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
 from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
 from .runtime import backends, load_bundle
-from .runtime.transforms import block_transform
+from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
 
@@ -248,25 +248,34 @@ def _source_slices_problem(src: SourceModel, layer: OutputLayer) -> str | None:
     return None
 def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, reference: NVFP4Weight,
                     check: TensorCheck, gen: torch.Generator, one_call: bool,
-                    transforms: dict[str, torch.Tensor], input_scale: InputScale | None = None) -> None:
+                    input_matrix: torch.Tensor | None, output_parts: list[tuple[int, int, torch.Tensor]],
+                    activation_scale: torch.Tensor | None = None) -> None:
     """``layer`` on random bf16 activations against a float64 GEMM with ``reference`` (the weight it is meant to
-    hold: a rescaled layer's rescaled weight), with the layer's online ``transforms`` (location -> float64
-    normalized matrix) applied around it. ``input_scale``: a W4A4 layer's, with which the reference quantizes the
-    activations first, as the layer's FP4 x FP4 GEMM must (:func:`w4a4_products`)."""
+    hold: a rescaled layer's rescaled weight), with the layer's online transforms (float64 normalized matrices:
+    ``input_matrix`` before it, ``output_parts`` on their output rows after it) applied around it.
+    ``activation_scale``: a W4A4 layer's quantizer global scale (its ``input_global_scale_inv``, or QuTLASS's 6),
+    with which the reference quantizes the (rotated, bf16) activations first, as the layer's FP4 x FP4 GEMM must
+    (:func:`w4a4_products`)."""
     xs = [torch.randn(m, layer.k, generator=gen).to(torch.bfloat16) for m in BATCH_SIZES]
     if one_call:  # the reference backend has no M-dependent path: one decode of the layer serves every batch size
         ys = list(layer(torch.cat(xs).to(device)).to("cpu", torch.float64).split(BATCH_SIZES))
     else:
         ys = [layer(x.to(device)).to("cpu", torch.float64) for x in xs]
     worst = 0.0
-    inputs = [_block64(x.to(torch.float64), transforms.get("input")) for x in xs]
-    if input_scale is not None:
+    inputs = [_block64(x.to(torch.float64), input_matrix) for x in xs]
+    if activation_scale is not None:
         weight = dequantize(reference)
-        # the bf16 activations themselves (W4A4 layers have no online transforms: convert keeps those weight-only)
-        products = [w4a4_products(x, weight, input_scale.inverse) for x in xs]
+        # the kernels quantize bf16 activations rotated by the matrix as the server holds it, the source's rounded to
+        # the model dtype: the float64 matrix would round apart from it at e2m1 boundaries, a whole code step each
+        # (1-2% of a layer's output for blocks whose sqrt is not exact)
+        held = input_matrix
+        if held is not None:
+            held = held.to(layer.input_transform.dtype).to(torch.float64)
+        rotated = [_block64(x.to(torch.float64), held) for x in xs]
+        products = [w4a4_products(r.to(torch.bfloat16), weight, activation_scale) for r in rotated]
     else:
         products = _reference_products(reference, inputs)
-    refs = [_block64(r, transforms.get("output")) for r in products]
+    refs = [rows_transform(r, output_parts) for r in products]
     for y, ref in zip(ys, refs):
         worst = max(worst, _relative_error(y, ref))
     _judge(check, worst, prefix)
@@ -289,10 +298,10 @@ def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[Ten
             check.fail(f"{name}: not an online-transform matrix of the source")
             reference[name] = None
             continue
-        recorded = (record.scheme, record.type, record.block_size, record.inverse, record.scale)
-        if recorded != (matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale):
-            check.fail(f"{name}: manifest says {recorded}, the source's transform is "
-                       f"{(matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale)}")
+        recorded = (record.scheme, record.type, record.block_size, record.inverse, record.scale, record.whole)
+        source = (matrix.scheme, matrix.type, matrix.size, matrix.inverse, matrix.scale, matrix.whole)
+        if recorded != source:
+            check.fail(f"{name}: manifest says {recorded}, the source's transform is {source}")
         reference[name] = load_matrix(src.checkpoint, matrix) / matrix.scale
         expected = runtime_matrix(src.checkpoint, matrix, DTYPES[record.tensor.dtype])
         if stored is not None and not _same_bits(stored, expected):
@@ -303,9 +312,11 @@ def _check_transforms(bundle: Bundle, src: SourceModel | None) -> tuple[list[Ten
 
 
 def _check_layer_transforms(bundle: Bundle, src: SourceModel, planned: OutputLayer, check: TensorCheck) -> None:
-    have = [(t.location, t.matrix, t.block_size) for t in bundle.manifest.layers[planned.prefix].transforms]
+    have = [(t.location, t.matrix, t.block_size, t.partitions)
+            for t in bundle.manifest.layers[planned.prefix].transforms]
     try:
-        want = [(t.location, t.matrix.name, t.matrix.size) for t in layer_transforms(src.transforms, planned)]
+        want = [(t.location, t.matrix.name, t.matrix.size, None if t.partitions is None else list(t.partitions))
+                for t in layer_transforms(src.transforms, planned)]
     except RepackError as exc:
         check.fail(str(exc))
         return
@@ -396,12 +407,17 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
     for t in record.transforms:  # whether or not numerics run on this layer
         if t.matrix in bad:
             check.fail(f"{prefix}: its {t.location} transform {t.matrix} failed its checks", "exactness")
-    transforms = {t.location: matrices[t.matrix] for t in record.transforms}
-    if any(m is None for m in transforms.values()):
+    if any(matrices[t.matrix] is None for t in record.transforms):
         check.fail(f"{prefix}: an online-transform matrix failed its checks; numerics not run", "numerics")
     elif numerics:
+        input_matrix = next((matrices[t.matrix] for t in record.transforms if t.location == "input"), None)
+        output_parts = [(start, stop, matrices[t.matrix]) for t in record.transforms if t.location == "output"
+                        for start, stop in record.output_rows(t)]
+        # what the layer's activation quantizer multiplies by: QuTLASS's fixed scale where vLLM serves it so
+        activation_scale = None if input_scale is None else bundle.vllm_qutlass(prefix).get(
+            "fused_global_scale", input_scale.inverse)
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
-                        loaded.backend == "reference", transforms, input_scale)
+                        loaded.backend == "reference", input_matrix, output_parts, activation_scale)
     return check
 
 

@@ -33,7 +33,7 @@ FUSED_ON_SM90 = {FIXTURE: {32}, WHOLE_K: set()}  # the input-transform block siz
 @pytest.fixture(scope="module", params=[FIXTURE, WHOLE_K])
 def gpu_bundle(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("transforms") / "bundle"
-    convert(PRODUCERS / request.param, gpu_target().name, out)
+    convert(PRODUCERS / request.param, gpu_target().name, out, weight_only=True)  # bf16 activations, as the reference
     return load_bundle(out, "cuda"), read_source(PRODUCERS / request.param), request.param
 
 
@@ -61,7 +61,7 @@ def test_transformed_layers_match_float64(gpu_bundle):
 
 def test_transformed_layer_compiles_and_captures(tmp_path):
     out = tmp_path / "bundle"
-    convert(PRODUCERS / FIXTURE, gpu_target().name, out)
+    convert(PRODUCERS / FIXTURE, gpu_target().name, out, weight_only=True)
     layer = load_bundle(out, "cuda").layer("model.layers.1.self_attn.o_proj")
     assert layer.input_transform is not None and layer.output_transform is not None
     assert (layer.fused_input_transform is not None) == (layer.backend == "triton")

@@ -57,8 +57,10 @@ class Served:
     attention: str
 
 
-# Synthetic checkpoints: (format, W4A4, layers) of Llama-3-8B's decoder shapes, vocab 32000, served on TRITON_ATTN.
-SYNTHETIC = {"ct-w4a16-8b": ("compressed-tensors", False, 2), "modelopt-w4a4-8b": ("modelopt", True, 1)}
+# Synthetic checkpoints: (format, W4A4, layers, input Hadamard block or 0) of Llama-3-8B's decoder shapes, vocab
+# 32000, served on TRITON_ATTN; the rotated one as llm-compressor's QuIP writes it (``add_input_hadamard``).
+SYNTHETIC = {"ct-w4a16-8b": ("compressed-tensors", False, 2, 0), "modelopt-w4a4-8b": ("modelopt", True, 1, 0),
+             "ct-w4a16-had128-8b": ("compressed-tensors", False, 1, 128)}  # fmt: skip
 # The producers' own fixtures (head_dim 16, below TRITON_ATTN's 32): served on FLEX_ATTENTION. The rotated ones
 # (docs/transforms-serving.md) run their input transform inside RepackSm90NvFp4LinearKernel: a Walsh-Hadamard block
 # of 16, one of 32 with vLLM's output transform after it, and SpinQuant's whole-K R4 (not fused: before the GEMM).
@@ -70,9 +72,11 @@ def serve_case(name: str, tmp_path: Path, seed: int) -> Served:
     """Source, sm90 ``--fuse`` bundle and dequantized bf16 model of a producer fixture or a ``SYNTHETIC`` case."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     if name in SYNTHETIC:
-        fmt, w4a4, layers = SYNTHETIC[name]
+        fmt, w4a4, layers, block = SYNTHETIC[name]
         source = vllm_gpu.write_shaped_llama(tmp_path / "source", vllm_gpu.LLAMA3_8B, layers, 32000,
                                              torch.Generator().manual_seed(seed), 128, fmt, w4a4)  # fmt: skip
+        if block:
+            vllm_gpu.add_input_hadamard(source, block)
     else:
         source = PRODUCERS / name
     convert(source, "sm90", tmp_path / "bundle", fuse=True)
@@ -177,14 +181,28 @@ def bundle_and_reference(tmp_path: Path, seed: int) -> tuple[Path, list[list[int
     convert(source, "sm90", tmp_path / "bundle", fuse=True)
     prompts = vllm_gpu.random_prompts(PROMPTS, PROMPT_LEN, 1024, gen)
     with vllm_gpu.engine(tmp_path / "bundle", load_format=LOAD_FORMAT, **SMALL) as llm:
-        reference = {"logprobs": vllm_gpu.prompt_logprobs(llm, prompts), "greedy": vllm_gpu.greedy(llm, prompts, NEW_TOKENS)}
+        greedy, margins = vllm_gpu.greedy_with_margins(llm, prompts, NEW_TOKENS)
+        reference = {"logprobs": vllm_gpu.prompt_logprobs(llm, prompts), "greedy": greedy, "margins": margins}
     return tmp_path / "bundle", prompts, reference
+
+
+def assert_same_greedy(got: list[list[int]], reference: dict[str, object]) -> None:
+    """Each prompt's greedy tokens are the reference engine's, token for token, up to a step where the reference's
+    runner-up was within ``TIE_NATS`` of its choice (a near tie, which another engine of the same model may break the
+    other way; the two continuations differ after it). Seen on the H200: a random ``TINY`` model, vocab 1024."""
+    for prompt, (mine, theirs, margins) in enumerate(zip(got, reference["greedy"], reference["margins"])):
+        assert len(mine) == len(theirs), (prompt, mine, theirs)
+        split = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if split is not None:
+            print(f"prompt {prompt}: greedy tokens split at step {split}, a tie of {margins[split]:.4f} nats")
+            assert margins[split] <= TIE_NATS, (prompt, split, margins[split], mine, theirs)
 
 
 @pytest.mark.skipif(not REASON and not plugin_installed(), reason="nvfp4-repack is not installed (its entry point)")
 def test_multiprocess_engine_finds_the_plugin_through_its_entry_point(tmp_path, random_seed):
     """vLLM's default engine (core in a subprocess): a script that never imports the plugin serves the bundle, so
-    the ``vllm.general_plugins`` entry point registered the loader in both processes; same output as in-process."""
+    the ``vllm.general_plugins`` entry point registered the loader in both processes; the in-process engine's prompt
+    log-probabilities (to 1e-3) and greedy tokens (``assert_same_greedy``)."""
     bundle, prompts, reference = bundle_and_reference(tmp_path, random_seed)
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD))
@@ -196,7 +214,7 @@ def test_multiprocess_engine_finds_the_plugin_through_its_entry_point(tmp_path, 
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["plugin_imported_here"]  # by vLLM's plugin loader: the script itself never imports it
-    assert result["greedy"] == reference["greedy"]
+    assert_same_greedy(result["greedy"], reference)
     assert float((torch.tensor(result["logprobs"], dtype=torch.float64) - reference["logprobs"]).abs().max()) <= 1e-3
 
 
@@ -222,7 +240,7 @@ def wait_healthy(server: subprocess.Popen, port: int, seconds: float) -> None:
 @pytest.mark.skipif(not REASON and not plugin_installed(), reason="nvfp4-repack is not installed (its entry point)")
 def test_openai_server_serves_the_bundle(tmp_path, random_seed):
     """One completion through ``vllm serve BUNDLE --load-format nvfp4_repack`` on loopback: the in-process greedy
-    tokens."""
+    tokens (``assert_same_greedy``)."""
     bundle, prompts, reference = bundle_and_reference(tmp_path, random_seed)
     port = free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(bundle), "--load-format", LOAD_FORMAT,
@@ -251,4 +269,4 @@ def test_openai_server_serves_the_bundle(tmp_path, random_seed):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(30)
         log.close()
-    assert answer["choices"][0]["token_ids"] == reference["greedy"][0]
+    assert_same_greedy([answer["choices"][0]["token_ids"]], reference)

@@ -27,14 +27,16 @@ from repack.formats.safetensors_io import tensor_bytes
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
+from repack.runtime.layer import PackedLinear
 from repack.sample import SAMPLE_DIR
 from repack.runtime.backends import fuses_input_transform, prepare_backend
-from repack.runtime.transforms import WalshFactors, block_transform, walsh_factors
+from repack.runtime.transforms import WalshFactors, block_transform, rows_transform, walsh_factors
 from repack.runtime.transforms import sylvester as runtime_sylvester
 from repack.targets import TARGETS
 from repack.verify import verify_bundle
 
 from .conftest import PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES, require
+from .vllm.variants import output_variant
 from .test_runtime import BF16_REL_TOL, dequantized_llama, rel_error
 
 MODEL_REL_TOL = 3e-2  # bf16 activations through a whole model (as test_runtime's whole-model test)
@@ -139,8 +141,10 @@ def test_sharing_is_resolved_as_compressed_tensors_does(fixture):
 @pytest.mark.parametrize("target", [t.name for t in TARGETS])
 @pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)
 def test_patched_model_matches_both_references(tmp_path, fixture, target):
+    """Weight-only bundles (W4A4 checkpoints too: the references keep activations unquantized; W4A4 bundles of
+    rotated checkpoints are checked by verify's fake-quant reference, test_w4a4_rotated_bundles_...)."""
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, target, out)
+    convert(PRODUCERS / fixture, target, out, weight_only=True)
     manifest = open_bundle(out).manifest
     source = read_source(PRODUCERS / fixture)
     assert set(manifest.transforms) == set(source.transforms.matrices), "each distinct matrix stored once"
@@ -166,7 +170,7 @@ def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
     """--fuse: each fused module carries its partitions' one input (and output) transform; patch_model runs the
     fused bundle as the float reference computes (vLLM's state: tests/test_vllm_conformance.py)."""
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, "sm120", out, fuse=True)
+    convert(PRODUCERS / fixture, "sm120", out, fuse=True, weight_only=True)  # the reference's bf16 activations
     manifest = open_bundle(out).manifest
     source = read_source(PRODUCERS / fixture)
     for prefix, record in manifest.layers.items():
@@ -179,6 +183,60 @@ def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
     with torch.no_grad():
         got = patched(TOKENS).logits.double()
     assert rel_error(got, reference_logits(fixture, "float reference")) < MODEL_REL_TOL
+
+
+@pytest.mark.parametrize("weight_only", [True, False], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize("variant,parts", [("partial-output", [[0, 2]]), ("whole-n-output", [[0], [1, 2]])])
+def test_output_transforms_per_partition_of_a_fused_module(tmp_path, monkeypatch, variant, parts, weight_only):
+    """--fuse keeps per-partition output transforms as vLLM holds them (byte conformance: test_vllm_conformance):
+    on q and v only, or whole-N, one matrix per partition size; the runtime rotates each partition's rows with its
+    own matrix, which verify's float64 reference (the source's function) holds it to: skipping them fails."""
+    source = output_variant(tmp_path / "source", variant)
+    out = tmp_path / "bundle"
+    convert(source, "sm120", out, fuse=True, weight_only=weight_only)
+    record = open_bundle(out).manifest.layers["model.layers.0.self_attn.qkv_proj"]
+    assert [t.partitions for t in record.transforms if t.location == "output"] == parts
+    seed = int(torch.randint(0, 2**31, ()))
+    assert verify_bundle(out, seed=seed, numerics="all").passed, f"seed {seed}"
+    monkeypatch.setattr(PackedLinear, "output_parts", property(lambda self: []))
+    failed = {c.name for c in verify_bundle(out, seed=seed, numerics="all").layers if c.status == "fail"}
+    assert failed == {f"model.layers.{i}.self_attn.qkv_proj" for i in (0, 1)}, f"seed {seed}"
+
+
+def test_rows_transform_rotates_each_range_with_its_own_matrix():
+    """Ranges given in any order, gaps left as they are; each range block-diagonal in its own matrix."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    value = torch.randn(3, 40, generator=gen, dtype=torch.float64)
+    a, b = torch.randn(8, 8, generator=gen, dtype=torch.float64), torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    expected = value.clone()
+    expected[:, :8], expected[:, 8:16] = value[:, :8] @ a, value[:, 8:16] @ a
+    expected[:, 24:28], expected[:, 28:32] = value[:, 24:28] @ b, value[:, 28:32] @ b
+    assert torch.allclose(rows_transform(value, [(24, 32, b), (0, 16, a)]), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_manifest_says_which_transforms_have_no_block_size(tmp_path):
+    """``whole`` (no head_dim: it decides vLLM's QuTLASS route) is recorded, and verify holds it to the source."""
+    out = tmp_path / "bundle"
+    convert(PRODUCERS / "ct_spinquant_r1r2r4_rhad_nvfp4a16", "sm100", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {name: rec["whole"] for name, rec in manifest["transforms"].items()} == {
+        "model.layers.0.mlp.down_proj.R4_input.weight": True}
+    manifest["transforms"]["model.layers.0.mlp.down_proj.R4_input.weight"]["whole"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_bundle(out, seed=0)
+    assert [c.name for c in report.transforms if c.status == "fail"] == ["model.layers.0.mlp.down_proj.R4_input.weight"]
+
+
+def test_overlapping_output_transforms_are_refused(tmp_path):
+    out = tmp_path / "bundle"
+    convert(output_variant(tmp_path / "source", "whole-n-output"), "sm100", out, fuse=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    outputs = [t for t in manifest["layers"]["model.layers.0.self_attn.qkv_proj"]["transforms"]
+               if t["location"] == "output"]
+    outputs[1]["partitions"] = [0, 2]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RepackError, match="qkv_proj: its online transforms overlap"):
+        open_bundle(out)
 
 
 @pytest.mark.parametrize("fixture", TRANSFORM_FIXTURES)
@@ -224,7 +282,7 @@ def test_refused_producer_checkpoints(tmp_path, fixture):
 @pytest.mark.parametrize("fixture", ["ct_nvfp4a16", "ct_quip_vu_rhad16_nvfp4"])
 def test_models_of_every_dtype_run_and_match(tmp_path, fixture, dtype):
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, "sm120", out)
+    convert(PRODUCERS / fixture, "sm120", out, weight_only=True)  # the reference's unquantized activations
     patched = dequantized_llama(fixture).to(dtype)
     patch_model(patched, out)
     with torch.no_grad():
@@ -288,6 +346,27 @@ def test_randomized_hadamard_with_permutation_and_inverse(make_model, tmp_path):
         x = torch.randn(5, weight.k, generator=gen).to(torch.bfloat16)
         ref = blockdiag64(blockdiag64(x, t_in) @ dequantize(weight).t(), t_out)
         assert rel_error(loaded.layer(prefix)(x), ref) < BF16_REL_TOL, prefix
+
+
+def test_synthetic_quip_checkpoint_is_what_the_producer_writes(tmp_path):
+    """``vllm_gpu.add_input_hadamard`` (the rotated model of the GPU tests and the serving benchmark): the config
+    group of llm-compressor's ``ct_quip_v_had16_nvfp4a16`` with another block, an input transform on every decoder
+    linear, which ``dense_weight`` folds in as ``W @ blockdiag(H / sqrt(b))`` (float64, written out)."""
+    from .vllm_gpu import TINY, add_input_hadamard, write_shaped_llama
+
+    source = write_shaped_llama(tmp_path / "source", TINY, 1, 64, torch.Generator().manual_seed(3), 128)
+    add_input_hadamard(source, 64)
+
+    def group(folder):
+        return json.loads((folder / "config.json").read_text())["quantization_config"]["transform_config"]
+
+    assert group(source) == {"config_groups": {"v": group(PRODUCERS / "ct_quip_v_had16_nvfp4a16")["config_groups"]["v"]
+                                                     | {"head_dim": 64}}}  # fmt: skip
+    model = read_source(source)
+    assert sorted(model.transforms.layers) == sorted(model.layers) and len(model.layers) == 7
+    for prefix, layer in model.layers.items():
+        want = blockdiag64(dequantize(model.load_layer(layer), torch.float64), sylvester(64) / 8)
+        assert torch.allclose(model.dense_weight(prefix, torch.float64), want, rtol=1e-12, atol=1e-15), prefix
 
 
 @pytest.mark.parametrize("groups, tensors, message", [
@@ -501,6 +580,7 @@ def test_inspect_shows_transforms(transformed_bundle, capsys):
     text = " ".join(capsys.readouterr().out.split())  # rich wraps table cells at the test's terminal width
     assert "2 online-transform matrices, each stored once" in text
     assert "model.layers.0.self_attn.q_proj.u_output.weight.T (BF16 [32]^2, /5.65685)" in text
+    assert text.count("QuTLASS") == 12, "the layers with v's input rotation of block 32, a W4A4 bundle"
 
 
 def test_manifest_refuses_a_layer_transform_without_its_matrix(transformed_bundle):

@@ -27,6 +27,7 @@ from repack.sample.synthetic import write_llama
 from repack.verify import verify_output
 
 from .conftest import IN_CI, PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES
+from .vllm.variants import OUTPUT_VARIANTS, output_variant
 
 HERE = Path(__file__).parent / "vllm"
 VENV = Path(os.environ.get("NVFP4_REPACK_VLLM_VENV", Path(__file__).parent.parent / ".venv-vllm"))
@@ -43,7 +44,12 @@ W4A4_FIXTURES = ["modelopt_nvfp4", "ct_nvfp4"]  # and the synthetic "<shape>-<fo
 # (TRANSFORM_VARIANTS). vLLM refuses every one of them at TP = 2.
 TRANSFORM_BASE = "ct_quip_v_had16_nvfp4a16"
 TRANSFORM_VARIANTS = ("partial-input", "split-input", "randomized", "orthogonal-matrix")
-TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VARIANTS)
+TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VARIANTS) + list(OUTPUT_VARIANTS)
+# W4A4 ones, served W4A4 (vLLM's QuTLASS method where every input block is 16..128, else its transform method around
+# the W4A4 kernel): the producers' (blocks 16 and 32), "whole-k-w4a4", whose R4 rotation has no block size, and the
+# per-partition output transforms of tests/vllm/variants.py.
+TRANSFORMED_W4A4 = [f for f in TRANSFORM_FIXTURES if f.endswith("_nvfp4")] + ["whole-k-w4a4", *OUTPUT_VARIANTS]
+WHOLE_K_BASE, WHOLE_K_DONOR = "ct_spinquant_r1r2r4_had16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"
 
 
 def transform_variant(root: Path, variant: str, seed: int = 0) -> Path:
@@ -68,6 +74,21 @@ def transform_variant(root: Path, variant: str, seed: int = 0) -> Path:
         v["type"] = "random-matrix"
         orthogonal = torch.linalg.qr(torch.randn(16, 16, generator=gen, dtype=torch.float64))[0]
         tensors[f"{stored}.weight"] = orthogonal.contiguous()
+    (root / "config.json").write_text(json.dumps(config))
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    return root
+
+
+def whole_k_w4a4(root: Path) -> Path:
+    """``WHOLE_K_BASE`` (W4A4, R4 input rotation of block 16 on down_proj) with R4 made a whole-K (no head_dim)
+    random-hadamard rotation, the 176 x 176 matrix of ``WHOLE_K_DONOR``: a block vLLM's QuTLASS route does not take."""
+    root.mkdir(parents=True)
+    config = json.loads((PRODUCERS / WHOLE_K_BASE / "config.json").read_text())
+    tensors = load_file(PRODUCERS / WHOLE_K_BASE / "model.safetensors")
+    r4 = config["quantization_config"]["transform_config"]["config_groups"]["R4"]
+    r4.update(type="random-hadamard", head_dim=None)
+    name = "model.layers.0.mlp.down_proj.R4_input.weight"
+    tensors[name] = load_file(PRODUCERS / WHOLE_K_DONOR / "model.safetensors")[name]
     (root / "config.json").write_text(json.dumps(config))
     save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
     return root
@@ -99,6 +120,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
                                               intermediate=inter, generator=gen, layers=2, w4a4=True)
     out.update({name: PRODUCERS / name for name in TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES)})
     out.update({name: transform_variant(root / name, name, seed) for name in TRANSFORM_VARIANTS})
+    out["whole-k-w4a4"] = whole_k_w4a4(root / "whole-k-w4a4")
+    out.update({name: output_variant(root / name, name) for name in OUTPUT_VARIANTS})
     return out
 
 
@@ -117,6 +140,7 @@ TP2 = _jobs([f"tp-{f}" for f in SYNTHETIC_FORMATS]) + [
     (name, "sm100") for name in PRODUCER_FIXTURES[::2] + [f"odd-{f}" for f in SYNTHETIC_FORMATS]]
 TRANSFORMED_TP1 = _jobs(TRANSFORMED)
 TRANSFORMED_TP2 = [(name, "sm100") for name in TRANSFORMED]
+TRANSFORMED_W4A4_TP1 = [(name, f"{arch}-w4a4") for name in TRANSFORMED_W4A4 for arch in ARCHS]
 W4A4_TP1 = [(name, f"{arch}-w4a4") for name in W4A4_FIXTURES + [f"odd-{f}-w4a4" for f in SYNTHETIC_FORMATS]
             for arch in ARCHS]
 W4A4_TP2 = [(name, f"{arch}-w4a4")
@@ -129,7 +153,8 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     python = _vllm_python()
     subprocess.run(["bash", str(HERE / "make_env.sh")], check=True, env={**os.environ, "NVFP4_REPACK_VLLM_VENV": str(VENV)})
     out = {}
-    for tp, jobs in ((1, TP1 + W4A4_TP1 + TRANSFORMED_TP1), (2, TP2 + W4A4_TP2 + TRANSFORMED_TP2)):
+    for tp, jobs in ((1, TP1 + W4A4_TP1 + TRANSFORMED_TP1 + TRANSFORMED_W4A4_TP1),
+                     (2, TP2 + W4A4_TP2 + TRANSFORMED_TP2)):
         folder = tmp_path_factory.mktemp(f"vllm-tp{tp}")
         args = [arg for name, arch in jobs
                 for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{harness_arch(arch)}")]
@@ -139,17 +164,23 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     return out
 
 
+def _assert_transforms_identical(bundle, theirs: dict[str, torch.Tensor]) -> None:
+    """The online-transform matrices vLLM holds, per fused layer and partition, are the bundle's, byte for byte."""
+    held = {name: t for name, t in theirs.items() if ".partitions." in name}
+    ours = {f"{prefix}.{name}": t for prefix in bundle.manifest.layers
+            for name, t in bundle.vllm_transforms(prefix).items()}
+    assert set(ours) == set(held)
+    for name, t in ours.items():
+        assert (t.dtype, t.shape) == (held[name].dtype, held[name].shape), name
+        assert torch.equal(t.contiguous().view(torch.uint8), held[name].view(torch.uint8)), name
+
+
 def _assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     bundle = open_bundle(bundle_dir)
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
     assert set(meta) == set(bundle.manifest.layers)
-    held = {name: t for name, t in theirs.items() if ".partitions." in name}  # online-transform matrices
-    ours = {f"{prefix}.{name}": t for prefix in meta for name, t in bundle.vllm_transforms(prefix).items()}
-    assert set(ours) == set(held)
-    for name, t in ours.items():
-        assert (t.dtype, t.shape) == (held[name].dtype, held[name].shape), name
-        assert torch.equal(t.contiguous().view(torch.uint8), held[name].view(torch.uint8)), name
+    _assert_transforms_identical(bundle, theirs)
     for prefix, info in meta.items():
         record = bundle.manifest.layers[prefix]
         assert record.weights_padding_cols == info["weights_padding_cols"], prefix
@@ -236,7 +267,7 @@ def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch
         with pytest.raises(RepackError, match=REFUSED_FIXTURES[name]):
             convert(checkpoints[name], arch, out, fuse=True)
         return
-    convert(checkpoints[name], arch, out, fuse=True)
+    convert(checkpoints[name], arch, out, fuse=True, weight_only=True)  # W4A4 ones: test_w4a4_transform_...
     assert _assert_rank_identical(out, dumped, 0) == 8
     assert open_bundle(out).manifest.transforms, "a transform bundle"
     assert verify_output(out).passed
@@ -257,21 +288,28 @@ def test_tp2_transform_checkpoints_are_refused_as_vllm_refuses_them(name, checkp
 
 def _assert_w4a4_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     """Every tensor vLLM holds on every fused NVFP4 layer, by name, class-free dtype, shape, strides, offset and
-    the bytes of its whole storage, is the bundle's tensor of that name; the kernel class is the manifest's
+    the bytes of its whole storage, is the bundle's tensor of that name, or, on a layer vLLM serves through QuTLASS,
+    what ``Bundle.vllm_qutlass`` derives from the bundle at load; the quantization method is QuTLASS's exactly where
+    ``Bundle.runs_qutlass`` says so; the online transforms are the bundle's; the kernel class is the manifest's
     first (auto's); the padding vLLM derives (``weight.shape[1] - K/2``) is the manifest's."""
     bundle = open_bundle(bundle_dir)
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
     assert set(meta) == set(bundle.manifest.layers)
     assert bundle.manifest.scheme == "W4A4"
+    _assert_transforms_identical(bundle, theirs)
     for prefix, info in meta.items():
         record = bundle.manifest.layers[prefix]
+        qutlass = bundle.vllm_qutlass(prefix)
+        route = {"QutlassNvFP4LinearMethod": "qutlass", "CompressedTensorsLinearTransformMethod": "transforms"}
+        assert route.get(info["method"], "plain") == (
+            "qutlass" if qutlass else "transforms" if record.transforms else "plain"), (prefix, info["method"])
         assert info["kernel"] == bundle.manifest.kernels[0], prefix
-        assert set(info["tensors"]) == set(record.tensors), prefix
+        assert set(info["tensors"]) == set(record.tensors) | set(qutlass), prefix
         assert (info["input_size_per_partition"], info["output_size_per_partition"]) == (record.k, record.n), prefix
         assert info["tensors"]["weight"]["shape"][1] - record.k // 2 == record.weights_padding_cols, prefix
         for part, view in info["tensors"].items():
-            ours = bundle.read(f"{prefix}.{part}")
+            ours = qutlass[part] if part in qutlass else bundle.read(f"{prefix}.{part}")
             got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
             assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, part)
             assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{part}"]), (prefix, part)
@@ -300,4 +338,20 @@ def test_w4a4_tp2_ranks_are_byte_identical_to_vllm_or_both_refuse(name, arch, ch
     convert(checkpoints[name], arch.removesuffix("-w4a4"), out, tp=2)
     for rank in range(2):
         assert _assert_w4a4_rank_identical(out / f"rank-{rank}", dumped, rank) == 8
+    assert verify_output(out).passed
+
+
+@pytest.mark.parametrize("name,arch", TRANSFORMED_W4A4_TP1, ids=[f"{n}-{a}" for n, a in TRANSFORMED_W4A4_TP1])
+def test_w4a4_transform_bundle_holds_vllms_qutlass_state(name, arch, checkpoints, oracle, tmp_path):
+    """W4A4 rotated checkpoints, emulated Blackwell: vLLM's QutlassNvFP4LinearMethod state (W4A4 layout, its
+    transforms, fused_alpha, fused_global_scale, hadamard_matrix) on layers whose input blocks are all 16..128, its
+    transform method around the W4A4 kernel elsewhere (whole-K R4), byte for byte from convert --fuse."""
+    dumped, out = oracle[1] / f"{name}-{arch}", tmp_path / "bundle"
+    assert not _refused(name, dumped), _refused(name, dumped)
+    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, fuse=True)
+    assert _assert_w4a4_rank_identical(out, dumped, 0) == 8
+    bundle = open_bundle(out)
+    methods = json.loads((dumped / "rank-0.json").read_text())
+    assert any(v["method"] == "QutlassNvFP4LinearMethod" for v in methods.values()) == (name != "whole-k-w4a4")
+    assert any(bundle.layer(p).transforms for p in bundle.manifest.layers)
     assert verify_output(out).passed

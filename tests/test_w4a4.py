@@ -21,11 +21,13 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.nvfp4 import InputScale, NVFP4Weight, dequantize, w4a4_reference
 from repack.runtime.backends import reference
+from repack.runtime import load_bundle
+from repack.runtime.layer import PackedLinear
 from repack.runtime.formulas import decode
 from repack.sample.synthetic import random_nvfp4, write_llama
 from repack.targets import resolve_target
 from repack.targets import w4a4
-from repack.verify import verify_output, w4a4_products
+from repack.verify import verify_bundle, verify_output, w4a4_products
 
 from .conftest import ODD_SHAPES, PRODUCERS
 
@@ -89,7 +91,9 @@ def test_weight_only_writes_the_bundles_of_before(key, tmp_path):
     ("ct_nvfp4", "sm90", "sm90-triton-v2", "RepackSm90NvFp4LinearKernel"),
     ("modelopt_w4a16_nvfp4", "sm100", "sm100-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),
     ("ct_nvfp4a16", "sm120", "sm120-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),
-    ("ct_quip_vu_had32_nvfp4", "sm100", "sm100-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),  # transforms
+    # online transforms: QuTLASS (or vLLM's transform method) around FlashInfer's W4A4 GEMM, on the W4A4 layout
+    ("ct_quip_vu_had32_nvfp4", "sm100", w4a4.LAYOUT_ID, "FlashInferCuteDslNvFp4LinearKernel"),
+    ("ct_spinquant_r1r2r4_had16_nvfp4", "sm90", "sm90-triton-v2", "RepackSm90NvFp4LinearKernel"),
 ])
 def test_default_layout_is_vllm_auto(name, target, layout, kernel, tmp_path):
     convert(PRODUCERS / name, target, tmp_path / "b")
@@ -236,3 +240,35 @@ def test_flashinfer_w4a4_matches_the_reference_backend(n, k, tmp_path):
     got = flashinfer.linear(x.cuda(), runtime.weight.cuda(), runtime.weight_scale.cuda(), scales.cuda(), n, k,
                             w4a4.LAYOUT_ID)
     assert _relative(got.float().cpu(), expected.double()) < 1e-2
+
+
+def test_qutlass_route_is_vllms_rule():
+    """vLLM 0.33's is_qutlass_fp4_scheme: every input transform has a head_dim of 16, 32, 64 or 128."""
+    assert all(w4a4.runs_qutlass([b]) for b in (16, 32, 64, 128))
+    assert w4a4.runs_qutlass([16, 128])
+    assert not any(w4a4.runs_qutlass(b) for b in ([], [8], [256], [None], [16, None]))
+    alpha, scale = w4a4.qutlass_scales(torch.tensor(0.75))
+    assert (alpha.dtype, alpha.shape, float(alpha)) == (torch.float32, (), 0.125)
+    assert (scale.dtype, scale.shape, scale.tolist()) == (torch.float32, (1,), [6.0])
+
+
+@pytest.mark.parametrize("fixture,qutlass", [("ct_quip_vu_rhad16_nvfp4", 8), ("ct_quip_vu_had32_nvfp4", 6),
+                                             ("ct_spinquant_r1r2r4_had16_nvfp4", 2)])
+def test_rotated_w4a4_bundle_quantizes_as_qutlass(fixture, qutlass, tmp_path, monkeypatch):
+    """A W4A4 rotated checkpoint converts to the W4A4 layout; the layers vLLM serves through QuTLASS quantize their
+    rotated activations with its global scale 6 (and ``fused_alpha``), which verify's fake-quant reference holds
+    them to; a runtime that kept the checkpoint's activation scale there fails verify."""
+    out = tmp_path / "b"
+    convert(PRODUCERS / fixture, "sm100", out, fuse=True)
+    bundle = open_bundle(out)
+    assert bundle.manifest.layout_id == w4a4.LAYOUT_ID
+    assert sum(bundle.runs_qutlass(p) for p in bundle.manifest.layers) == qutlass
+    seed = int(torch.randint(0, 2**31, ()))
+    assert verify_bundle(out, seed=seed, numerics="all").passed, f"seed {seed}"
+    assert all(hasattr(load_bundle(out).layer(p), "fused_alpha") == bundle.runs_qutlass(p)
+               for p in bundle.manifest.layers)
+    checkpoint_scale = property(lambda self: reference.w4a4_scales(self.alpha, self.input_global_scale_inv))
+    monkeypatch.setattr(PackedLinear, "gemm_scale", checkpoint_scale)
+    report = verify_bundle(out, seed=seed, numerics="all")
+    failed = {c.name for c in report.layers if c.status == "fail"}
+    assert failed and failed <= {p for p in bundle.manifest.layers if bundle.runs_qutlass(p)}, f"seed {seed}"

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from repack.formats import read_source
 from repack.nvfp4 import NVFP4Weight
+from repack.runtime.transforms import sylvester
 from repack.sample.synthetic import write_llama
 
 # Decoder shapes (hidden, heads, kv heads, intermediate, head_dim) of Llama-3-8B and Llama-3-70B.
@@ -69,6 +70,25 @@ def write_shaped_llama(root: Path, shape: dict[str, int], layers: int, vocab: in
                        intermediate=shape["intermediate"], head_dim=shape["head_dim"], vocab=vocab, layers=layers,
                        generator=gen, quantized=random_decoder(shape, layers, gen), max_positions=max_positions,
                        plain_std=0.02, w4a4=w4a4)  # fmt: skip
+
+
+def add_input_hadamard(root: Path, block: int) -> Path:
+    """Give a single-file compressed-tensors checkpoint (``write_shaped_llama``) the online input transform of
+    llm-compressor's ``QuIPModifier(rotations=["v"], transform_type="hadamard")`` on every decoder linear, in
+    blocks of ``block``: its config group and Sylvester's unnormalized matrix, stored once under the first layer
+    that uses it, as the producer writes them (tests/data/producers/README.md). The weights stay as they are (a
+    random model, rotated, is a random model); ``write_dequantized`` folds the transform into its reference."""
+    config = json.loads((root / "config.json").read_text())
+    apply = [{"targets": ["Linear"], "location": location, "inverse": inverse, "ignore": ["lm_head"]}
+             for location, inverse in (("input", False), ("weight_input", True))]  # fmt: skip
+    config["quantization_config"]["transform_config"] = {"config_groups": {"v": {
+        "type": "hadamard", "head_dim": block, "precision": "torch.float64", "randomize": False,
+        "requires_grad": False, "apply": apply}}}  # fmt: skip
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    path = root / "model.safetensors"
+    matrix = {"model.layers.0.self_attn.q_proj.v_input.weight": sylvester(block)}
+    save_file(load_file(path) | matrix, path, metadata={"format": "pt"})
+    return root
 
 
 def write_dequantized(source: Path, out: Path) -> Path:
@@ -131,12 +151,25 @@ def prompt_logprobs(llm: object, prompts: list[list[int]]) -> torch.Tensor:
 
 def greedy(llm: object, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """``tokens`` greedy tokens after each prompt (end-of-sequence ignored)."""
+    return [list(o.token_ids) for o in _greedy_outputs(llm, prompts, tokens, None)]
+
+
+def greedy_with_margins(llm: object, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """``greedy``'s tokens, and at each step how far (nats) the runner-up was below the chosen token: where that is
+    near 0, another engine of the same model may break the tie the other way."""
+    outputs = _greedy_outputs(llm, prompts, tokens, 2)
+    margins = [[float(top[0] - top[1]) for top in (sorted((p.logprob for p in step.values()), reverse=True)
+                                                   for step in o.logprobs)] for o in outputs]  # fmt: skip
+    return [list(o.token_ids) for o in outputs], margins
+
+
+def _greedy_outputs(llm: object, prompts: list[list[int]], tokens: int, logprobs: int | None) -> list[object]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=logprobs)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return [o.outputs[0] for o in outputs]
 
 
 def linear_kernels(model: torch.nn.Module) -> list[str]:

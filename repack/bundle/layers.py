@@ -24,7 +24,7 @@ from ..formats.moe import (
     is_moe_config,
     read_input_scales,
 )
-from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceTransforms
+from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceMatrix, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
 
@@ -268,22 +268,47 @@ def _check_vllm_transforms(transforms: SourceTransforms, tp: int) -> None:
                               "which the checkpoint does not mean; convert without --fuse")
 
 
-def layer_transforms(transforms: SourceTransforms, layer: OutputLayer) -> tuple[LayerTransform, ...]:
-    """An output layer's online transforms: its partitions', which must be one and the same (vLLM holds one input
-    transform per fused module and refuses partitions that differ; output transforms that differ per partition
-    would be cut per row range, which bundles do not record)."""
+@dataclass(frozen=True)
+class PlacedTransform:
+    """One online transform of an output layer: ``partitions``, the indices of the layer's pieces whose rows it
+    rotates each on its own, or ``None`` where it applies to the whole layer (every piece alike, or one piece)."""
+
+    transform: LayerTransform
+    partitions: tuple[int, ...] | None = None
+
+    @property
+    def location(self) -> str:
+        return self.transform.location
+
+    @property
+    def matrix(self) -> SourceMatrix:
+        return self.transform.matrix
+
+
+def layer_transforms(transforms: SourceTransforms, layer: OutputLayer) -> tuple[PlacedTransform, ...]:
+    """An output layer's online transforms, as vLLM holds them on a fused module: one input transform, the same on
+    every partition (vLLM refuses partitions that differ); output transforms per partition, of one scheme (vLLM's
+    rule), each matrix on the partitions that use it: a whole-layer one where every partition uses the same."""
     own = [transforms.layers.get(p.source, ()) for p in layer.pieces]
-    for location in ("input", "output"):
-        # vLLM compares input transforms with their apply entry; output ones need only their matrix to agree here
-        found = [next((t if location == "input" else t.matrix for t in ts if t.location == location), None)
-                 for ts in own]
-        if any(t != found[0] for t in found):
-            a, b = (p.source for p, t in zip(layer.pieces, found) if t != found[0]), layer.pieces[0].source
-            why = ("vLLM requires the same input transform on every partition, from one apply entry"
-                   if location == "input" else "output transforms that differ between partitions are not supported")
-            raise RepackError(f"{layer.prefix}: cannot fuse, {next(a)} and {b} have different online {location} "
-                              f"transforms ({why})")
-    return own[0]
+    inputs = [next((t for t in ts if t.location == "input"), None) for ts in own]
+    if any(t != inputs[0] for t in inputs):
+        other = next(p.source for p, t in zip(layer.pieces, inputs) if t != inputs[0])
+        raise RepackError(f"{layer.prefix}: cannot fuse, {other} and {layer.pieces[0].source} have different online "
+                          f"input transforms (vLLM requires the same input transform on every partition, from one "
+                          f"apply entry)")
+    outputs = [next((t for t in ts if t.location == "output"), None) for ts in own]
+    used = [t for t in outputs if t is not None]
+    if len({t.matrix.scheme for t in used}) > 1:
+        raise RepackError(f"{layer.prefix}: cannot fuse, its partitions' online output transforms are of different "
+                          f"schemes ({', '.join(sorted({t.matrix.scheme for t in used}))}; vLLM requires one)")
+    placed = [PlacedTransform(inputs[0])] if inputs[0] is not None else []
+    if len(used) == len(outputs) and len({t.matrix for t in used}) == 1:
+        placed.append(PlacedTransform(used[0]))
+    else:
+        for matrix in dict.fromkeys(t.matrix for t in used):  # in partition order
+            parts = tuple(i for i, t in enumerate(outputs) if t is not None and t.matrix == matrix)
+            placed.append(PlacedTransform(outputs[parts[0]], parts))  # type: ignore[arg-type]
+    return tuple(placed)
 
 
 def _cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:

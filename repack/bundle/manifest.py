@@ -45,11 +45,15 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class LayerTransformRecord:
-    """An online transform of one layer: ``location`` input (before the GEMM) or output (after), which matrix."""
+    """An online transform of one layer: ``location`` input (before the GEMM) or output (after), which matrix;
+    ``partitions``: the indices of the (fused) layer's partitions whose rows it rotates, each on its own, where it
+    does not apply to every partition alike (an output transform on some partitions of a fused module, or whole-N
+    ones, one matrix per partition size); ``None``: the whole layer."""
 
     location: str
     matrix: str
     block_size: int
+    partitions: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class TransformRecord:
     inverse: bool  # applied transposed
     scale: float  # the source matrix was divided by this
     tensor: TensorRecord
+    whole: bool = False  # the scheme has no head_dim: its block is the whole K (or N) of the layers it rotates
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,13 @@ class LayerRecord:
     # relative L2 error --rescale added to the weights against the unfused source (None: nothing rescaled, or a
     # bundle written before it was recorded); verify fails a layer whose actual departure exceeds it
     rescale_error: float | None = None
+
+    def output_rows(self, transform: LayerTransformRecord) -> list[tuple[int, int]]:
+        """The output rows ``[start, stop)`` an output transform rotates, each range as a block-diagonal of its own:
+        the whole layer, or its ``partitions``' rows."""
+        if transform.partitions is None:
+            return [(0, self.n)]
+        return [(self.partitions[i].rows[0], self.partitions[i].rows[1]) for i in transform.partitions]
 
 
 @dataclass(frozen=True)
@@ -261,8 +273,12 @@ def _layer_transform(obj: Any, where: str) -> LayerTransformRecord:
     location = _get(obj, "location", str, where)
     if location not in ("input", "output"):
         raise _fail(f"location of {where} must be input or output, got {short_repr(location)}")
+    partitions = obj.get("partitions")
+    if partitions is not None and not (isinstance(partitions, list) and partitions and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in partitions)):
+        raise _fail(f"partitions of {where} must be null or a non-empty list of partition indices")
     return LayerTransformRecord(location=location, matrix=_get(obj, "matrix", str, where),
-                                block_size=_int(obj, "block_size", where))
+                                block_size=_int(obj, "block_size", where), partitions=partitions)
 
 
 def _transform(obj: Any, where: str, algorithm: str) -> TransformRecord:
@@ -277,6 +293,7 @@ def _transform(obj: Any, where: str, algorithm: str) -> TransformRecord:
         block_size=_int(obj, "block_size", where), source_tensors=list(sources),
         inverse=_get(obj, "inverse", bool, where), scale=float(scale),
         tensor=_tensor(_get(obj, "tensor", dict, where), f"{where}.tensor", algorithm),
+        whole=_get(obj, "whole", bool, where) if "whole" in obj else False,
     )
 
 

@@ -14,6 +14,7 @@ from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_head
 from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
+from ..targets.w4a4 import qutlass_scales, runs_qutlass
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
 
 
@@ -69,12 +70,33 @@ class Bundle:
         partition of a fused module its own handle on one shared tensor), the matrix as the checkpoint stores it
         (vLLM transposes an inverse one at run time) divided by ``sqrt(block)``."""
         out = {}
-        for t in self.layer(prefix).transforms:
+        layer = self.layer(prefix)
+        for t in layer.transforms:
             record = self.manifest.transforms[t.matrix]
             matrix = self.transform_matrix(t.matrix)
-            for i in range(len(self.layer(prefix).partitions)):
+            for i in range(len(layer.partitions)) if t.partitions is None else t.partitions:
                 out[f"{record.scheme}_{t.location}.weight.partitions.{i}"] = matrix.t() if record.inverse else matrix
         return out
+
+    def runs_qutlass(self, prefix: str) -> bool:
+        """Whether vLLM serves layer ``prefix`` through QuTLASS (``targets/w4a4.py``): a W4A4 layer (its layout
+        exists on sm100 and sm120 only, both past vLLM's capability 100) whose online input transforms all have a
+        block QuTLASS fuses."""
+        blocks = [None if self.manifest.transforms[t.matrix].whole else t.block_size
+                  for t in self.layer(prefix).transforms if t.location == "input"]
+        return self.target.scheme == "W4A4" and runs_qutlass(blocks)
+
+    def vllm_qutlass(self, prefix: str) -> dict[str, torch.Tensor]:
+        """What QutlassNvFP4LinearMethod adds to layer ``prefix`` after loading, by vLLM's names (empty where vLLM
+        does not run it): ``fused_alpha``, ``fused_global_scale`` and ``hadamard_matrix`` (its input transform's
+        first partition, the tensor itself)."""
+        if not self.runs_qutlass(prefix):
+            return {}
+        alpha, scale = qutlass_scales(self.read(f"{prefix}.weight_global_scale"))
+        scheme = next(self.manifest.transforms[t.matrix].scheme for t in self.layer(prefix).transforms
+                      if t.location == "input")
+        matrix = self.vllm_transforms(prefix)[f"{scheme}_input.weight.partitions.0"].contiguous()
+        return {"fused_alpha": alpha, "fused_global_scale": scale, "hadamard_matrix": matrix}
 
     def quantized_linear(self) -> Callable[[str], bool] | None:
         """Whether the source's quantization covers a model's linear module, by name (see ``formats.scope``), from
@@ -138,15 +160,21 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
 
 
 def _check_layer_transforms(prefix: str, record: LayerRecord, manifest: Manifest) -> None:
-    """At most one input and one output transform, each a square float matrix whose block divides K or N: the
-    runtime reshapes activations by it."""
-    locations = [t.location for t in record.transforms]
-    if len(set(locations)) != len(locations):
-        raise RepackError(f"{MANIFEST_NAME}: {prefix}: more than one {locations[0]} transform")
+    """At most one input transform, on the whole layer; output transforms on the whole layer (one) or on disjoint
+    sets of its partitions; each a square float matrix whose block divides K, or the rows it rotates: the runtime
+    reshapes activations by it."""
+    inputs = [t for t in record.transforms if t.location == "input"]
+    outputs = [t for t in record.transforms if t.location == "output"]
+    parts = [i for t in outputs for i in t.partitions or ()]
+    if len(inputs) > 1 or any(t.partitions is not None for t in inputs) or (
+            len(outputs) > 1 and any(t.partitions is None for t in outputs)) or len(set(parts)) != len(parts) or any(
+            i >= len(record.partitions) for i in parts):
+        raise RepackError(f"{MANIFEST_NAME}: {prefix}: its online transforms overlap or name partitions it does not "
+                          f"have")
     for t in record.transforms:
-        dim = record.k if t.location == "input" else record.n
+        sizes = [record.k] if t.location == "input" else [stop - start for start, stop in record.output_rows(t)]
         tensor = manifest.transforms[t.matrix].tensor
-        if t.block_size == 0 or dim % t.block_size or tensor.shape != [t.block_size, t.block_size] or not (
-                DTYPES[tensor.dtype].is_floating_point):
+        if t.block_size == 0 or any(d % t.block_size for d in sizes) or tensor.shape != [
+                t.block_size, t.block_size] or not DTYPES[tensor.dtype].is_floating_point:
             raise RepackError(f"{MANIFEST_NAME}: {prefix}: {t.location} transform {t.matrix!r} is not a float "
-                              f"[{t.block_size}, {t.block_size}] matrix whose block divides {dim}")
+                              f"[{t.block_size}, {t.block_size}] matrix whose block divides {sizes[0]}")

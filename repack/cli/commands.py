@@ -190,7 +190,10 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
                            f"{p.source_cols[0]}:{p.source_cols[1]}" + (f" (x{p.scale_ratio:.4g})" if p.scale_ratio != 1 else "")
                            for p in layer.partitions)
         transforms = ", ".join(f"{t.location}: {manifest.transforms[t.matrix].scheme} "
-                               f"{manifest.transforms[t.matrix].type} b={t.block_size}" for t in layer.transforms)
+                               f"{manifest.transforms[t.matrix].type} b={t.block_size}"
+                               + (f" (partitions {t.partitions})" if t.partitions is not None else "")
+                               for t in layer.transforms)
+        transforms += "; vLLM runs QuTLASS" if bundle.runs_qutlass(prefix) else ""
         table.add_row(show(prefix), f"{layer.n} x {layer.k}", " x ".join(map(str, layer.padded_shape)),
                       str(layer.weights_padding_cols), f"{layer.global_scale:.6g}", *([show(origin)] * sliced),
                       *([show(transforms or "-")] if manifest.transforms else []))

@@ -61,6 +61,7 @@ class SourceMatrix:
     weight: str  # tensor name
     perm: str | None  # tensor name of the randomized permutation, if any
     inverse: bool  # Hadamard types: T is the transpose
+    whole: bool = False  # no head_dim: the block is the layer's whole K (or N); vLLM's QuTLASS route needs a head_dim
 
     @property
     def scale(self) -> float:
@@ -246,7 +247,8 @@ def _shared_matrices(checkpoint: Checkpoint, name: str, scheme: dict, uses: list
         base = own if own in candidates else candidates[0]
         perm = f"{base}.perm" if scheme.get("randomize") else None
         out.append(LayerTransform(location, SourceMatrix(name, kind, size, f"{base}.weight", perm,
-                                                         inverse and kind in HADAMARD_TYPES), entry))
+                                                         inverse and kind in HADAMARD_TYPES,
+                                                         not scheme.get("head_dim")), entry))
     return out
 
 

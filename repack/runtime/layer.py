@@ -14,6 +14,7 @@ from ..bundle.layers import VLLM_FUSION
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
+from ..targets.w4a4 import qutlass_scales
 from .backends import choose_backend, fuses_input_transform, prepare_backend
 from .backends.reference import w4a4_scales
 from .op import nvfp4_linear
@@ -25,21 +26,36 @@ class PackedLinear(nn.Module):
 
     def __init__(self, runtime: RuntimeLayer, n: int, k: int, target: str, backend: str,
                  device: torch.device, bias: torch.Tensor | None = None,
-                 transforms: dict[str, torch.Tensor] | None = None) -> None:
+                 transforms: dict[str, torch.Tensor] | None = None, qutlass: bool = False,
+                 output_parts: list[tuple[int, int, torch.Tensor]] | None = None) -> None:
         super().__init__()
         self.n, self.k = n, k
         self.in_features, self.out_features = k, n
         self.target, self.backend = target, backend
         for name, tensor in runtime.tensors().items():
             self.register_buffer(name, tensor.to(device))
+        if qutlass:  # a W4A4 layer vLLM serves through QuTLASS: its GEMM scalars, as vLLM computes them after loading
+            alpha, scale = qutlass_scales(runtime.weight_global_scale)
+            self.register_buffer("fused_alpha", alpha.to(device))
+            self.register_buffer("fused_global_scale", scale.to(device))
         for location in ("input", "output"):  # online transforms: x @ T_in before the GEMM, y @ T_out after
             matrix = (transforms or {}).get(location)
             self.register_buffer(f"{location}_transform", matrix.to(device) if matrix is not None else None)
+        # output transforms per partition (rows [start, stop), each its own matrix), where not on the whole layer
+        self.output_rows = [(start, stop) for start, stop, _ in output_parts or ()]
+        for i, (_, _, matrix) in enumerate(output_parts or ()):
+            self.register_buffer(f"output_transform_{i}", matrix.to(device))
         self.bias = nn.Parameter(bias.detach().to(device), requires_grad=False) if bias is not None else None
         self._fuses_input = fuses_input_transform(backend, self.input_transform)  # a shape fact: fixed by .to()
         # its Walsh-Hadamard factors, read once from the matrix here (never in a traced or captured call)
         self._walsh = walsh_factors(self.input_transform) if self._fuses_input else None
         self._prepared: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def output_parts(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The per-partition output transforms: ``(start, stop, matrix)`` each (:func:`rows_transform`)."""
+        return [(start, stop, getattr(self, f"output_transform_{i}"))
+                for i, (start, stop) in enumerate(self.output_rows)]
 
     @property
     def fused_input_transform(self) -> torch.Tensor | None:
@@ -62,7 +78,10 @@ class PackedLinear(nn.Module):
     @property
     def gemm_scale(self) -> torch.Tensor:
         """What the backends take as ``weight_global_scale``: the multiplier, or for a W4A4 layer (which has an
-        ``alpha``) its ``[alpha, input_global_scale_inv]``."""
+        ``alpha``) its ``[alpha, input_global_scale_inv]``; QuTLASS's ``[fused_alpha, fused_global_scale]`` where
+        vLLM serves the layer through it (its quantizer ignores the checkpoint's activation scale)."""
+        if hasattr(self, "fused_alpha"):
+            return w4a4_scales(self.fused_alpha, self.fused_global_scale)
         alpha = getattr(self, "alpha", None)
         return self.weight_global_scale if alpha is None else w4a4_scales(alpha, self.input_global_scale_inv)
 
@@ -76,6 +95,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         shown = [f"{loc}_transform=[{m.shape[0]}]" for loc, m in
                  (("input", self.input_transform), ("output", self.output_transform)) if m is not None]
+        shown += [f"output_transform[{start}:{stop}]=[{m.shape[0]}]" for start, stop, m in self.output_parts]
         return ", ".join([f"in_features={self.k}, out_features={self.n}, target={self.target}, "
                           f"backend={self.backend}", *shown])
 
@@ -95,9 +115,11 @@ class LoadedBundle:
         matrices are shared between layers and held in ``dtype`` (default: as stored, the source model's dtype)."""
         record = self.bundle.layer(prefix)
         runtime = runtime if runtime is not None else self.bundle.runtime_layer(prefix)
-        transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms}
+        transforms = {t.location: self.matrix(t.matrix, dtype) for t in record.transforms if t.partitions is None}
+        parts = [(start, stop, self.matrix(t.matrix, dtype)) for t in record.transforms if t.partitions is not None
+                 for start, stop in record.output_rows(t)]
         return PackedLinear(runtime, record.n, record.k, self.bundle.target.layout_key, self.backend, self.device, bias,
-                            transforms)
+                            transforms, self.bundle.runs_qutlass(prefix), parts)
 
     def matrix(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One online-transform matrix on this device, read once per dtype."""

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .backends import get_backend
-from .transforms import block_transform
+from .transforms import block_transform, rows_transform
 
 
 @torch.library.custom_op("nvfp4_repack::linear", mutates_args=())
@@ -115,4 +115,6 @@ def nvfp4_linear(x: torch.Tensor, layer: "PackedLinear", bias: torch.Tensor | No
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     y = y + bias if bias is not None else y
-    return block_transform(y, layer.output_transform) if layer.output_transform is not None else y
+    if layer.output_transform is not None:
+        return block_transform(y, layer.output_transform)
+    return rows_transform(y, layer.output_parts) if layer.output_rows else y

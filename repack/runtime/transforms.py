@@ -19,6 +19,17 @@ def block_transform(value: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     return (blocks @ matrix).flatten(-2).to(value.dtype)
 
 
+def rows_transform(value: torch.Tensor, parts: list[tuple[int, int, torch.Tensor]]) -> torch.Tensor:
+    """``value`` with each ``[start, stop)`` range of its last dimension rotated by its own matrix
+    (:func:`block_transform`), the other features as they are: output transforms on some partitions of a fused
+    layer, or one matrix per partition size (vLLM's per-partition output transforms)."""
+    pieces, edge = [], 0
+    for start, stop, matrix in sorted(parts, key=lambda part: part[0]):
+        pieces += [value[..., edge:start], block_transform(value[..., start:stop], matrix)]
+        edge = stop
+    return torch.cat([*pieces, value[..., edge:]], dim=-1)
+
+
 @dataclass(frozen=True)
 class WalshFactors:
     """``T == scale * diag(d1) @ H @ diag(d2)`` exactly, ``H`` Sylvester's Hadamard matrix of order ``block`` (the

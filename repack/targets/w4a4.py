@@ -12,6 +12,13 @@ weight_global_scale, input_global_scale, input_global_scale_inv, alpha: float32 
 (``KNvfp4Static`` / ``KNvfp4Dynamic`` + ``maybe_fuse_global_scales``, ``CompressedTensorsW4A4Fp4``):
 ``alpha = input_global_scale * weight_global_scale``, the GEMM's output scale; the kernels quantize activations
 with ``input_global_scale_inv``.
+
+QuTLASS (vLLM's ``QutlassNvFP4LinearMethod``, ``compressed_tensors/transform/schemes/linear_qutlass_nvfp4.py``):
+on a GPU where ``has_device_capability(100)`` holds (sm100 and sm120 alike, the families with this layout), a W4A4
+layer whose every online input transform has a block (``head_dim``) of 16, 32, 64 or 128 runs QuTLASS's fused
+Hadamard + activation quantization, then FlashInfer's FP4 GEMM on this same layout. Its quantizer takes a fixed
+global scale of 6 (block scales = the blocks' absmax), so the GEMM scale becomes ``fused_alpha =
+weight_global_scale / 6``; both are computed at load (:func:`qutlass_scales`), nothing more is stored.
 """
 
 from __future__ import annotations
@@ -36,6 +43,24 @@ geometry = partial(vllm_geometry, alignment=ALIGNMENT)
 def scalar(value: torch.Tensor) -> torch.Tensor:
     """A float32 ``[]`` copy: what ``.max()`` over a layer's partitions leaves in vLLM."""
     return value.reshape(()).to(torch.float32).clone()
+
+
+QUTLASS_BLOCKS = (16, 32, 64, 128)  # is_qutlass_fp4_scheme: the NVFP4 block sizes QuTLASS v0.2.0 fuses
+QUTLASS_GLOBAL_SCALE = 6.0  # NVFP4_MAX: fusedQuantizeNv's global scale
+
+
+def runs_qutlass(input_blocks: list[int | None]) -> bool:
+    """Whether vLLM 0.33 serves a W4A4 layer with online input transforms of these blocks (``None``: a whole-K one,
+    no ``head_dim``) through QuTLASS on sm100 / sm120 (``is_qutlass_fp4_scheme``); else its transform method
+    rotates the activations before the layer's W4A4 kernel."""
+    return bool(input_blocks) and all(block in QUTLASS_BLOCKS for block in input_blocks)
+
+
+def qutlass_scales(weight_global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fused_alpha, fused_global_scale)`` as QutlassNvFP4LinearMethod computes them after loading: the float32
+    ``[]`` ``weight_global_scale / 6`` and the float32 ``[1]`` ``[6]``."""
+    return (weight_global_scale.to(torch.float32) / QUTLASS_GLOBAL_SCALE,
+            torch.tensor([QUTLASS_GLOBAL_SCALE], dtype=torch.float32, device=weight_global_scale.device))
 
 
 def to_runtime(weight: NVFP4Weight) -> RuntimeLayer:

@@ -19,7 +19,9 @@ repacks the weight into the kernel's layout. A bundle already holds that layout 
    call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
    tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer);
 7. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
-   its kernels (:func:`_kernels_take_input_transforms`); sm100 and sm120 run vLLM's transform method as it is.
+   its kernels (:func:`_kernels_take_input_transforms`); sm100 and sm120 run vLLM's transform method as it is,
+   QuTLASS's (``QutlassNvFP4LinearMethod``) too: on a W4A4 bundle its post-load derives ``fused_alpha``,
+   ``fused_global_scale`` and ``hadamard_matrix`` from what this loader installed, as from the source.
 
 Everything else vLLM does after loading (its schemes' Python-side state, W4A4 activation scales, KV-cache
 scales, attention, tied embeddings, the model's own hook) runs as in a load from the source. vLLM's
@@ -227,6 +229,21 @@ def _check_w4a4_kernel(bundle: Bundle, chosen: str) -> None:
         )
 
 
+def _refuse_qutlass(prefix: str, module: nn.Module, bundle: Bundle) -> None:
+    """vLLM gives a layer with a block-16..128 input Hadamard QutlassNvFP4LinearMethod on Blackwell, whose FP4 x FP4
+    GEMM a W4A16 bundle's layout does not feed. For a W4A4 checkpoint converted with --weight-only the W4A4 bundle
+    serves; a weight-only (NVFP4A16) checkpoint gets the same method in vLLM 0.33 (``is_qutlass_fp4_scheme`` does
+    not look at ``use_a16``), which its source's load would run on the W4A16 kernel's weights too."""
+    if getattr(module.scheme, "use_a16", False):
+        raise RepackError(f"{prefix}: vLLM 0.33 gives this weight-only (NVFP4A16) layer with its input Hadamard "
+                          f"QutlassNvFP4LinearMethod on this GPU, an FP4 x FP4 GEMM that a weight-only checkpoint "
+                          f"cannot feed (its own load of the source does the same); serve it on sm90 or with a vLLM "
+                          f"that keeps such layers on the W4A16 kernel")
+    raise RepackError(f"{prefix}: vLLM serves this W4A4 layer with its input Hadamard through "
+                      f"QutlassNvFP4LinearMethod, whose W4A4 GEMM the bundle's {bundle.manifest.layout_id} layout "
+                      f"does not feed; re-convert without --weight-only")
+
+
 class BundleModelLoader(BaseModelLoader):
     """Loads an nvfp4-repack bundle (``vllm serve BUNDLE --load-format nvfp4_repack``)."""
 
@@ -268,10 +285,8 @@ class BundleModelLoader(BaseModelLoader):
             raise RepackError(f"{bundle.root}: vLLM's NVFP4 layer {absent[0]!r} has no tensors in the bundle")
         qutlass = [name for name, module in layers.items()
                    if type(module.quant_method).__name__ == "QutlassNvFP4LinearMethod"]
-        if qutlass:  # its own W4A4 GEMM (fused Hadamard + activation quantization) reads another weight layout
-            raise RepackError(f"{qutlass[0]}: vLLM serves this W4A4 layer with its input Hadamard through "
-                              f"QutlassNvFP4LinearMethod, whose W4A4 GEMM the bundle's {bundle.manifest.layout_id} "
-                              f"layout does not feed (issue 30, part 3); serve the source with --load-format auto")
+        if qutlass and bundle.target.scheme != "W4A4":  # QuTLASS's FP4 x FP4 GEMM reads the W4A4 layout only
+            _refuse_qutlass(qutlass[0], layers[qutlass[0]], bundle)
         installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)

@@ -2,11 +2,12 @@
 every fused linear layer holds after process_weights_after_loading.
 
 Runs in the vLLM virtualenv (tests/vllm/make_env.sh), never in the project's env, and imports nothing
-from the project. Only GPU-only leaf calls are replaced (the five blocks marked PATCH, one of them the emulated
-capability the W4A4 kernels' is_supported read); vLLM's config, model construction, kernel selection (its auto,
-for W4A4 jobs), weight loading and fusion, the quantization scheme's post-processing, padding, swizzle and
-FlashInfer's per-arch repack run unmodified. Every patched name is asserted to exist and
-the versions are pinned, so that an upgrade fails loudly instead of testing something else.
+from the project. Only GPU-only leaf calls are replaced (the blocks marked PATCH, two of them the emulated
+capability that the W4A4 kernels' is_supported and vLLM's choice of QuTLASS for rotated W4A4 layers read); vLLM's
+config, model construction, kernel selection (its auto, for W4A4 jobs), weight loading and fusion, the
+quantization scheme's post-processing, padding, swizzle and FlashInfer's per-arch repack run unmodified. Every
+patched name is asserted to exist and the versions are pinned, so that an upgrade fails loudly instead of testing
+something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
         ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
@@ -15,10 +16,11 @@ the versions are pinned, so that an upgrade fails loudly instead of testing some
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
 ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
 online transforms each ``P.<scheme>_<location>.weight.partitions.I``; W4A4 jobs: every tensor the layer holds,
-each as its whole storage's bytes) and ``OUT/rank-R.json`` (``weights_padding_cols``, the view's
-shape/stride/offset, the kernel class; W4A4 jobs: each tensor's dtype/shape/stride/offset and the layer's
-non-tensor state), or ``OUT/NAME/refused.txt`` with vLLM's error when it refuses. Between jobs it clears the one
-piece of class-wide state a load leaves (``HadamardTransform.scaled_data_ptrs``), as a fresh process would have it.
+each as its whole storage's bytes, and the transforms) and ``OUT/rank-R.json`` (``weights_padding_cols``, the
+view's shape/stride/offset, the kernel class; W4A4 jobs: each tensor's dtype/shape/stride/offset, the layer's
+non-tensor state and its quantization method's class), or ``OUT/NAME/refused.txt`` with vLLM's error when it
+refuses. Between jobs it clears the one piece of class-wide state a load leaves (``HadamardTransform.
+scaled_data_ptrs``), as a fresh process would have it.
 
 MoE jobs (``sm100-moe``, ``sm120-moe``; ``-ep``: with vLLM's --enable-expert-parallel): vLLM's ``auto`` NVFP4 MoE
 backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-built
@@ -104,7 +106,7 @@ assert isinstance(HadamardTransform.scaled_data_ptrs, set)
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
 
-_current = {"arch": "sm100"}  # the job being loaded: which capability and FlashInfer layout to emulate
+_current = {"arch": "sm100", "w4a4": False}  # the job being loaded: which capability and FlashInfer layout to emulate
 
 
 def is_w4a4(arch: str) -> bool:
@@ -114,7 +116,7 @@ def is_w4a4(arch: str) -> bool:
 def select(arch: str) -> tuple[str, str]:
     """``(FlashInfer arch, linear_backend)`` of a job, and the CPU platform's NVFP4 kernels set to match."""
     NVFP4_KERNELS[PlatformEnum.CPU][:] = W4A4_KERNELS if is_w4a4(arch) else [KERNEL]
-    _current["arch"] = arch.removesuffix("-w4a4")
+    _current["arch"], _current["w4a4"] = arch.removesuffix("-w4a4"), is_w4a4(arch)
     return _current["arch"], "auto" if is_w4a4(arch) else "flashinfer_cutedsl"
 
 
@@ -136,6 +138,33 @@ def patch() -> None:
                 CpuPlatform.get_device_capability, nvfp4_utils.cutlass_fp4_supported = saved, fp4
 
         kernel.is_supported = classmethod(emulated)
+
+    # PATCH W4A4 2: vLLM gives W4A4 layers whose input transforms all have a block of 16..128 QuTLASS's method
+    # (QutlassNvFP4LinearMethod) where current_platform.has_device_capability(100) holds, False on CPU; in W4A4
+    # jobs, while vLLM picks a layer's transform method, the platform answers the emulated capability. W4A16 jobs
+    # keep the CPU's answer (vLLM's transform method around the forced W4A16 kernel).
+    # compressed_tensors first: transform.linear imported on its own is a circular import
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors  # noqa: F401
+    from vllm.model_executor.layers.quantization.compressed_tensors.transform.linear import (
+        CompressedTensorsLinearTransformMethod,
+    )
+
+    from_schemes = CompressedTensorsLinearTransformMethod.from_schemes.__func__
+
+    def from_schemes_emulated(cls, *args, **kwargs):
+        if not _current["w4a4"]:
+            return from_schemes(cls, *args, **kwargs)
+        saved = CpuPlatform.__dict__.get("get_device_capability")
+        CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(cc() // 10, 0))
+        try:
+            return from_schemes(cls, *args, **kwargs)
+        finally:
+            if saved is None:
+                del CpuPlatform.get_device_capability
+            else:
+                CpuPlatform.get_device_capability = saved
+
+    CompressedTensorsLinearTransformMethod.from_schemes = classmethod(from_schemes_emulated)
 
     # PATCH 1: is_supported answers "requires CUDA" on CPU; run the original with the emulated capability.
     original = KERNEL.is_supported.__func__
@@ -215,7 +244,7 @@ def transform_state(layer, prefix: str) -> dict[str, torch.Tensor]:
 
 
 NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths",
-              "is_w4a16_nvfp4")
+              "is_w4a16_nvfp4", "flashinfer_gemm_backend")
 
 
 def layer_tensors(layer) -> dict[str, torch.Tensor]:
@@ -237,8 +266,9 @@ def dump_w4a4(model, out: Path, rank: int) -> None:
     """Every tensor of every fused NVFP4 layer as its whole storage's bytes, with its view in the json."""
     tensors, meta = {}, {}
     for prefix, layer, kernel in fused_layers(model):
-        info = {"kernel": type(kernel).__name__, "tensors": {}}
+        info = {"kernel": type(kernel).__name__, "method": type(layer.quant_method).__name__, "tensors": {}}
         info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+        tensors.update(transform_state(layer, prefix))
         for name, value in sorted(layer_tensors(layer).items()):
             storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
             tensors[f"{prefix}.{name}"] = storage.clone()

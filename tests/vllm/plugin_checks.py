@@ -45,12 +45,14 @@ from repack.sample.synthetic import write_llama
 from repack.vllm_plugin import register
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
+from variants import OUTPUT_VARIANTS, output_variant
 
 harness.patch()
 register()  # what vLLM's plugin loader does through the vllm.general_plugins entry point
 PRODUCERS = Path(__file__).resolve().parents[1] / "data" / "producers"
 # What a layer's NVFP4 kernel reads besides its three tensors.
-KERNEL_ATTRS = ("weights_padding_cols", "output_size_per_partition", "input_size_per_partition", "logical_widths")
+KERNEL_ATTRS = ("weights_padding_cols", "output_size_per_partition", "input_size_per_partition", "logical_widths",
+                "flashinfer_gemm_backend")  # QuTLASS's: its GEMM's FlashInfer backend
 
 
 @contextlib.contextmanager
@@ -107,6 +109,9 @@ def layer_state(model: nn.Module) -> dict[str, object]:
     for name, module in model.named_modules():
         for part, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             state[f"{name}.{part}"] = tensor_state(t)
+        for part, t in vars(module).items():  # plain tensor attributes (QuTLASS's hadamard_matrix)
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                state[f"{name}.{part}"] = (*tensor_state(t), first.get(t.data_ptr()))
         if isinstance(module, HadamardTransform):
             state.update(transform_state(name, module, first))
         if hasattr(module, "quant_method"):
@@ -134,6 +139,9 @@ def vllm_world():
 
 
 def _source(tmp_path: Path, fixture: str) -> Path:
+    """A producer fixture's copy, or a variant of one (tests/vllm/variants.py)."""
+    if fixture in OUTPUT_VARIANTS:
+        return output_variant(tmp_path / "source", fixture)
     return Path(shutil.copytree(PRODUCERS / fixture, tmp_path / "source"))
 
 
@@ -162,13 +170,16 @@ def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
 
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
-@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"])
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16",
+                                     *OUTPUT_VARIANTS])
 def test_plugin_serves_transform_bundles_as_vllm_loads_them(vllm_world, tmp_path, fixture, target):
-    """A QuIP (input and output rotations, W4A4) and a SpinQuant (whole-K R4, W4A16) bundle: the same state as
-    vLLM's load of the source, transform matrices, their sharing and vLLM's transform method included."""
+    """A QuIP (input and output rotations, a W4A4 checkpoint, --weight-only), a SpinQuant (whole-K R4, W4A16)
+    bundle, and output transforms per partition (on q and v only; whole-N, one matrix per partition size): the
+    same state as vLLM's load of the source with the W4A16 kernel, transform matrices, their sharing and vLLM's
+    transform method included."""
     source = _source(tmp_path, fixture)
     bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True)
+    convert(source, target, bundle, fuse=True, weight_only=True)
     reference = load(source, "safetensors", target)
     expected = layer_state(reference)
     _delete_weights(source)
@@ -196,18 +207,43 @@ def test_plugin_refuses_transforms_in_another_dtype_than_the_servers(vllm_world,
     assert "vLLM holds it as torch.bfloat16 [16, 16], the bundle as torch.float16" in _refused(tmp_path / "bundle")
 
 
-def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch):
-    """On Blackwell vLLM gives W4A4 layers with a block-16..128 input Hadamard its QuTLASS method, whose GEMM does
-    not read the W4A16 layout; emulated here by answering vLLM's capability question as sm100 would."""
+@pytest.mark.parametrize("fixture,says", [
+    ("ct_quip_vu_rhad16_nvfp4", "re-convert without --weight-only"),  # W4A4, --weight-only: the W4A4 bundle serves
+    ("ct_quip_v_had16_nvfp4a16", "weight-only (NVFP4A16) layer"),  # vLLM 0.33 gives NVFP4A16 layers QuTLASS too
+])
+def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch, fixture, says):
+    """On Blackwell vLLM gives layers with a block-16..128 input Hadamard its QuTLASS method (W4A4 checkpoints and,
+    in vLLM 0.33, NVFP4A16 ones too), whose GEMM does not read the W4A16 layout; emulated here by answering vLLM's
+    capability question as sm100 would."""
     from vllm.platforms import current_platform
 
-    convert(PRODUCERS / "ct_quip_vu_rhad16_nvfp4", "sm100", tmp_path / "bundle", fuse=True)
+    convert(PRODUCERS / fixture, "sm100", tmp_path / "bundle", fuse=True, weight_only=True)
+
     def blackwell(capability, device_id=0) -> bool:
         return (capability if isinstance(capability, int) else capability[0] * 10 + capability[1]) <= 100
 
     monkeypatch.setattr(current_platform, "has_device_capability", blackwell)
     message = _refused(tmp_path / "bundle")
-    assert "through QutlassNvFP4LinearMethod" in message and "--load-format auto" in message
+    assert "QutlassNvFP4LinearMethod" in message and says in message
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_quip_vu_had32_nvfp4",
+                                     "ct_spinquant_r1r2r4_had16_nvfp4", "whole-n-output"])
+def test_plugin_serves_rotated_w4a4_bundles_through_qutlass(vllm_world, tmp_path, fixture, target):
+    """W4A4 rotated checkpoints on (emulated) Blackwell, where vLLM's auto gives layers whose input blocks are all
+    16..128 QutlassNvFP4LinearMethod: the W4A4 bundle's model holds the state of vLLM's load of the source, its
+    fused_alpha, fused_global_scale, hadamard_matrix (and which transform tensor that is), FlashInfer backend,
+    transform matrices and method classes included."""
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    _delete_weights(source)
+    got = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    assert any(v == "QutlassNvFP4LinearMethod" for v in expected.values())
+    assert any(k.endswith(".hadamard_matrix") for k in expected) and any(k.endswith(".fused_alpha") for k in expected)
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
 
 
 AUTO_W4A4 = {"sm100": "FlashInferCuteDslNvFp4LinearKernel", "sm120": "FlashInferCutlassNvFp4LinearKernel"}
