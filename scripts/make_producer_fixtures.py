@@ -107,6 +107,37 @@ MOE_FIXTURES = [
 ]
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]  # llm-compressor's Qwen3-MoE examples: the router stays bf16
 
+# Tiny DeepSeek-V3: MLA attention (q_lora_rank set, so vLLM fuses q_a_proj + kv_a_proj_with_mqa), the first layer
+# dense (first_k_dense_replace 1, intermediate 192), then an MoE layer of 4 routed experts (intermediate 128) in 2
+# groups (grouped top-2 of top-1 group, noaux_tc: sigmoid scores with e_score_correction_bias) and 1 shared expert.
+# Attention stays bf16 (both producers told so): the fused path refuses NVFP4 MLA (docs/moe.md); only MLPs are FP4.
+TINY_CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                tie_word_embeddings=False, dtype="bfloat16")
+DEEPSEEK_CFG = dict(
+    **TINY_CFG, intermediate_size=192, moe_intermediate_size=128, first_k_dense_replace=1,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+)
+DEEPSEEK_FIXTURES = ["base_deepseek_v3_bf16", "ct_deepseek_v3_nvfp4", "modelopt_deepseek_v3_nvfp4"]
+DEEPSEEK_IGNORE = [*MOE_IGNORE, "re:.*self_attn.*"]
+
+# Tiny Mixtral (both layers sparse, 4 experts, top-2): transformers 5 holds its experts fused and saves them, as
+# both producers export them, under Mixtral's own names ``block_sparse_moe.experts.E.w1/w2/w3``. Intermediate 64:
+# 2I = 128, which vLLM's FlashInfer CUTLASS MoE takes at TP 1 but not at TP 2 (TRT-LLM-gen pads it).
+MIXTRAL_CFG = dict(**TINY_CFG, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2,
+                   head_dim=16)
+MIXTRAL_FIXTURES = ["base_mixtral_bf16", "ct_mixtral_nvfp4", "modelopt_mixtral_nvfp4"]
+
+# Tiny Qwen2-MoE: layer 0 dense (mlp_only_layers, intermediate 192), layer 1 with 4 routed experts (intermediate
+# 128, top-2) and a shared expert (intermediate 96) behind its sigmoid gate (mlp.shared_expert_gate, [1, 64]),
+# q/k/v with biases. Both routers stay bf16.
+QWEN2_MOE_CFG = dict(**TINY_CFG, intermediate_size=192, moe_intermediate_size=128, shared_expert_intermediate_size=96,
+                     num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], num_key_value_heads=2)
+QWEN2_MOE_FIXTURES = ["base_qwen2_moe_bf16", "ct_qwen2_moe_nvfp4", "modelopt_qwen2_moe_nvfp4"]
+QWEN2_MOE_IGNORE = [*MOE_IGNORE, "re:.*mlp.shared_expert_gate$"]
+MIXTRAL_IGNORE = ["lm_head", "re:.*block_sparse_moe.gate$"]
+
 FIXTURES = [
     "base_bf16",
     "ct_nvfp4a16",
@@ -117,6 +148,9 @@ FIXTURES = [
     "modelopt_nvfp4_sharded",
     *TRANSFORM_FIXTURES,
     *MOE_FIXTURES,
+    *DEEPSEEK_FIXTURES,
+    *MIXTRAL_FIXTURES,
+    *QWEN2_MOE_FIXTURES,
 ]
 
 
@@ -137,18 +171,63 @@ def build_random_model():
 
 
 def build_random_moe_model(intermediate: int):
-    """The tiny Qwen3-MoE, every weight (experts included) ~ N(0, 0.05^2) from a fixed seed."""
+    """The tiny Qwen3-MoE."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(SEED)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**MOE_CFG, "moe_intermediate_size": intermediate}))
-    model = model.to(torch.bfloat16).eval()
+    _randomized(model)
+    return model
+
+
+def _randomized(model):
+    """``model`` in bf16 with every weight (the experts' 3-D parameters too) ~ N(0, 0.05^2) from a fixed seed;
+    returns the generator for anything else drawn after."""
+    import torch
+
+    model.to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
-        g = torch.Generator().manual_seed(SEED + 1)
         for _, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
+    return g
+
+
+def build_random_mixtral_model():
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(SEED)
+    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL_CFG))
+    _randomized(model)
+    return model
+
+
+def build_random_qwen2_moe_model():
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**QWEN2_MOE_CFG))
+    _randomized(model)
+    return model
+
+
+def build_random_deepseek_model():
+    """The tiny DeepSeek-V3, its router's score correction bias ~ N(0, 0.1^2) in float32 (zero at init, which
+    would hide a bias that is dropped)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK_CFG))
+    g = _randomized(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "e_score_correction_bias", None) is not None:  # float32 in DeepSeek's checkpoints
+                module.e_score_correction_bias = torch.randn(module.e_score_correction_bias.shape, generator=g) * 0.1
     return model
 
 
@@ -295,13 +374,16 @@ def make_ct_spinquant_r3_had16_nvfp4a16(name):
 
 
 # --------------------------------------------------------------------------- modelopt
-def _modelopt(name, cfg_name, shard, base="base_bf16"):
+def _modelopt(name, cfg_name, shard, base="base_bf16", exclude=()):
     import torch
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
     model = build_model(base)
     cfg = getattr(mtq, cfg_name)
+    if exclude:  # modelopt's own way: extra quant_cfg entries that disable matching quantizers
+        cfg = {**cfg, "quant_cfg": [*cfg["quant_cfg"], *({"quantizer_name": f"{pattern}", "enable": False}
+                                                          for pattern in exclude)]}
     batches = calib_batches()
 
     def forward_loop(m):
@@ -353,6 +435,26 @@ def make_modelopt_moe_nvfp4(name):
 
 def make_modelopt_moe_i48_nvfp4(name):
     _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_moe_i48_bf16")
+
+
+# --------------------------------------------------------------------------- MoE (DeepSeek-V3, Mixtral, Qwen2-MoE)
+def _arch_moe_makers(arch: str, build, ignore: list[str], exclude: list[str]) -> dict:
+    """``make_base_<arch>_bf16``, ``make_ct_<arch>_nvfp4`` (llm-compressor NVFP4, calibrated, ``ignore``) and
+    ``make_modelopt_<arch>_nvfp4`` (NVFP4_DEFAULT_CFG, also disabling ``exclude``)."""
+    base = f"base_{arch}_bf16"
+    return {
+        f"make_{base}": lambda name: build().save_pretrained(fresh_dir(name)),
+        f"make_ct_{arch}_nvfp4": lambda name: _llmc(name, "NVFP4", calibrate=True, shard=False, base=base,
+                                                     ignore=ignore),
+        f"make_modelopt_{arch}_nvfp4": lambda name: _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base=base,
+                                                              exclude=exclude),
+    }
+
+
+for _arch, _spec in {"deepseek_v3": (build_random_deepseek_model, DEEPSEEK_IGNORE, ["*self_attn*"]),
+                     "mixtral": (build_random_mixtral_model, MIXTRAL_IGNORE, []),
+                     "qwen2_moe": (build_random_qwen2_moe_model, QWEN2_MOE_IGNORE, [])}.items():
+    globals().update(_arch_moe_makers(_arch, *_spec))
 
 
 # --------------------------------------------------------------------------- cleanup / summary

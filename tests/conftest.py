@@ -27,9 +27,10 @@ REFUSED_FIXTURES = {
     "ct_spinquant_r3_had16_nvfp4a16": "transform scheme 'R3': location 'q_attn' is not supported",
 }
 TRANSFORM_FIXTURES = [f for f in TRANSFORM_FIXTURES if f not in REFUSED_FIXTURES]
-# Qwen3-MoE fixtures (and their bf16 bases): tests/test_moe.py and tests/test_vllm_moe_conformance.py; the dense
-# tests, which compare against the Llama base_bf16, leave them out.
-MOE_FIXTURES = sorted(p.name for p in PRODUCERS.glob("*_moe_*"))
+# MoE fixtures (Qwen3-MoE, DeepSeek-V3, Mixtral, and their bf16 bases): tests/test_moe.py and
+# tests/test_vllm_moe_conformance.py; the dense tests, which compare against the Llama base_bf16, leave them out.
+MOE_FIXTURES = sorted(p.name for pattern in ("*_moe_*", "*_deepseek_v3_*", "*_mixtral_*")
+                      for p in PRODUCERS.glob(pattern))
 
 # Curated layer shapes (N, K): multiples of 16 but not of 64, N = 16, and a large layer.
 ODD_SHAPES = [(16, 16), (48, 80), (16, 1008), (200, 336), (176, 64)]

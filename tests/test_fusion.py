@@ -120,8 +120,8 @@ def test_tp_refuses_what_vllm_cannot_shard(tmp_path, shape, match):
 def test_unsupported_architecture_is_one_line_error(tmp_path):
     root = _llama(tmp_path / "m")
     config = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
-    with pytest.raises(RepackError, match="architecture 'MixtralForCausalLM' is not supported; supported: .*LlamaForCausalLM.*Qwen3MoeForCausalLM"):
+    (root / "config.json").write_text(json.dumps(config | {"architectures": ["GptOssForCausalLM"], "num_local_experts": 8}))
+    with pytest.raises(RepackError, match="architecture 'GptOssForCausalLM' is not supported; supported: .*LlamaForCausalLM.*Qwen3MoeForCausalLM"):
         convert(root, "sm100", tmp_path / "out", fuse=True)
 
 

@@ -11,7 +11,15 @@ import json
 import pytest
 import torch
 
-from repack.bundle.layers import assemble_experts, expert_range, plan_experts, plan_layers
+from repack.bundle.layers import (
+    VLLM_FUSION,
+    _rank_layers,
+    assemble_experts,
+    expert_range,
+    plan_experts,
+    plan_layers,
+    vllm_fusion,
+)
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
@@ -180,6 +188,128 @@ def test_shared_experts_and_dense_layers_stay_dense(tmp_path, random_seed):
     assert not set(extra) & {m for g in groups.values() for m in g.members}
 
 
+# The other producer-made MoE architectures: (FusedMoE modules, experts, intermediate, expert 3's gate in the
+# checkpoint, the modules of the other NVFP4 layers)
+ATTENTION = {f"model.layers.{i}.self_attn" for i in range(2)}
+MIXTRAL = [f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)]
+DEEPSEEK = (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj",
+            {"model.layers.0.mlp", "model.layers.1.mlp.shared_experts"})
+QWEN2 = (["model.layers.1.mlp.experts"], 4, 128, "3.gate_proj",
+         {*ATTENTION, "model.layers.0.mlp", "model.layers.1.mlp.shared_expert"})
+ARCH_FIXTURES = {
+    "modelopt_deepseek_v3_nvfp4": DEEPSEEK,  # attention bf16 (the fixture's choice: NVFP4 MLA is refused fused)
+    "ct_deepseek_v3_nvfp4": DEEPSEEK,
+    "modelopt_mixtral_nvfp4": (MIXTRAL, 4, 64, "3.w1", ATTENTION),
+    "ct_mixtral_nvfp4": (MIXTRAL, 4, 64, "3.gate_proj", ATTENTION),
+    "modelopt_qwen2_moe_nvfp4": QWEN2,
+    "ct_qwen2_moe_nvfp4": QWEN2,
+}
+
+
+@pytest.mark.parametrize("name", ARCH_FIXTURES)
+def test_deepseek_v3_mixtral_and_qwen2_moe_group_as_vllm_builds_them(name):
+    """DeepSeek-V3 and Qwen2-MoE: the dense first layer and the shared expert stay dense layers, the routers (and
+    DeepSeek-V3's score correction bias, Qwen2-MoE's shared expert gate) pass through unquantized. Mixtral:
+    ModelOpt's ``w1/w3/w2`` are gate/up/down (vLLM's ckpt_names), llm-compressor's ``gate/up/down_proj`` too."""
+    modules, experts, intermediate, gate, dense = ARCH_FIXTURES[name]
+    source = read_source(PRODUCERS / name)
+    groups = expert_groups(source)
+    assert list(groups) == modules
+    for group in groups.values():
+        assert (group.experts, group.hidden, group.intermediate) == (experts, 64, intermediate)
+        assert group.gate[3] == f"{group.prefix}.{gate}"
+        router = group.prefix.removesuffix(".experts") + ".gate"
+        assert f"{router}.weight" in source.passthrough and router not in source.layers
+    members = {m for g in groups.values() for m in g.members}
+    assert len(members) == sum(3 * g.experts for g in groups.values())
+    assert {p.rpartition(".")[0] for p in source.layers if p not in members} == dense
+    unquantized = {"deepseek": "mlp.gate.e_score_correction_bias", "qwen2": "mlp.shared_expert_gate.weight"}
+    assert all(f"model.layers.1.{t}" in source.passthrough for arch, t in unquantized.items() if arch in name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)
+@pytest.mark.parametrize("name", ARCH_FIXTURES)
+def test_moe_architectures_experts_verify_exact_and_compute_the_source(name, layout, random_seed):
+    """verify's per-expert checks on their layouts: every expert exact, a swapped pair named (by the checkpoint's
+    own names, ``w1`` for ModelOpt's Mixtral), and FP4 x FP4 numerics within the bound on two experts."""
+    source = read_source(PRODUCERS / name)
+    prefix = ARCH_FIXTURES[name][0][-1]
+    plan = plan_experts(source)[prefix]
+    held = layout.to_runtime(assemble_experts(source, plan))
+    assert check_experts(source, plan, held, layout) == []
+    swapped = {**held, "w13_weight": held["w13_weight"][[0, 2, 1, 3]]}
+    gate = plan.group.gate[1].rpartition(".")[2]
+    assert f"{prefix}.1.{gate}: codes differ" in check_experts(source, plan, swapped, layout)
+    errors = expert_numerics(source, plan, held, layout, [1, 2], torch.Generator().manual_seed(random_seed),
+                             tokens=16, w4a4=True)
+    assert len(errors) == 6 and max(errors.values()) <= EXPERT_W4A4_REL_ERROR, errors
+
+
+def test_inspect_shows_deepseek_v3_and_mixtral_and_names_what_it_supports(tmp_path, capsys):
+    assert main(["inspect", str(PRODUCERS / "modelopt_deepseek_v3_nvfp4"), "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    assert (moe["fused_moe_layers"], moe["experts"], moe["shared_expert_modules"]) == (1, [4], 1)
+    assert main(["inspect", str(PRODUCERS / "modelopt_mixtral_nvfp4")]) == 0
+    assert "MoE: 2 FusedMoE layers of 4 experts (top-2)" in " ".join(capsys.readouterr().out.split())
+    other = tmp_path / "gpt-oss"
+    other.mkdir()
+    for file in ("model.safetensors", "hf_quant_config.json", "config.json"):
+        (other / file).write_bytes((PRODUCERS / "modelopt_mixtral_nvfp4" / file).read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["GptOssForCausalLM"]}))
+    assert main(["inspect", str(other), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["moe"] == {"unsupported": (
+        "MoE architecture 'GptOssForCausalLM' is not supported; supported: Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+        "DeepseekV3ForCausalLM, MixtralForCausalLM")}
+
+
+def test_mixtral_w1_w3_w2_are_gate_up_down():
+    """The two producers' Mixtral experts hold the same codes under their two namings (w1 = gate, w3 = up, w2 =
+    down), wherever the quantizers agree: ModelOpt's and llm-compressor's codes differ by rounding only."""
+    ours, theirs = (read_source(PRODUCERS / n) for n in ("modelopt_mixtral_nvfp4", "ct_mixtral_nvfp4"))
+    for (a, b) in zip(expert_groups(ours).values(), expert_groups(theirs).values()):
+        for pa, pb in zip(a.members, b.members):
+            x, y = ours.load_layer(ours.layers[pa]), theirs.load_layer(theirs.layers[pb])
+            assert (x.codes == y.codes).float().mean() > 0.9, (pa, pb)
+
+
+def test_other_moe_architectures_are_refused_in_one_line():
+    source = read_source(PRODUCERS / "modelopt_mixtral_nvfp4")
+    for archs in (["GptOssForCausalLM"], ["DeepseekV2ForCausalLM"], []):
+        config = {**source.checkpoint.config, "architectures": archs}
+        other = dataclasses.replace(source, checkpoint=dataclasses.replace(source.checkpoint, config=config))
+        with pytest.raises(RepackError, match=r"MoE architecture .* is not supported; supported: Qwen3MoeForCausalLM, "
+                                              r"Qwen2MoeForCausalLM, DeepseekV3ForCausalLM, MixtralForCausalLM$"):
+            expert_groups(other)
+    both = dict(source.layers)
+    both["model.layers.0.block_sparse_moe.experts.1.gate_proj"] = both["model.layers.0.block_sparse_moe.experts.1.w1"]
+    with pytest.raises(RepackError, match="expert 1 has both w1 and gate_proj"):
+        find_expert_groups(both, {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
+
+
+def test_deepseek_v3_dense_layers_fuse_as_vllm_and_nvfp4_mla_is_refused():
+    """Beside the experts: the dense first layer's gate/up and the shared expert's fuse (vLLM's DeepseekV2MLP),
+    down_proj split along K at TP 2; an NVFP4 MLA projection is refused in one line. vLLM's own load of the same:
+    tests/test_vllm_moe_conformance.py::test_dense_layers_beside_the_experts_are_byte_identical_to_vllm."""
+    source = read_source(PRODUCERS / "ct_deepseek_v3_nvfp4")
+    assert vllm_fusion(source.checkpoint.config) == {
+        **VLLM_FUSION, "shared_experts.gate_up_proj": ("shared_experts.gate_proj", "shared_experts.up_proj")}
+    assert vllm_fusion(read_source(PRODUCERS / "ct_nvfp4").checkpoint.config) == VLLM_FUSION
+    experts = {m for group in expert_groups(source).values() for m in group.members}
+    dense = dataclasses.replace(source, layers={p: x for p, x in source.layers.items() if p not in experts})
+    planned = _rank_layers(dense, 2, 1)
+    shared = "model.layers.1.mlp.shared_experts"
+    assert sorted(planned) == ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_up_proj",
+                               f"{shared}.down_proj", f"{shared}.gate_up_proj"]
+    assert [(p.source, p.rows) for p in planned[f"{shared}.gate_up_proj"].pieces] == [
+        (f"{shared}.gate_proj", (64, 128)), (f"{shared}.up_proj", (64, 128))]
+    assert [p.cols for p in planned[f"{shared}.down_proj"].pieces] == [(64, 128)]
+    mla = {**dense.layers, "model.layers.0.self_attn.kv_b_proj": dataclasses.replace(
+        dense.layers["model.layers.0.mlp.up_proj"], prefix="model.layers.0.self_attn.kv_b_proj")}
+    with pytest.raises(RepackError, match=r"self_attn.kv_b_proj is NVFP4; MLA attention is supported unquantized only"):
+        _rank_layers(dataclasses.replace(dense, layers=mla), 1, 0)
+
+
 def test_expert_parallel_plans_whole_experts_as_vllm_places_them():
     assert [expert_range(5, 2, r) for r in range(2)] == [(0, 3), (3, 5)]
     assert [expert_range(4, 3, r) for r in range(3)] == [(0, 2), (2, 3), (3, 4)]
@@ -323,7 +453,8 @@ def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
 
 
 def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys, random_seed):
-    """Mixtral-style ``experts.<e>.w1/w2/w3``: inspect still works and says why MoE layouts do not apply."""
+    """Mixtral's ``experts.<e>.w1/w2/w3`` in a Qwen3-MoE checkpoint (vLLM's Qwen3-MoE loader reads only
+    gate/up/down_proj): inspect still works and says why MoE layouts do not apply."""
     from safetensors.torch import load_file, save_file
 
     root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=2, intermediate=64,

@@ -57,7 +57,8 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
         for module, record in records.items():
             plan = plans[record.source]
             first, last = plan.experts
-            assert (record.layout_id, record.backend, record.kernel) == (layout.LAYOUT_ID, layout.BACKEND, layout.KERNEL)
+            assert (record.layout_id, record.backend, record.kernels) == (layout.LAYOUT_ID, layout.BACKEND,
+                                                                           list(layout.KERNELS))
             assert (record.num_experts, record.local_experts, record.experts, record.rows, record.hidden,
                     record.intermediate, record.top_k) == (4, last - first, [first, last], list(plan.rows), 64,
                                                            128 // (1 if ep else tp), 2)

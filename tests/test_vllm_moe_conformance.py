@@ -2,13 +2,16 @@
 leaves it with the backend its ``auto`` picks on an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer
 CUTLASS MoE), byte for byte against our layout of the same experts; vLLM's refusals are ours.
 
-Checkpoints: the producer-made Qwen3-MoE fixtures (ModelOpt and llm-compressor, intermediate 128 and 48) and fresh
+Checkpoints: the producer-made fixtures (ModelOpt and llm-compressor) of Qwen3-MoE (intermediate 128 and 48),
+DeepSeek-V3 (MLA attention, a dense first layer, a shared expert, grouped routing with a score correction bias),
+Qwen2-MoE (a dense first layer, a gated shared expert) and Mixtral (``w1/w3/w2`` from ModelOpt, ``gate/up/down_proj`` from llm-compressor; intermediate 64), and fresh
 synthetic ones of odd shapes with random per-expert input scales, in both formats. vLLM runs through
 tests/vllm/harness.py (``sm100-moe`` / ``sm120-moe`` jobs) in its own virtualenv, one process per rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
@@ -16,24 +19,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from repack.bundle.layers import assemble_experts, plan_experts
+from repack.bundle.layers import _rank_layers, assemble, assemble_experts, plan_experts
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
-from repack.targets import moe_cutlass, moe_trtllm
+from repack.targets import moe_cutlass, moe_trtllm, sm100, sm120
 
 from .conftest import PRODUCERS
 from .test_vllm_conformance import HERE, _vllm_python
 
-PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
+PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4",
+                     "modelopt_deepseek_v3_nvfp4", "ct_deepseek_v3_nvfp4", "modelopt_mixtral_nvfp4", "ct_mixtral_nvfp4",
+                     "modelopt_qwen2_moe_nvfp4", "ct_qwen2_moe_nvfp4"]
 # "odd" pads the scales' K (80 / 16 = 5 -> 8) and w2's rows (80 -> 128), and is refused at TP 2 on sm120 (per-rank
 # 2I = 64); "wide" has 5 experts, 2I = 512 (256 per rank) and gate/up multipliers that differ (vLLM keeps w1's);
 # "shared" is a Qwen2-MoE with a shared expert (a dense MLP beside the FusedMoE) and a dense first layer
 # (mlp_only_layers). The i48 fixtures are refused at TP 1 on sm120 (2I = 96; sm100 pads I to 64) and by us at
 # TP 2 (per-rank intermediate 24: not whole scale blocks; vLLM refuses on sm120, and on sm100 loads it mis-scaled).
+# The Mixtral fixtures (intermediate 64) are refused at TP 2 on sm120 (per-rank 2I = 64; sm100 pads I to 64).
 SYNTHETIC = {
     "odd": dict(hidden=80, experts=3, intermediate=64),
     "wide": dict(hidden=64, experts=5, intermediate=256, shared_scales=False),
@@ -59,7 +65,8 @@ def checkpoints(tmp_path_factory) -> dict:
     return out
 
 
-EP = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", *(f"{s}-{f}" for s in ("wide", "shared") for f in FORMATS)]
+EP = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", *PRODUCER_FIXTURES[4:], *(f"{s}-{f}" for s in ("wide", "shared")
+                                                                   for f in FORMATS)]
 
 
 @pytest.fixture(scope="module")
@@ -110,19 +117,25 @@ def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool) -> None:
         plans = plan_experts(source, tp, rank, ep=ep)
         held = {plan.module: (layout.to_runtime(assemble_experts(source, plan), prefix), plan.expert_map if ep else None)
                 for prefix, plan in plans.items()}
-        _assert_rank_state(dumped, rank, layout, held, source.format, (rank, "library"))
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, "library"))
 
 
-def _assert_rank_state(dumped, rank: int, layout, held: dict, fmt: str, where) -> None:
+def _assert_rank_state(dumped, rank: int, layout, held: dict, source, where) -> None:
     """Rank ``rank``'s FusedMoE modules as vLLM holds them (``dumped``) against ``held``: ``{module: (our tensors by
-    vLLM's names, our _expert_map or None)}``: the same modules, tensors, dtypes, shapes, strides and bytes."""
+    vLLM's names, our _expert_map or None)}``: the same modules, tensors, dtypes, shapes, strides and bytes; besides
+    them vLLM keeps compressed-tensors' loaded global scales and DeepSeek-V3's router bias (the router's own
+    parameter, as loaded: a passthrough tensor of the bundle)."""
     meta = json.loads((dumped / f"moe-rank-{rank}.json").read_text())
     theirs = load_file(dumped / f"moe-rank-{rank}.safetensors")
     assert sorted(meta) == sorted(held), where
     for module, (ours, expert_map) in held.items():
         info = meta[module]
-        assert (info["backend"], info["experts"]) == (layout.BACKEND, layout.KERNEL), (where, module)
-        leftovers = CT_LEFTOVERS if fmt == "compressed-tensors" else set()
+        assert info["backend"] == layout.BACKEND and info["experts"] in layout.KERNELS, (where, info)
+        leftovers = CT_LEFTOVERS if source.format == "compressed-tensors" else set()
+        bias = f"{module.removesuffix('.experts.routed_experts')}.gate.e_score_correction_bias"
+        if bias in source.checkpoint.tensors:
+            leftovers = leftovers | {"e_score_correction_bias"}
+            assert torch.equal(theirs[f"{module}.e_score_correction_bias"], source.checkpoint.read(bias)), module
         assert set(info["tensors"]) == set(ours) | leftovers | ({"_expert_map"} if expert_map else set()), module
         if expert_map is not None:  # global expert -> local index, -1 elsewhere
             assert theirs[f"{module}._expert_map"].tolist() == expert_map, (where, module)
@@ -145,6 +158,39 @@ def test_expert_parallel_ranks_are_byte_identical_to_vllm(name, arch, checkpoint
     _assert_ranks_identical(read_source(checkpoints[name]), dumped, LAYOUTS[arch], 2, ep=True)
 
 
+# The dense layers' W4A16 layout (the MoE jobs load them with the cute-dsl kernel) per harness arch; the checkpoints
+# whose FusedMoE layers vLLM loads at that TP size on that arch (their dense layers are dumped beside them).
+DENSE_LAYOUTS = {"sm100": sm100, "sm120": sm120}
+DENSE_CASES = [(name, arch, tp) for name in ("modelopt_moe_nvfp4", "ct_moe_nvfp4", *PRODUCER_FIXTURES[4:],
+                                             *(f"shared-{f}" for f in FORMATS))
+               for arch in LAYOUTS for tp in (1, 2) if not ("mixtral" in name and arch == "sm120" and tp == 2)]
+
+
+@pytest.mark.parametrize("name,arch,tp", DENSE_CASES, ids=[f"{n}-{a}-tp{t}" for n, a, t in DENSE_CASES])
+def test_dense_layers_beside_the_experts_are_byte_identical_to_vllm(name, arch, tp, checkpoints, oracle):
+    """Every NVFP4 linear module vLLM builds beside the FusedMoE ones (attention; DeepSeek-V3's dense first layer
+    and its shared expert, ``mlp.shared_experts.gate_up_proj``; Qwen2-MoE's ``mlp.shared_expert.gate_up_proj`` and
+    dense first layer), planned by the dense fusion rules with the experts left out, per rank, byte for byte: fused
+    and split as vLLM fuses and splits them."""
+    dumped, source = oracle[tp] / f"{name}-{arch}", read_source(checkpoints[name])
+    experts = {m for group in expert_groups(source).values() for m in group.members}
+    dense = dataclasses.replace(source, layers={p: x for p, x in source.layers.items() if p not in experts})
+    for rank in range(tp):
+        meta = json.loads((dumped / f"rank-{rank}.json").read_text())
+        theirs = load_file(dumped / f"rank-{rank}.safetensors")
+        planned = _rank_layers(dense, tp, rank)
+        assert sorted(meta) == sorted(planned)
+        for prefix, layer in planned.items():
+            held = DENSE_LAYOUTS[arch].to_runtime(assemble(source, layer))
+            assert held.weights_padding_cols == meta[prefix]["weights_padding_cols"], prefix
+            weight, ref = held.weight, theirs[f"{prefix}.weight"]
+            assert (weight.dtype, weight.shape) == (ref.dtype, ref.shape) and torch.equal(weight, ref), (rank, prefix)
+            multiplier, ref = held.weight_global_scale.reshape(-1), theirs[f"{prefix}.weight_global_scale"]
+            assert torch.equal(multiplier.view(torch.uint8), ref.view(torch.uint8)), (rank, prefix)
+            scale = held.weight_scale.contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(scale, theirs[f"{prefix}.weight_scale"].reshape(-1)), (rank, prefix)
+
+
 CLI_FIXTURES = [*PRODUCER_FIXTURES, *(f"shared-{f}" for f in FORMATS)]
 CLI_CASES = [(name, arch, mode) for mode in ("tp1", "tp2", "ep") for arch in LAYOUTS for name in CLI_FIXTURES
              if mode != "ep" or name in EP]
@@ -162,7 +208,8 @@ def test_cli_convert_holds_vllms_fused_moe_state_byte_for_byte(name, arch, mode,
     args = ["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "-o", str(out)]
     code = main(args + ["--ep"] * ep)
     err = capsys.readouterr().err
-    group = next(iter(expert_groups(read_source(checkpoints[name])).values()))
+    source = read_source(checkpoints[name])
+    group = next(iter(expert_groups(source).values()))
     if (dumped / "refused.txt").exists() or (not ep and (group.intermediate // tp) % 16):  # see the library test
         assert code == 1 and err.startswith("Error: ") and err.count("\n") == 1 and "multiple of" in err, err
         assert not out.exists()
@@ -173,4 +220,4 @@ def test_cli_convert_holds_vllms_fused_moe_state_byte_for_byte(name, arch, mode,
         assert (bundle.manifest.scheme, bundle.manifest.layout_id) == ("W4A4", "w4a4-cutlass-v1")
         held = {module: (bundle.moe_tensors(module), record.expert_map)
                 for module, record in bundle.moe_layers().items()}
-        _assert_rank_state(dumped, rank, layout, held, bundle.manifest.source.format, (rank, "cli"))
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, "cli"))

@@ -16,7 +16,14 @@ import torch
 
 from ..errors import RepackError
 from ..formats import QuantizedLayer, SourceModel
-from ..formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, read_input_scales
+from ..formats.moe import (
+    GLOBAL_INPUT_SCALES,
+    MOE_ARCHITECTURES,
+    ExpertGroup,
+    architecture,
+    expert_groups,
+    read_input_scales,
+)
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceMatrix, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
 from ..targets.moe import ExpertStack
@@ -26,16 +33,19 @@ VLLM_FUSION: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-# Qwen2-MoE's shared expert is a dense MLP beside the FusedMoE (Qwen2MoeMLP: gate_up_proj, down_proj, TP-sharded).
-SHARED_EXPERT_FUSION = {"shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj")}
-# Architecture -> the fused modules vLLM 0.33 builds for it; MoE ones also hold one FusedMoE per sparse layer.
+# vLLM 0.33.0's deepseek_v2.py and qwen2_moe.py: the shared experts are a dense MLP of their own (DeepseekV2MLP at
+# mlp.shared_experts, Qwen2MoeMLP at mlp.shared_expert), fused and split as the dense one (DeepSeek-V3's
+# first_k_dense_replace layers and Qwen2-MoE's mlp_only_layers fuse by VLLM_FUSION).
 ARCHITECTURE_FUSION: dict[str, dict[str, tuple[str, ...]]] = {
-    **{arch: VLLM_FUSION for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                      "Qwen3MoeForCausalLM")},
-    "Qwen2MoeForCausalLM": {**VLLM_FUSION, **SHARED_EXPERT_FUSION},
+    "DeepseekV3ForCausalLM": {"shared_experts.gate_up_proj": ("shared_experts.gate_proj", "shared_experts.up_proj")},
+    "Qwen2MoeForCausalLM": {"shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj")},
 }
-FUSABLE_ARCHITECTURES = tuple(ARCHITECTURE_FUSION)
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "shared_expert.down_proj")  # split along K; the rest along N
+# Its MLA projections: vLLM fuses q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj held whole on every rank
+# (disable_tp) and dequantizes kv_b_proj at load for its attention kernels; not planned (NVFP4 MLA is refused).
+MLA_PROJECTIONS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_b_proj", "self_attn.kv_b_proj")
+FUSABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# split along K; every other fused layer along N
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "shared_experts.down_proj", "shared_expert.down_proj")
 
 
 @dataclass(frozen=True)
@@ -85,23 +95,33 @@ def whole_piece(layer: QuantizedLayer) -> Piece:
     return Piece(layer.prefix, (0, layer.n), (0, layer.k))
 
 
-def _check_architecture(config: dict) -> dict[str, tuple[str, ...]]:
-    """The fused modules vLLM builds for the checkpoint's architecture; a one-line refusal for any other."""
+def _check_architecture(config: dict) -> None:
+    """A one-line refusal of an architecture whose fused modules (dense) or FusedMoE layers vLLM 0.33 was not
+    checked to hold as planned here."""
+    supported = (*FUSABLE_ARCHITECTURES, *MOE_ARCHITECTURES)
     archs = config.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURE_FUSION:
+    if len(archs) != 1 or archs[0] not in supported:
         what = f"architecture {archs[0] if archs else 'unknown'!r}"
-        raise RepackError(f"--fuse/--tp: {what} is not supported; supported: {', '.join(FUSABLE_ARCHITECTURES)}")
-    return ARCHITECTURE_FUSION[archs[0]]
+        raise RepackError(f"--fuse/--tp: {what} is not supported; supported: {', '.join(supported)}")
 
 
-def _fused_groups(layers: dict[str, QuantizedLayer], fusion: dict[str, tuple[str, ...]]
-                  ) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:
+def vllm_fusion(config: dict) -> dict[str, tuple[str, ...]]:
+    """vLLM's fused modules for the checkpoint's architecture: ``{fused: its partitions}`` (``VLLM_FUSION``, plus
+    what ``ARCHITECTURE_FUSION`` adds)."""
+    return {**VLLM_FUSION, **ARCHITECTURE_FUSION.get(architecture(config), {})}
+
+
+def _fused_groups(source: SourceModel) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:
     """``{fused prefix: its source layers in vLLM's order}`` and the layers that stay as they are."""
+    fusion = vllm_fusion(source.checkpoint.config)
     members = {m: fused for fused, parts in fusion.items() for m in parts}
     found: dict[tuple[str, str], dict[str, QuantizedLayer]] = {}
     alone = []
-    for prefix, layer in layers.items():
+    for prefix, layer in source.layers.items():
         owner, module = _split_owner(prefix)
+        if module in MLA_PROJECTIONS:
+            raise RepackError(f"--fuse/--tp: {prefix} is NVFP4; MLA attention is supported unquantized only (vLLM "
+                              "fuses q_a_proj with kv_a_proj_with_mqa unsharded and dequantizes kv_b_proj at load)")
         if module in members:
             found.setdefault((owner, members[module]), {})[module] = layer
         else:
@@ -165,9 +185,8 @@ def _row_piece(layer: QuantizedLayer, tp: int, rank: int) -> Piece:
     return Piece(layer.prefix, (0, layer.n), (rank * per, (rank + 1) * per))
 
 
-def _rank_layers(source: SourceModel, layers: dict[str, QuantizedLayer], fusion: dict[str, tuple[str, ...]], tp: int,
-                 rank: int) -> dict[str, OutputLayer]:
-    groups, alone = _fused_groups(layers, fusion)
+def _rank_layers(source: SourceModel, tp: int, rank: int) -> dict[str, OutputLayer]:
+    groups, alone = _fused_groups(source)
     layers = {fused: OutputLayer(fused, tuple(_column_pieces(fused, parts, source.checkpoint.config, tp, rank)))
               for fused, parts in groups.items()}
     for layer in alone:
@@ -178,9 +197,9 @@ def _rank_layers(source: SourceModel, layers: dict[str, QuantizedLayer], fusion:
     return dict(sorted(layers.items()))
 
 
-def _multipliers(source: SourceModel, layers: dict[str, QuantizedLayer]) -> dict[str, torch.Tensor]:
+def _multipliers(source: SourceModel) -> dict[str, torch.Tensor]:
     return {p: source.scheme.to_multiplier(source.checkpoint.read(layer.tensor_names[2]).reshape(1))
-            for p, layer in layers.items()}
+            for p, layer in source.layers.items()}
 
 
 def _equalise(layer: OutputLayer, multipliers: dict[str, torch.Tensor], rescale: bool) -> OutputLayer:
@@ -223,7 +242,8 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
     if not (fuse or tp > 1):
         return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
-    fusion = _check_architecture(source.checkpoint.config)
+    _check_architecture(source.checkpoint.config)
+    fusion = vllm_fusion(source.checkpoint.config)
     moe = expert_groups(source)
     if ep and not moe:
         raise RepackError("--ep: expert parallelism applies to MoE models; this one has no routed experts")
@@ -231,11 +251,12 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     dense = {p: layer for p, layer in source.layers.items() if p not in members}
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
-    multipliers = _multipliers(source, dense)
+    dense_source = replace(source, layers=dense)  # the experts are the FusedMoE layers'
+    multipliers = _multipliers(dense_source)
     plans = []
     for rank in range(tp):
         layers = {p: _equalise(layer, multipliers, rescale)
-                  for p, layer in _rank_layers(source, dense, fusion, tp, rank).items()}
+                  for p, layer in _rank_layers(dense_source, tp, rank).items()}
         for layer in layers.values():
             layer_transforms(source.transforms, layer)  # refused here, before anything is written
         experts = {plan.module: plan for plan in plan_experts(source, tp, rank, ep).values()} if moe else {}

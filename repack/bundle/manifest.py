@@ -107,7 +107,7 @@ class LayerRecord:
 @dataclass(frozen=True)
 class MoERecord:
     """One FusedMoE layer of a bundle: the tensors vLLM's module ``module`` holds after its own load, in MoE layout
-    ``layout_id`` (read by vLLM's ``backend`` / ``kernel``), for the experts ``[experts)`` of ``num_experts`` and rows
+    ``layout_id`` (read by vLLM's ``backend`` with one of its experts classes ``kernels``), for the experts ``[experts)`` of ``num_experts`` and rows
     ``[rows)`` of each one's intermediate size (vLLM's TP split; all of it under expert parallelism).
 
     Attributes:
@@ -127,7 +127,7 @@ class MoERecord:
     source: str
     layout_id: str
     backend: str
-    kernel: str
+    kernels: list[str]  # vLLM's experts classes that hold this layout (auto's choice depends on the routing)
     num_experts: int
     local_experts: int  # experts[1] - experts[0]: the [E] of every tensor
     experts: list[int]
@@ -365,7 +365,7 @@ def _moe(obj: Any, module: str, algorithm: str) -> MoERecord:
         raise _fail(f"{where}: input_scales must be all or local, got {short_repr(input_scales)}")
     return MoERecord(
         module=module, source=_get(obj, "source", str, where), layout_id=_get(obj, "layout_id", str, where),
-        backend=_get(obj, "backend", str, where), kernel=_get(obj, "kernel", str, where), num_experts=num_experts,
+        backend=_get(obj, "backend", str, where), kernels=_kernels(_get(obj, "kernels", list, where)), num_experts=num_experts,
         local_experts=local, experts=experts, rows=rows, hidden=_int(obj, "hidden", where), intermediate=_int(obj, "intermediate", where),
         members=members, input_scales=input_scales,
         tensors={name: _tensor(rec, f"{module}.{name}", algorithm)

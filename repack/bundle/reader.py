@@ -114,7 +114,7 @@ class Bundle:
     @property
     def moe_layout(self) -> ModuleType:
         """The MoE layout module (``targets.moe_trtllm`` / ``targets.moe_cutlass``) of the bundle's family: its
-        ``BACKEND``, ``KERNEL``, ``TENSORS``, ``from_runtime`` and ``decode_expert``."""
+        ``BACKEND``, ``KERNELS``, ``TENSORS``, ``from_runtime`` and ``decode_expert``."""
         return moe_layout(self.target.name)
 
     def moe_tensors(self, module: str) -> dict[str, torch.Tensor]:

@@ -217,7 +217,7 @@ def _moe_table(manifest) -> Table:
     """A bundle's FusedMoE layers: vLLM's module, the experts it holds, top-k, sizes, layout and vLLM backend."""
     first = next(iter(manifest.moe.values()))
     table = Table(title=f"{len(manifest.moe)} FusedMoE layers, layout {show(first.layout_id)} (vLLM backend "
-                        f"{show(first.backend)}, {show(first.kernel)})")
+                        f"{show(first.backend)}, {show(' or '.join(first.kernels))})")
     for column in ("module", "experts held", "top-k", "hidden", "intermediate (rows)", "input scale of"):
         table.add_column(column)
     for module, record in manifest.moe.items():

@@ -1,10 +1,12 @@
 """Routed experts of an NVFP4 MoE checkpoint: ``<owner>.experts.<e>.{gate,up,down}_proj`` found among its layers.
 
-Both producers write each routed expert as three ordinary quantized linears (the naming of Qwen3-MoE, Qwen2-MoE
-and DeepSeek-V3; Mixtral's ``w1/w2/w3`` is refused), which the reader has already validated one by one. Here they are
-grouped into the FusedMoE layers vLLM builds (``<owner>.experts``) and checked as a whole: experts ``0..E-1``, all
-three projections each, one shape. Shared experts (``shared_expert(s).*_proj``) stay dense layers and the router
-(``<owner>.gate``) must be unquantized, as both producers leave it.
+Both producers write each routed expert as three ordinary quantized linears (the naming of Qwen3-MoE, Qwen2-MoE,
+DeepSeek-V3 and llm-compressor's Mixtral; ModelOpt keeps Mixtral's ``w1/w3/w2``, which vLLM reads as gate/up/down),
+which the reader has already validated one by one. Here they are grouped into the FusedMoE layers vLLM builds
+(``<owner>.experts``) and checked as a whole: experts ``0..E-1``, all three projections each, one shape. Shared
+experts (``shared_expert(s).*_proj``) stay dense layers and the router (``<owner>.gate``) must be unquantized, as
+both producers leave it. Only the MoE architectures in ``MOE_ARCHITECTURES`` are read: each was checked against
+vLLM 0.33's own load of producer-made checkpoints (tests/test_vllm_moe_conformance.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ import torch
 from ..errors import RepackError
 from .source import QuantizedLayer, SourceModel
 
-EXPERT = re.compile(r"^(?P<owner>.+)\.experts\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+EXPERT = re.compile(r"^(?P<owner>.+)\.experts\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# The MoE architectures whose NVFP4 checkpoints (both producers) vLLM 0.33 was checked to load as read here.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM", "MixtralForCausalLM")
+# Other names an architecture's vLLM loader reads as gate/up/down: Mixtral's ckpt_names (it maps *_proj to them too).
+EXPERT_ALIASES = {"MixtralForCausalLM": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}}
 # Whose input scales a rank's FusedMoE loads under expert parallelism (vLLM 0.33, FlashInfer backends): ModelOpt's
 # method holds every expert's (global_sf_num_experts), compressed-tensors' only the rank's own.
 GLOBAL_INPUT_SCALES = {"modelopt": True, "compressed-tensors": False}
@@ -48,15 +54,22 @@ def is_moe_config(config: dict) -> bool:
     return any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def find_expert_groups(layers: dict[str, QuantizedLayer]) -> dict[str, ExpertGroup]:
-    """``{module prefix: its experts}`` for every ``<owner>.experts.<e>.<proj>`` layer; one-line refusals for an
-    incomplete or ragged set."""
+def find_expert_groups(layers: dict[str, QuantizedLayer],
+                       aliases: dict[str, str] | None = None) -> dict[str, ExpertGroup]:
+    """``{module prefix: its experts}`` for every ``<owner>.experts.<e>.<proj>`` layer, ``<proj>`` one of
+    ``PROJECTIONS`` or an alias of one (``aliases``, the architecture's ``EXPERT_ALIASES``); one-line refusals for
+    an incomplete or ragged set, or an expert named both ways."""
+    names = {**{p: p for p in PROJECTIONS}, **(aliases or {})}
     found: dict[str, dict[str, dict[int, QuantizedLayer]]] = {}
     for prefix, layer in layers.items():
         match = EXPERT.match(prefix)
-        if match:
+        if match and match["proj"] in names:
             projs = found.setdefault(f"{match['owner']}.experts", {p: {} for p in PROJECTIONS})
-            projs[match["proj"]][int(match["index"])] = layer
+            by_index, index = projs[names[match["proj"]]], int(match["index"])
+            if index in by_index:
+                raise RepackError(f"{prefix}: expert {index} has both {by_index[index].prefix.rpartition('.')[2]} "
+                                  f"and {match['proj']}; expected one naming, gate/up/down_proj or w1/w3/w2")
+            by_index[index] = layer
     groups = {}
     for module, projs in sorted(found.items()):
         count = max(len(by_index) for by_index in projs.values())
@@ -77,13 +90,32 @@ def find_expert_groups(layers: dict[str, QuantizedLayer]) -> dict[str, ExpertGro
     return groups
 
 
+def architecture(config: dict) -> str:
+    """config.json's model class (its first ``architectures`` entry; ``""`` if none)."""
+    return next(iter(config.get("architectures") or []), "")
+
+
+def check_moe_architecture(config: dict) -> None:
+    """One-line refusal of an MoE architecture outside ``MOE_ARCHITECTURES`` (its experts or routing may be named
+    alike but were never checked against vLLM's load)."""
+    if len(config.get("architectures") or []) != 1 or architecture(config) not in MOE_ARCHITECTURES:
+        raise RepackError(f"MoE architecture {architecture(config) or 'unknown'!r} is not supported; supported: "
+                          f"{', '.join(MOE_ARCHITECTURES)}")
+
+
 def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
-    """The source's FusedMoE layers; a quantized router is refused (vLLM builds it unquantized), and so is an MoE
-    config whose experts are not NVFP4 layers named ``experts.<e>.{gate,up,down}_proj`` (Mixtral's w1/w2/w3, say)."""
-    groups = find_expert_groups(source.layers)
-    if not groups and is_moe_config(source.checkpoint.config):
+    """The source's FusedMoE layers; refused in one line: an MoE architecture outside ``MOE_ARCHITECTURES``, a
+    quantized router (vLLM builds it unquantized), an MoE config without NVFP4 layers named
+    ``experts.<e>.{gate,up,down}_proj`` (Mixtral: or ``w1/w3/w2``)."""
+    config = source.checkpoint.config
+    moe = is_moe_config(config)
+    if moe:
+        check_moe_architecture(config)
+    groups = find_expert_groups(source.layers, EXPERT_ALIASES.get(architecture(config)))
+    if not groups and moe:
         raise RepackError(f"{source.checkpoint.root}: an MoE config, but no NVFP4 routed experts named "
-                          f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}}; only that naming is supported")
+                          f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}} (Mixtral: or w1/w3/w2); only that naming "
+                          "is supported")
     for module in groups:
         router = module.removesuffix(".experts") + ".gate"
         if router in source.layers:

@@ -34,6 +34,7 @@ from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_
 LAYOUT_ID = "moe-flashinfer-cutlass-v1"
 BACKEND = "FLASHINFER_CUTLASS"  # vLLM's NvFp4MoeBackend
 KERNEL = "FlashInferExperts"
+KERNELS = (KERNEL,)  # the experts classes vLLM holds this layout with
 FAMILIES = ("sm120",)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS)
 

@@ -35,6 +35,9 @@ from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_
 LAYOUT_ID = "moe-flashinfer-trtllm-v1"
 BACKEND = "FLASHINFER_TRTLLM"
 KERNEL = "TrtLlmNvFp4ExpertsMonolithic"
+# vLLM 0.33 takes the modular class instead where the monolithic kernel lacks the routing (softmax top-k without
+# renormalization, Qwen2-MoE's norm_topk_prob false: RoutingMethodType.Default); the held tensors are the same.
+KERNELS = (KERNEL, "TrtLlmNvFp4ExpertsModular")
 FAMILIES = ("sm100",)
 HIDDEN_ALIGNMENT = 256  # trtllm_nvfp4_hidden_alignment for gated layers with per-tensor activation scales
 INTERMEDIATE_ALIGNMENT = 64  # gated: 2 x Ip a multiple of 128, as FlashInfer's block-scale shuffle asserts

@@ -26,8 +26,8 @@ MoE jobs (``sm100-moe``, ``sm120-moe``; ``-ep``: with vLLM's --enable-expert-par
 backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-built
 ``nvfp4_block_scale_interleave`` runs as a torch port of its C++ host code (tests/vllm/ports.py), and every tensor
 of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor whole, plus ``moe-rank-R.json``: dtype,
-shape, stride, offset, the backend and experts class); dense layers load as for ``sm100`` / ``sm120`` (the W4A16
-kernel) and are not dumped.
+shape, stride, offset, the backend and experts class); dense layers load and are dumped as for ``sm100`` /
+``sm120`` (the W4A16 kernel).
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ W4A4_KERNELS = [vfi.FlashInferCuteDslNvFp4LinearKernel, vfi.FlashInferCutlassNvF
 NVFP4_KERNELS = vlinear._POSSIBLE_NVFP4_KERNELS
 assert NVFP4_KERNELS[PlatformEnum.CUDA][:2] == W4A4_KERNELS, NVFP4_KERNELS[PlatformEnum.CUDA][:2]
 assert hasattr(nvfp4_utils, "cutlass_fp4_supported") and hasattr(CpuPlatform, "get_device_capability")
-FUSED = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
@@ -256,11 +255,10 @@ def layer_tensors(layer) -> dict[str, torch.Tensor]:
 
 
 def fused_layers(model):
-    """``(prefix, layer, its NVFP4 linear kernel)`` for every fused linear module of every decoder layer."""
-    for li in range(len(model.model.layers)):
-        for fused in FUSED:
-            prefix = f"model.layers.{li}.{fused}"
-            layer = model.get_submodule(prefix)
+    """``(prefix, layer, its NVFP4 linear kernel)`` for every NVFP4 linear module (vLLM's fused ones, and e.g.
+    DeepSeek-V3's ``mlp.shared_experts.gate_up_proj``); FusedMoE modules hold ``w13_*`` instead."""
+    for prefix, layer in model.named_modules():
+        if isinstance(getattr(layer, "weight_global_scale", None), torch.Tensor):
             yield prefix, layer, getattr(layer.quant_method, "kernel", None) or layer.scheme.kernel  # ModelOpt | ct
 
 
@@ -341,7 +339,9 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")
             initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
-        (dump_moe if moe else dump_w4a4 if is_w4a4(arch) else dump)(model, out, rank)
+        if moe:
+            dump_moe(model, out, rank)
+        (dump_w4a4 if is_w4a4(arch) else dump)(model, out, rank)
 
 
 def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:
