@@ -47,6 +47,7 @@ from ..bundle.manifest import MANIFEST_NAME, LayerRecord
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import Target
+from .experts import preimage
 from .kernels import kernel_class
 
 LOAD_FORMAT = "nvfp4_repack"
@@ -148,11 +149,7 @@ def _stored_reciprocal(multiplier: torch.Tensor) -> torch.Tensor:
     """A float32 ``g`` with ``1 / g == multiplier`` in float32, so compressed-tensors' ``1 / max(g)`` rebuilds the
     bundle's multiplier exactly (and with it W4A4's ``alpha``); one of the neighbours of ``1 / m`` is such a ``g``
     whenever ``m`` itself was a float32 reciprocal, as a compressed-tensors multiplier is."""
-    guess = (1.0 / multiplier.double()).float()
-    for candidate in (guess, torch.nextafter(guess, guess * 2), torch.nextafter(guess, guess * 0)):
-        if torch.equal(1.0 / candidate, multiplier):
-            return candidate
-    return guess
+    return preimage(multiplier, lambda g: 1.0 / g, (1.0 / multiplier.double()).float())
 
 
 def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record: LayerRecord,

@@ -13,8 +13,10 @@ compared with the buffer under it) and, per NVFP4 layer, the kernel class and th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,9 +34,11 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
-from vllm.model_executor.model_loader import get_model_loader
+from vllm.model_executor.model_loader import DefaultModelLoader, get_model_loader
 
+from repack.bundle.layers import assemble_experts, plan_experts
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import SourceModel, read_source
@@ -42,7 +46,9 @@ from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama
+from repack.targets.moe import moe_layout
 from repack.vllm_plugin import register
+from repack.vllm_plugin.experts import check_method, check_placement, moe_modules, serve_experts
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
 
@@ -68,15 +74,17 @@ def world(tp_size: int = 1, rank: int = 0, init_file: str | None = None) -> Iter
         destroy_distributed_environment()
 
 
-def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a4: bool = False) -> nn.Module:
-    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces);
-    ``w4a4``: vLLM's auto among its W4A4 kernels (else the W4A16 cute-dsl kernel, forced)."""
+def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a4: bool = False,
+         ep: bool = False) -> nn.Module:
+    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces; MoE:
+    vLLM's auto NVFP4 MoE backend on that capability); ``w4a4``: vLLM's auto among its W4A4 kernels (else the
+    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel."""
     arch = "sm120" if target == "sm120" else "sm100"
     _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
     config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
-                        load_format=load_format, linear_backend=backend,
-                        tensor_parallel_size=tp_size).create_engine_config()
+                        load_format=load_format, linear_backend=backend, tensor_parallel_size=tp_size,
+                        enable_expert_parallel=ep).create_engine_config()
     with set_current_vllm_config(config):
         return get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
 
@@ -99,14 +107,51 @@ def transform_state(name: str, module: HadamardTransform, first: dict[int, str])
     return state
 
 
+# What a FusedMoE kernel reads from its moe_config (vLLM's TRT-LLM-gen preparation pads the sizes in place).
+MOE_CONFIG_ATTRS = ("hidden_dim", "hidden_dim_unpadded", "intermediate_size_per_partition", "num_experts",
+                    "num_local_experts", "experts_per_token")
+
+
+def object_state(name: str, obj: object, aliases: dict[int, str]) -> dict[str, object]:
+    """The tensors (with the module tensor each aliases, if any) and plain scalars of a kernel-side object (a quant
+    config, its descriptors, an experts class), one level of dataclass descriptors deep."""
+    state: dict[str, object] = {f"{name}:class": type(obj).__name__}
+    for attr, value in sorted(vars(obj).items()):
+        if isinstance(value, torch.Tensor):
+            state[f"{name}.{attr}"] = (tensor_state(value), aliases.get(value.data_ptr()))
+        elif isinstance(value, (int, float, str, bool, torch.dtype, type(None))):
+            state[f"{name}.{attr}"] = value
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            state.update(object_state(f"{name}.{attr}", value, aliases))
+    return state
+
+
+def moe_state(name: str, module: nn.Module) -> dict[str, object]:
+    """A FusedMoE module's plain tensor attributes (compressed-tensors' input scales), its MoE backend, the modular
+    kernel's prepare/finalize and experts classes with their state, the quant config and the moe_config sizes."""
+    tensors = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+    aliases = {t.data_ptr(): part for part, t in [*module.named_parameters(recurse=False),
+                                                  *module.named_buffers(recurse=False), *tensors.items()]}
+    method = module.quant_method
+    state: dict[str, object] = {f"{name}.{part}": tensor_state(t) for part, t in tensors.items()}
+    state[f"{name}:backend"] = method.nvfp4_backend.value
+    state.update({f"{name}:moe_config.{a}": getattr(module.moe_config, a) for a in MOE_CONFIG_ATTRS})
+    state.update(object_state(f"{name}:quant_config", method.moe_quant_config, aliases))
+    state.update(object_state(f"{name}:experts", method.moe_kernel.fused_experts, aliases))
+    state[f"{name}:prepare_finalize"] = type(method.moe_kernel.prepare_finalize).__name__
+    return state
+
+
 def layer_state(model: nn.Module) -> dict[str, object]:
     """Every parameter and buffer of ``model``, each NVFP4 layer's kernel class and kernel-read attributes, its
-    quantization method's class, and its online-transform modules' state."""
+    quantization method's class, its online-transform modules' state, and each FusedMoE module's (``moe_state``)."""
     state: dict[str, object] = {}
     first: dict[int, str] = {}
     for name, module in model.named_modules():
         for part, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             state[f"{name}.{part}"] = tensor_state(t)
+        if isinstance(module, RoutedExperts):
+            state.update(moe_state(name, module))
         if isinstance(module, HadamardTransform):
             state.update(transform_state(name, module, first))
         if hasattr(module, "quant_method"):
@@ -457,3 +502,50 @@ def test_refuses_another_tp_size(vllm_world, tmp_path):
 def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
+
+
+MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4"]
+EXPERT_DATA = re.compile(r"\.experts\.\d+\.\w+_proj\.(weight|weight_packed|weight_scale)$")  # codes, block scales
+
+
+class _ExpertsFromLayout(DefaultModelLoader):
+    """vLLM's load of a source without its experts' codes and block scales, the FusedMoE modules served by
+    :func:`serve_experts` with our layout's tensors of the same experts instead."""
+
+    def __init__(self, load_config, family: str, tp: int, rank: int, ep: bool):
+        super().__init__(load_config)
+        self.family, self.tp, self.rank, self.ep, self.served = family, tp, rank, ep, set()
+
+    def get_all_weights(self, model_config, model):
+        yield from ((n, t) for n, t in super().get_all_weights(model_config, model) if not EXPERT_DATA.search(n))
+
+    def load_weights(self, model, model_config):
+        super().load_weights(model, model_config)
+        source = read_source(model_config.model)
+        layout = moe_layout(self.family)
+        plans = plan_experts(source, self.tp, self.rank, ep=self.ep)
+        for name, module in moe_modules(model).items():
+            plan = plans[name.removesuffix(".routed_experts")]
+            check_method(name, module, layout.BACKEND)
+            check_placement(name, module, plan.experts, plan.intermediate)
+            tensors = layout.to_runtime(assemble_experts(source, plan), plan.prefix)
+            serve_experts(name, module, tensors, lambda name=name: self.served.add(name))
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", MOE_FIXTURES)
+def test_served_experts_hold_vllms_state(vllm_world, tmp_path, fixture, target):
+    """vLLM's FusedMoE post-load with its conversion replaced by our layout's tensors leaves the state vLLM's own
+    conversion of the source leaves: parameters, buffers, input scales, backend, kernel classes, quant config."""
+    from vllm.config.load import LoadConfig
+
+    source = _source(tmp_path, fixture)
+    expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    harness.select(f"{target}-w4a4")
+    config = EngineArgs(model=str(source), dtype="bfloat16", max_model_len=128, enforce_eager=True,
+                        linear_backend="auto").create_engine_config()
+    loader = _ExpertsFromLayout(LoadConfig(), target, 1, 0, False)
+    with set_current_vllm_config(config):
+        got = layer_state(loader.load_model(vllm_config=config, model_config=config.model_config))
+    assert len(loader.served) == 2 and any(k.endswith("routed_experts:backend") for k in expected)
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"

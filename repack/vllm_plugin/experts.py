@@ -1,0 +1,155 @@
+"""FusedMoE layers served from a bundle: vLLM's own MoE post-load, with only its expert conversion replaced.
+
+vLLM 0.33's NVFP4 MoE methods (ModelOpt's ``ModelOptNvFp4FusedMoE``, compressed-tensors'
+``CompressedTensorsW4A4Nvfp4MoEMethod``) end their load in ``process_weights_after_loading``: it calls
+``convert_to_nvfp4_moe_kernel_format`` (w3/w1 order, one input scale for all experts, and per backend the
+padding, row shuffles and block-scale interleave), installs its eight results on the module, builds the quant
+config and the modular kernel, and lets the experts class fold the input scale into ``w*_weight_scale_2``
+(TRT-LLM-gen also registers ``g1_scale_c``). A bundle holds the converted tensors, so for that one call the
+conversion is replaced by :func:`serve_experts`'s, which returns the bundle's tensors (the multipliers as the
+float32 values vLLM's fold turns into the bundle's bytes) and leaves on ``moe_config`` the padded sizes vLLM's
+TRT-LLM-gen preparation leaves there. Everything else (compressed-tensors' ``w*_weight_packed`` -> ``w*_weight``
+rename and plain-attribute input scales, the quant config, prepare/finalize, the experts class, ``g1_scale_c``,
+``_expert_map``) is vLLM's own code, run as in a load from the source.
+
+vLLM's ``weights_already_processed()`` is not used: it accepts pre-processed MoE from ModelOpt with TRT-LLM-gen
+only (not compressed-tensors, not FlashInfer CUTLASS on sm120), and it would skip every other layer's post-load
+too (see loader.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend
+
+from ..errors import RepackError
+
+# What vLLM's conversion returns, in its order.
+CONVERTED = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
+             "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
+CONVERT = "convert_to_nvfp4_moe_kernel_format"
+METHODS = ("ModelOptNvFp4FusedMoE", "CompressedTensorsW4A4Nvfp4MoEMethod")
+
+
+def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """vLLM's FusedMoE modules (``RoutedExperts``: ``<owner>.experts.routed_experts`` in Qwen2/3-MoE), by name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, RoutedExperts)}
+
+
+def preimage(target: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],
+             guess: torch.Tensor) -> torch.Tensor:
+    """Elementwise, a float32 ``x`` among ``guess`` and its two neighbours with ``forward(x) == target``, where one
+    is (else ``guess``): what vLLM's own float32 step ``forward`` turns into the bundle's ``target`` bytes."""
+    found = guess
+    for candidate in (torch.nextafter(guess, guess * 0), torch.nextafter(guess, guess * 2), guess):
+        found = torch.where(forward(candidate) == target, candidate, found)
+    return found
+
+
+def unfolded_scale(folded: torch.Tensor, input_scale: torch.Tensor, name: str) -> torch.Tensor:
+    """The float32 ``m`` with ``m * input_scale == folded``, bit for bit: the experts classes' post-load multiplies
+    ``w*_weight_scale_2`` by the input scale in place, so it is given the multiplier the bundle's folded one came
+    from (or a float32 neighbour of it with the same product)."""
+    found = preimage(folded, lambda m: m * input_scale, (folded.double() / input_scale.double()).float())
+    if not torch.equal(found * input_scale, folded):
+        raise RepackError(f"{name}: the bundle's value is not a float32 product with its input scale, as vLLM "
+                          f"folds it; run verify")
+    return found
+
+
+def check_method(name: str, module: nn.Module, backend: str) -> None:
+    """One line when vLLM's method for the module is not an NVFP4 W4A4 MoE method on the bundle's backend."""
+    method = module.quant_method
+    kind = type(method).__name__
+    if kind not in METHODS or getattr(method, "use_a16", False):
+        raise RepackError(f"{name}: vLLM serves this MoE layer with {kind}"
+                          f"{' (W4A16: Marlin)' if getattr(method, 'use_a16', False) else ''}; bundles hold NVFP4 "
+                          f"W4A4 MoE for {', '.join(METHODS)} only; serve the source with --load-format auto")
+    chosen = method.nvfp4_backend.value
+    if chosen != backend:
+        raise RepackError(f"{name}: vLLM chose the {chosen} MoE backend on this GPU, but the bundle holds the "
+                          f"{backend} layout; serve it with --moe-backend {backend.lower()} on the GPU family it was "
+                          f"converted for, or re-convert the source for this GPU")
+
+
+def check_placement(name: str, module: nn.Module, experts: tuple[int, int], intermediate: int) -> None:
+    """The bundle's experts and per-rank intermediate size must be the ones vLLM placed on this rank (TP and EP
+    sizes and ``--enable-expert-parallel`` as at conversion)."""
+    held = module._expert_map
+    total = module.global_num_experts
+    if held is None:
+        ours = (0, total)
+    else:
+        local = torch.nonzero(held >= 0).flatten()
+        ours = (int(local[0]), int(local[-1]) + 1) if len(local) else (0, 0)
+    vllm_intermediate = module.moe_config.intermediate_size_per_partition
+    if (ours, vllm_intermediate) != (tuple(experts), intermediate):
+        raise RepackError(
+            f"{name}: vLLM places experts {ours[0]}..{ours[1] - 1} of {total} with intermediate size "
+            f"{vllm_intermediate} on this rank, the bundle experts {experts[0]}..{experts[1] - 1} with {intermediate}; "
+            f"serve it with the --tensor-parallel-size and --enable-expert-parallel it was converted for (--tp, --ep)"
+        )
+
+
+def _pad_dims(layer: nn.Module, w2: torch.Tensor) -> None:
+    """The sizes vLLM's TRT-LLM-gen preparation leaves on ``moe_config`` (``prepare_nvfp4_moe_layer_for_fi_or_cutlass``):
+    the unpadded hidden size kept, the padded hidden and per-rank intermediate sizes of the held ``w2``."""
+    config = layer.moe_config
+    if config.hidden_dim_unpadded is None:
+        config.hidden_dim_unpadded = config.hidden_dim
+    config.hidden_dim = w2.shape[1]
+    config.intermediate_size_per_partition = w2.shape[2] * 2
+
+
+@contextlib.contextmanager
+def _conversion(method: object, convert: Callable[..., tuple[torch.Tensor, ...]]) -> Iterator[None]:
+    """``convert`` as the conversion ``method``'s post-load calls (a name bound in its module), for one call."""
+    home = sys.modules[type(method).__module__]
+    original = getattr(home, CONVERT)
+    setattr(home, CONVERT, convert)
+    try:
+        yield
+    finally:
+        setattr(home, CONVERT, original)
+
+
+def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor], done: Callable[[], None]) -> None:
+    """Hook the module's MoE post-load so that it installs ``tensors`` (vLLM's names: the eight converted ones,
+    ``g1_scale_c`` on TRT-LLM-gen, and any loaded parameter vLLM keeps, e.g. compressed-tensors' global scales)
+    instead of converting its own; ``done`` is called once it ran."""
+    method = module.quant_method
+    missing = sorted(set(CONVERTED) - set(tensors))
+    if missing:
+        raise RepackError(f"{name}: the bundle has no {missing[0]} for this MoE layer; run verify")
+    params = dict(module.named_parameters(recurse=False))
+    with torch.no_grad():
+        for part in set(tensors) - set(CONVERTED) - {"g1_scale_c"}:  # loaded values vLLM keeps as they are
+            if part not in params or params[part].shape != tensors[part].shape:
+                raise RepackError(f"{name}.{part}: not a {list(tensors[part].shape)} parameter of vLLM's "
+                                  f"{type(method).__name__} layer; re-convert the source")
+            params[part].copy_(tensors[part])
+    held = dict(tensors)
+    for scale, activation in (("w13_weight_scale_2", "w13_input_scale"), ("w2_weight_scale_2", "w2_input_scale")):
+        held[scale] = unfolded_scale(tensors[scale], tensors[activation], f"{name}.{scale}")
+
+    def convert(*, nvfp4_backend: NvFp4MoeBackend, layer: nn.Module, **_: object) -> tuple[torch.Tensor, ...]:
+        if nvfp4_backend == NvFp4MoeBackend.FLASHINFER_TRTLLM:
+            _pad_dims(layer, held["w2_weight"])
+        return tuple(held[part] for part in CONVERTED)
+
+    def process(layer: nn.Module) -> None:
+        del method.process_weights_after_loading  # the instance hook; the class's method is untouched
+        with _conversion(method, convert):
+            method.process_weights_after_loading(layer)
+        expected = tensors.get("g1_scale_c")
+        if expected is not None and not torch.equal(layer.g1_scale_c, expected.to(layer.g1_scale_c.device)):
+            raise RepackError(f"{name}.g1_scale_c: vLLM derives another value from the bundle's scales; run verify")
+        done()
+
+    method.process_weights_after_loading = process
