@@ -23,11 +23,12 @@ from typing import Callable, Sequence
 
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
-    LayerPlan, OutputLayer, assemble, layer_transforms, plan_layers, rescale_error, whole_piece,
+    ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, layer_transforms, plan_layers, rescale_error,
+    whole_piece,
 )
 from .bundle.manifest import (
-    MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, PartitionRecord, SourceRecord, TensorRecord,
-    TransformRecord, read_output_record,
+    MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
+    TensorRecord, TransformRecord, read_output_record,
 )
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.resume import Journal, find_resumable, source_identity
@@ -39,11 +40,13 @@ from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader, file_hexdigest
 from .formats.hub import hub_sha256
+from .formats.moe import GLOBAL_INPUT_SCALES
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
+from .targets.moe import ExpertStack, moe_layout
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -61,6 +64,7 @@ class ConvertSummary:
     kept_shards: int = 0  # shards a resume kept from an interrupted convert
     bundles: list[str] = field(default_factory=list)  # the bundle folders written (OUT, or OUT/rank-R)
     rescaled: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added (worst over ranks)
+    moe_layers: int = 0  # FusedMoE layers written (per bundle)
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,21 @@ class _Writing:
         if self.output.plan.file_of[tensor.name] in self.remaining:
             self.transformer.submit(len(chunk), self._queue_write, tensor, chunk, last)
 
+    def take_experts(self, plan: ExpertPlan, stack: ExpertStack) -> None:
+        """A FusedMoE layer as :meth:`take_layer` takes a dense one: its layout's transform on the shared pool, its
+        tensors queued in the plan's order."""
+        nbytes = sum(t.nbytes for t in self.output.plan.units[plan.module])
+        transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack, plan.prefix)
+        self.transformer.submit(nbytes, self._queue_experts, plan, transformed)
+
+    def _queue_experts(self, plan: ExpertPlan, transformed: Future) -> None:
+        values = transformed.result()
+        for tensor in self.output.plan.units[plan.module]:
+            value = values[tensor.part]
+            if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
+                raise AssertionError(f"{tensor.name}: target produced {value.dtype} {list(value.shape)}, planned otherwise")
+            self._queue_write(tensor, tensor_bytes(value), last=True)
+
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
         self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
@@ -217,6 +236,8 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             partitions=_partitions(layer),
             rescale_error=writing.output.rescale_errors.get(prefix),
         )
+    moe = {module: _moe_record(source, plan.target, experts, {t.part: records.pop(t.name) for t in plan.units[module]})
+           for module, experts in plan.layers.experts.items()}
     transforms = {
         name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
                               source_tensors=[t for t in (m.weight, m.perm) if t], tensor=records.pop(name))
@@ -247,6 +268,22 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         fusion=plan.layers.fusion,
         scheme=plan.target.scheme,
         kernels=list(plan.target.kernels),
+        moe=moe,
+    )
+
+
+def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: dict[str, TensorRecord]) -> MoERecord:
+    layout, local = moe_layout(target.name), slice(*plan.experts)
+    top_k = source.checkpoint.config.get("num_experts_per_tok")
+    return MoERecord(
+        module=plan.module, source=plan.prefix, layout_id=layout.LAYOUT_ID, backend=layout.BACKEND,
+        kernel=layout.KERNEL, num_experts=plan.group.experts, experts=list(plan.experts), rows=list(plan.rows),
+        hidden=plan.group.hidden, intermediate=plan.intermediate,
+        members={"gate": list(plan.group.gate[local]), "up": list(plan.group.up[local]),
+                 "down": list(plan.group.down[local])},
+        input_scales="all" if GLOBAL_INPUT_SCALES[source.format] else "local", tensors=tensors,
+        expert_map=plan.expert_map if plan.ep else None,
+        top_k=top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None,
     )
 
 
@@ -300,14 +337,20 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
         takers = [w for w in outputs if unit in w.output.plan.units and w.needs(unit)]
         if not takers:
             continue
+        loaded: dict[str, NVFP4Weight] = {}  # each source layer read once, shared by every bundle's pieces
+
+        def load(prefix: str) -> NVFP4Weight:
+            if prefix not in loaded:
+                loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
+            return loaded[prefix]
+
+        if unit in takers[0].output.plan.layers.experts:  # a FusedMoE layer: its experts, read once for every rank
+            for writing in takers:
+                plan = writing.output.plan.layers.experts[unit]
+                writing.take_experts(plan, assemble_experts(source, plan, load))
+            report(sum(source.checkpoint.tensors[n].nbytes for p in loaded for n in source.layers[p].tensor_names), unit)
+            continue
         if unit in takers[0].output.plan.layers.layers:  # an output layer: a source layer, or pieces of some
-            loaded: dict[str, NVFP4Weight] = {}  # each source layer read once, shared by every bundle's pieces
-
-            def load(prefix: str) -> NVFP4Weight:
-                if prefix not in loaded:
-                    loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
-                return loaded[prefix]
-
             for writing in takers:
                 layer = writing.output.plan.layers.layers[unit]
                 whole = layer.prefix in source.layers and layer.pieces == (whole_piece(source.layers[layer.prefix]),)
@@ -403,6 +446,7 @@ def convert_bundles(
     seconds = time.perf_counter() - started
     return [
         ConvertSummary(out=w.output.out, target=w.output.plan.target.name, layers=len(w.output.plan.layers.layers),
+                       moe_layers=len(w.output.plan.layers.experts),
                        passthrough=len(source.passthrough), bytes_in=bytes_in, bytes_out=w.output.plan.total_bytes,
                        seconds=seconds, kept_shards=len(w.journal.kept),
                        bundles=[str(w.output.out / w.output.folder) if w.output.folder else str(w.output.out)])
@@ -442,6 +486,7 @@ def convert(
     tp: int = 1,
     rescale: bool = False,
     weight_only: bool = False,
+    ep: bool = False,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -456,7 +501,9 @@ def convert(
     CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
     ``fuse``: vLLM's fused modules (qkv_proj, gate_up_proj); ``tp > 1``: one bundle per tensor-parallel rank in
     ``out/rank-R`` (one summary for them all); ``rescale``: fold unequal partition scales into block scales.
-    These take one target, and no ``resume`` with ``tp > 1``. Missing parent folders of ``out`` are created
+    These take one target, and no ``resume`` with ``tp > 1``. An MoE model's FusedMoE layers are written in the
+    MoE layout vLLM's ``auto`` serves the family with (docs/moe.md); ``ep`` (with ``tp > 1``): placed as vLLM's
+    ``--enable-expert-parallel`` places them, whole experts per rank. Missing parent folders of ``out`` are created
     (and removed again if the convert fails). An output of several bundles (targets, or ranks) records their
     names in ``out/<OUTPUT_RECORD>``, so that verify fails when one goes missing. ``notify``: one-line notices
     (what interrupted converts left and this one removed).
@@ -475,6 +522,8 @@ def convert(
         raise RepackError("--fuse/--tp take one target; convert each target in a run of its own")
     if resume and tp > 1:
         raise RepackError("--resume is not supported with --tp; convert again without --resume")
+    if ep and tp == 1:
+        raise RepackError("--ep: expert parallelism places experts on --tp N ranks; give --tp N with N > 1")
     out = Path(out)
     source = read_source(model, revision=revision)
     if not single:
@@ -483,7 +532,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -491,7 +540,7 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, progress: Progress | None, on_plan: Callable | None,
+             rescale: bool, weight_only: bool, ep: bool, progress: Progress | None, on_plan: Callable | None,
              notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out`` (several targets) or its parent exists."""
     written = {t.name for t in targets}
@@ -500,8 +549,12 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     targets = [t.for_scheme(served_scheme(source, weight_only)) for t in targets]
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        plans = [plan_bundle(source, targets[0], layers, max_shard_size)
-                 for layers in plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales)]
+        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep)
+        if layer_plans[0].experts and targets[0].scheme != "W4A4":
+            moe_layout(targets[0].name)  # sm90's own refusal first
+            raise RepackError("--weight-only: NVFP4 MoE experts have no weight-only layout here (vLLM 0.33 serves "
+                              "a W4A4 MoE with FlashInfer's FP4 x FP4 kernels); convert without --weight-only")
+        plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
         layers = plan_layers(source, input_scales=input_scales)[0]

@@ -121,7 +121,7 @@ def test_unsupported_architecture_is_one_line_error(tmp_path):
     root = _llama(tmp_path / "m")
     config = json.loads((root / "config.json").read_text())
     (root / "config.json").write_text(json.dumps(config | {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}))
-    with pytest.raises(RepackError, match="an MoE model is not supported; supported .*LlamaForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(RepackError, match="architecture 'MixtralForCausalLM' is not supported; supported: .*LlamaForCausalLM.*Qwen3MoeForCausalLM"):
         convert(root, "sm100", tmp_path / "out", fuse=True)
 
 

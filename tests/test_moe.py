@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from repack.bundle.layers import assemble_experts, expert_range, plan_experts, plan_layers
+from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
 from repack.errors import RepackError
@@ -225,8 +226,8 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         plan_experts(source, 8, 0)
     with pytest.raises(RepackError, match="NVFP4A16 MoE .* Marlin; supported: W4A4"):
         plan_experts(read_source(PRODUCERS / "ct_moe_nvfp4a16"))  # llm-compressor's W4A16 MoE
-    with pytest.raises(RepackError, match="an MoE model is not supported"):  # the dense pipeline still refuses
-        plan_layers(source, fuse=True)
+    with pytest.raises(RepackError, match="--ep: .* give --tp N with N > 1"):
+        plan_layers(source, fuse=True, ep=True)
     unnamed = dataclasses.replace(source, layers={p: v for p, v in source.layers.items() if ".experts." not in p})
     with pytest.raises(RepackError, match="an MoE config, but no NVFP4 routed experts named"):
         expert_groups(unnamed)
@@ -339,11 +340,9 @@ def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys
     assert "MoE: not supported: " in capsys.readouterr().out
 
 
-def test_unfused_convert_still_writes_experts_one_by_one_and_fuse_refuses(tmp_path):
-    """Until MoE bundles are written (docs/moe.md): experts as dense layers without --fuse, a refusal with it."""
+def test_unfused_convert_still_writes_experts_one_by_one(tmp_path):
+    """Without --fuse/--tp the checkpoint's own modules are kept: each expert's gate/up/down a dense layer (no
+    engine serves that; tests/test_moe_convert.py covers the FusedMoE bundles)."""
     out = tmp_path / "bundle"
     convert(PRODUCERS / "modelopt_moe_nvfp4", "sm120", out)
-    assert verify_output(out).passed
-    with pytest.raises(RepackError, match="an MoE model is not supported"):
-        convert(PRODUCERS / "ct_moe_nvfp4", "sm120", tmp_path / "fused", fuse=True)
-    assert not (tmp_path / "fused").exists()
+    assert verify_output(out).passed and not open_bundle(out).moe_layers()

@@ -251,7 +251,7 @@ def rewrite_as_old_format(out, source_dir, version: int) -> None:
 
     path = out / "manifest.json"
     manifest = json.loads(path.read_text())
-    assert (manifest["bundle_format_version"], manifest["file_digest"], manifest["tensor_digest"]) == (4, "blake3", "blake3")
+    assert (manifest["bundle_format_version"], manifest["file_digest"], manifest["tensor_digest"]) == (5, "blake3", "blake3")
     config = json.loads((out / "config.json").read_text())
     config["nvfp4_repack"]["bundle_format_version"] = version
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

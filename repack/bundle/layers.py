@@ -9,7 +9,7 @@ goes through the target's one transform, so fusion and sharding never touch layo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -26,8 +26,16 @@ VLLM_FUSION: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
-FUSABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # split along K; every other fused layer along N
+# Qwen2-MoE's shared expert is a dense MLP beside the FusedMoE (Qwen2MoeMLP: gate_up_proj, down_proj, TP-sharded).
+SHARED_EXPERT_FUSION = {"shared_expert.gate_up_proj": ("shared_expert.gate_proj", "shared_expert.up_proj")}
+# Architecture -> the fused modules vLLM 0.33 builds for it; MoE ones also hold one FusedMoE per sparse layer.
+ARCHITECTURE_FUSION: dict[str, dict[str, tuple[str, ...]]] = {
+    **{arch: VLLM_FUSION for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                      "Qwen3MoeForCausalLM")},
+    "Qwen2MoeForCausalLM": {**VLLM_FUSION, **SHARED_EXPERT_FUSION},
+}
+FUSABLE_ARCHITECTURES = tuple(ARCHITECTURE_FUSION)
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "shared_expert.down_proj")  # split along K; the rest along N
 
 
 @dataclass(frozen=True)
@@ -61,12 +69,15 @@ class OutputLayer:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """The layers of one bundle: a whole model (``tp_size`` 1) or one tensor-parallel rank."""
+    """The layers of one bundle: a whole model (``tp_size`` 1) or one tensor-parallel rank; ``experts``: its FusedMoE
+    layers by vLLM's module name (``ep``: placed by expert parallelism)."""
 
     layers: dict[str, OutputLayer]
     fusion: dict[str, list[str]]
     tp_size: int = 1
     tp_rank: int = 0
+    experts: dict[str, "ExpertPlan"] = field(default_factory=dict)
+    ep: bool = False
 
 
 def whole_piece(layer: QuantizedLayer) -> Piece:
@@ -74,21 +85,22 @@ def whole_piece(layer: QuantizedLayer) -> Piece:
     return Piece(layer.prefix, (0, layer.n), (0, layer.k))
 
 
-def _check_architecture(config: dict) -> None:
-    supported = ", ".join(FUSABLE_ARCHITECTURES)
+def _check_architecture(config: dict) -> dict[str, tuple[str, ...]]:
+    """The fused modules vLLM builds for the checkpoint's architecture; a one-line refusal for any other."""
     archs = config.get("architectures") or []
-    moe = is_moe_config(config)
-    if moe or len(archs) != 1 or archs[0] not in FUSABLE_ARCHITECTURES:
-        what = "an MoE model" if moe else f"architecture {archs[0] if archs else 'unknown'!r}"
-        raise RepackError(f"--fuse/--tp: {what} is not supported; supported (dense only): {supported}")
+    if len(archs) != 1 or archs[0] not in ARCHITECTURE_FUSION:
+        what = f"architecture {archs[0] if archs else 'unknown'!r}"
+        raise RepackError(f"--fuse/--tp: {what} is not supported; supported: {', '.join(FUSABLE_ARCHITECTURES)}")
+    return ARCHITECTURE_FUSION[archs[0]]
 
 
-def _fused_groups(source: SourceModel) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:
+def _fused_groups(layers: dict[str, QuantizedLayer], fusion: dict[str, tuple[str, ...]]
+                  ) -> tuple[dict[str, list[QuantizedLayer]], list[QuantizedLayer]]:
     """``{fused prefix: its source layers in vLLM's order}`` and the layers that stay as they are."""
-    members = {m: fused for fused, parts in VLLM_FUSION.items() for m in parts}
+    members = {m: fused for fused, parts in fusion.items() for m in parts}
     found: dict[tuple[str, str], dict[str, QuantizedLayer]] = {}
     alone = []
-    for prefix, layer in source.layers.items():
+    for prefix, layer in layers.items():
         owner, module = _split_owner(prefix)
         if module in members:
             found.setdefault((owner, members[module]), {})[module] = layer
@@ -96,10 +108,10 @@ def _fused_groups(source: SourceModel) -> tuple[dict[str, list[QuantizedLayer]],
             alone.append(layer)
     groups = {}
     for (owner, fused), have in found.items():
-        missing = [m for m in VLLM_FUSION[fused] if m not in have]
+        missing = [m for m in fusion[fused] if m not in have]
         if missing:
             raise RepackError(f"{owner}.{fused}: cannot fuse, {owner}.{missing[0]} is not an NVFP4 layer of the source")
-        parts = [have[m] for m in VLLM_FUSION[fused]]
+        parts = [have[m] for m in fusion[fused]]
         if len({p.k for p in parts}) != 1:
             raise RepackError(f"{owner}.{fused}: cannot fuse, its partitions have different K")
         groups[f"{owner}.{fused}"] = parts
@@ -153,8 +165,9 @@ def _row_piece(layer: QuantizedLayer, tp: int, rank: int) -> Piece:
     return Piece(layer.prefix, (0, layer.n), (rank * per, (rank + 1) * per))
 
 
-def _rank_layers(source: SourceModel, tp: int, rank: int) -> dict[str, OutputLayer]:
-    groups, alone = _fused_groups(source)
+def _rank_layers(source: SourceModel, layers: dict[str, QuantizedLayer], fusion: dict[str, tuple[str, ...]], tp: int,
+                 rank: int) -> dict[str, OutputLayer]:
+    groups, alone = _fused_groups(layers, fusion)
     layers = {fused: OutputLayer(fused, tuple(_column_pieces(fused, parts, source.checkpoint.config, tp, rank)))
               for fused, parts in groups.items()}
     for layer in alone:
@@ -165,9 +178,9 @@ def _rank_layers(source: SourceModel, tp: int, rank: int) -> dict[str, OutputLay
     return dict(sorted(layers.items()))
 
 
-def _multipliers(source: SourceModel) -> dict[str, torch.Tensor]:
+def _multipliers(source: SourceModel, layers: dict[str, QuantizedLayer]) -> dict[str, torch.Tensor]:
     return {p: source.scheme.to_multiplier(source.checkpoint.read(layer.tensor_names[2]).reshape(1))
-            for p, layer in source.layers.items()}
+            for p, layer in layers.items()}
 
 
 def _equalise(layer: OutputLayer, multipliers: dict[str, torch.Tensor], rescale: bool) -> OutputLayer:
@@ -192,32 +205,42 @@ def with_input_scales(layers: dict[str, OutputLayer], source: SourceModel) -> di
     the one the format's rule picks from its partitions' (vLLM only warns when they differ: the partitions share
     one input, and ``alpha`` follows the kept scale, so the output is scaled right, only quantized on that
     scale's grid; --tp ranks keep the whole layer's scale, as vLLM's do)."""
-    read = {p: source.read_input_scale(p) for p in source.layers}
+    read = {p.source: source.read_input_scale(p.source) for layer in layers.values() for p in layer.pieces}
     return {prefix: replace(layer, input_scale=source.scheme.fuse_input_scales([read[p.source] for p in layer.pieces]))
             for prefix, layer in layers.items()}
 
 
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
-                input_scales: bool = False) -> list[LayerPlan]:
+                input_scales: bool = False, ep: bool = False) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
-    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules).
+    once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules), and for an MoE
+    model its FusedMoE layers (``ep``: vLLM's expert parallelism, which needs ``tp > 1``).
     ``input_scales``: read each layer's activation global scale (for W4A4 layouts)."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    if ep and tp == 1:
+        raise RepackError("--ep: expert parallelism places experts on --tp N ranks; give --tp N with N > 1")
     scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
     if not (fuse or tp > 1):
         return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
-    _check_architecture(source.checkpoint.config)
+    fusion = _check_architecture(source.checkpoint.config)
+    moe = expert_groups(source)
+    if ep and not moe:
+        raise RepackError("--ep: expert parallelism applies to MoE models; this one has no routed experts")
+    members = {m for group in moe.values() for m in group.members}
+    dense = {p: layer for p, layer in source.layers.items() if p not in members}
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
-    multipliers = _multipliers(source)
-    fusion = {fused: list(parts) for fused, parts in VLLM_FUSION.items()}
+    multipliers = _multipliers(source, dense)
     plans = []
     for rank in range(tp):
-        layers = {p: _equalise(layer, multipliers, rescale) for p, layer in _rank_layers(source, tp, rank).items()}
+        layers = {p: _equalise(layer, multipliers, rescale)
+                  for p, layer in _rank_layers(source, dense, fusion, tp, rank).items()}
         for layer in layers.values():
             layer_transforms(source.transforms, layer)  # refused here, before anything is written
-        plans.append(LayerPlan(scaled(layers), fusion, tp, rank))
+        experts = {plan.module: plan for plan in plan_experts(source, tp, rank, ep).values()} if moe else {}
+        plans.append(LayerPlan(scaled(layers), {fused: list(parts) for fused, parts in fusion.items()}, tp, rank,
+                               experts, ep))
     return plans
 
 
@@ -301,6 +324,9 @@ def rescale_error(source: SourceModel, layer: OutputLayer, assembled: NVFP4Weigh
     return error if math.isfinite(error) else math.inf
 
 
+ROUTED_EXPERTS = "routed_experts"
+
+
 @dataclass(frozen=True)
 class ExpertPlan:
     """One FusedMoE layer of one bundle: experts ``[experts)`` of ``group``, their intermediate rows ``[rows)``.
@@ -310,14 +336,27 @@ class ExpertPlan:
     group: ExpertGroup
     rows: tuple[int, int]
     experts: tuple[int, int]
+    ep: bool = False
 
     @property
     def prefix(self) -> str:
         return self.group.prefix
 
     @property
+    def module(self) -> str:
+        """vLLM 0.33's module holding the layer's tensors: the FusedMoE runner ``<owner>.experts`` keeps them on its
+        ``routed_experts`` child (``RoutedExperts``; its weight mapping's ``routed_experts_prefix``)."""
+        return f"{self.group.prefix}.{ROUTED_EXPERTS}"
+
+    @property
     def intermediate(self) -> int:
         return self.rows[1] - self.rows[0]
+
+    @property
+    def expert_map(self) -> list[int]:
+        """vLLM's ``_expert_map`` under expert parallelism: global expert -> local index, -1 elsewhere."""
+        first, last = self.experts
+        return [e - first if first <= e < last else -1 for e in range(self.group.experts)]
 
 
 def expert_range(experts: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -339,7 +378,7 @@ def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = Fal
         if ep:
             if group.experts < tp:
                 raise RepackError(f"--tp {tp} with expert parallelism: {prefix} has only {group.experts} experts")
-            plans[prefix] = ExpertPlan(group, (0, group.intermediate), expert_range(group.experts, tp, rank))
+            plans[prefix] = ExpertPlan(group, (0, group.intermediate), expert_range(group.experts, tp, rank), ep=True)
             continue
         per, left = divmod(group.intermediate, tp)
         if left or per % BLOCK_SIZE:
@@ -349,20 +388,24 @@ def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = Fal
     return plans
 
 
-def _stack(source: SourceModel, prefixes: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _stack(prefixes: tuple[str, ...], load: Callable[[str], NVFP4Weight]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes ``[E, N, K/2]``, block scales ``[E, N, K/16]`` and multipliers ``[E]`` of same-shaped layers."""
-    weights = [source.load_layer(source.layers[p]) for p in prefixes]
+    weights = [load(p) for p in prefixes]
     return (torch.stack([w.codes for w in weights]), torch.stack([w.block_scales for w in weights]),
             torch.cat([w.multiplier.reshape(1) for w in weights]))
 
 
-def assemble_experts(source: SourceModel, plan: ExpertPlan) -> ExpertStack:
+def assemble_experts(source: SourceModel, plan: ExpertPlan,
+                     load: Callable[[str], NVFP4Weight] | None = None) -> ExpertStack:
     """The canonical expert stack of one bundle's FusedMoE layer: the rank's experts read once, cut to its rows by
     slicing the stacked tensors (no per-expert work beyond the reads). vLLM's FlashInfer MoE backends quantize the
     inputs of all of a rank's experts with the largest input scale it loaded: every expert's for ModelOpt, the
-    rank's own for compressed-tensors (the same thing without expert parallelism)."""
+    rank's own for compressed-tensors (the same thing without expert parallelism). ``load``: a source layer's
+    weight by prefix (a pass shares one read among its bundles); by default each is read here."""
+    load = load or (lambda prefix: source.load_layer(source.layers[prefix]))
     group, (r0, r1), local = plan.group, plan.rows, slice(*plan.experts)
-    gate, up, down = (_stack(source, p[local]) for p in (group.gate, group.up, group.down))
+    gate, up, down = (_stack(p[local], load) for p in (group.gate, group.up, group.down))
     scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else local
     return ExpertStack(
         w13_codes=torch.cat((gate[0][:, r0:r1], up[0][:, r0:r1]), dim=1),

@@ -93,6 +93,46 @@ class LayerRecord:
 
 
 @dataclass(frozen=True)
+class MoERecord:
+    """One FusedMoE layer of a bundle: the tensors vLLM's module ``module`` holds after its own load, in MoE layout
+    ``layout_id`` (read by vLLM's ``backend`` / ``kernel``), for the experts ``[experts)`` of ``num_experts`` and rows
+    ``[rows)`` of each one's intermediate size (vLLM's TP split; all of it under expert parallelism).
+
+    Attributes:
+        module (`str`): vLLM's module, ``model.layers.0.mlp.experts.routed_experts``; its tensors are
+            ``<module>.<name>`` with vLLM's parameter names (``w13_weight``, ...).
+        source (`str`): the source's experts, ``<source>.<e>.{gate,up,down}_proj``.
+        expert_map (`list[int]`, *optional*): under expert parallelism (``--ep``) vLLM's ``_expert_map``, global
+            expert -> local index, -1 for the other ranks' experts; ``None`` without it.
+        hidden (`int`), intermediate (`int`): the experts' sizes in this bundle (intermediate: this rank's), unpadded.
+        top_k (`int`, *optional*): experts per token (config.json's ``num_experts_per_tok``), if the config says.
+        members (`dict[str, list[str]]`): ``gate``, ``up``, ``down``: the held experts' source layers, in order.
+        input_scales (`str`): whose activation scales the one input scale the layer holds is the largest of:
+            ``all`` experts' (ModelOpt) or the rank's ``local`` ones (compressed-tensors; the same without --ep).
+    """
+
+    module: str
+    source: str
+    layout_id: str
+    backend: str
+    kernel: str
+    num_experts: int
+    experts: list[int]
+    rows: list[int]
+    hidden: int
+    intermediate: int
+    members: dict[str, list[str]]
+    input_scales: str
+    tensors: dict[str, TensorRecord]
+    expert_map: list[int] | None = None
+    top_k: int | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts[1] - self.experts[0]
+
+
+@dataclass(frozen=True)
 class SourceRecord:
     """Where the bundle came from: the folder read, its shard files' digests (the manifest's ``file_digest``), and for
     a Hub model its repo id, resolved commit and the Hub's own sha256 of each shard file (its LFS metadata, as
@@ -127,11 +167,13 @@ class Manifest:
     kind: str = BUNDLE_KIND
     scheme: str = "W4A16"  # W4A4: the kernels quantize activations with each layer's input_global_scale_inv
     kernels: list[str] = field(default_factory=list)  # the vLLM 0.33 kernel classes that read this layout, auto's first
+    moe: dict[str, MoERecord] = field(default_factory=dict)  # vLLM's FusedMoE module -> its record (format 5)
 
     @cached_property
     def all_tensors(self) -> dict[str, TensorRecord]:
         """Every tensor of the bundle by its name in the safetensors files (built once: looked up per tensor)."""
         out = {f"{prefix}.{part}": rec for prefix, layer in self.layers.items() for part, rec in layer.tensors.items()}
+        out.update({f"{module}.{name}": rec for module, moe in self.moe.items() for name, rec in moe.tensors.items()})
         out.update(self.passthrough)
         out.update({name: rec.tensor for name, rec in self.transforms.items()})
         return out
@@ -280,6 +322,44 @@ def _transform(obj: Any, where: str, algorithm: str) -> TransformRecord:
     )
 
 
+def _names(obj: Any, where: str) -> list[str]:
+    if not isinstance(obj, list) or not all(isinstance(n, str) for n in obj):
+        raise _fail(f"{where} must be a list of names")
+    return list(obj)
+
+
+def _moe(obj: Any, module: str, algorithm: str) -> MoERecord:
+    where = f"moe {module}"
+    num_experts = _int(obj, "num_experts", where)
+    experts, rows = _pair(obj, "experts", where), _pair(obj, "rows", where)
+    if not experts[0] < experts[1] <= num_experts or not rows[0] < rows[1]:
+        raise _fail(f"{where}: experts {experts} of {num_experts} or rows {rows} are not ranges")
+    members = _get(obj, "members", dict, where)
+    if sorted(members) != ["down", "gate", "up"]:
+        raise _fail(f"{where}: members must list gate, up and down")
+    members = {proj: _names(names, f"{where} members.{proj}") for proj, names in members.items()}
+    if any(len(names) != experts[1] - experts[0] for names in members.values()):
+        raise _fail(f"{where}: members must name each held expert's source layers")
+    expert_map = obj.get("expert_map")
+    if expert_map is not None and (not isinstance(expert_map, list) or len(expert_map) != num_experts or not all(
+            isinstance(i, int) and not isinstance(i, bool) and -1 <= i < num_experts for i in expert_map)):
+        raise _fail(f"{where}: expert_map must give each of the {num_experts} experts a local index or -1")
+    top_k = obj.get("top_k")
+    input_scales = _get(obj, "input_scales", str, where)
+    if input_scales not in ("all", "local"):
+        raise _fail(f"{where}: input_scales must be all or local, got {short_repr(input_scales)}")
+    return MoERecord(
+        module=module, source=_get(obj, "source", str, where), layout_id=_get(obj, "layout_id", str, where),
+        backend=_get(obj, "backend", str, where), kernel=_get(obj, "kernel", str, where), num_experts=num_experts,
+        experts=experts, rows=rows, hidden=_int(obj, "hidden", where), intermediate=_int(obj, "intermediate", where),
+        members=members, input_scales=input_scales,
+        tensors={name: _tensor(rec, f"{module}.{name}", algorithm)
+                 for name, rec in _get(obj, "tensors", dict, where).items()},
+        expert_map=None if expert_map is None else list(expert_map),
+        top_k=None if top_k is None else _int(obj, "top_k", where),
+    )
+
+
 def _fusion(obj: dict) -> dict[str, list[str]]:
     if not all(isinstance(v, list) and all(isinstance(m, str) for m in v) for v in obj.values()):
         raise _fail("fusion must map fused module names to lists of source module names")
@@ -339,6 +419,7 @@ def parse_manifest(data: Any) -> Manifest:
         tensor_digest=algorithm,
         scheme=_optional_str(data, "scheme", "manifest") or "W4A16",  # bundles written before W4A4 layouts
         kernels=_kernels(data.get("kernels", [])),
+        moe={m: _moe(rec, m, algorithm) for m, rec in _get(data, "moe", dict, "manifest").items()} if version >= 5 else {},
     )
     if manifest.scheme not in ("W4A16", "W4A4"):
         raise _fail(f"scheme must be W4A16 or W4A4, got {short_repr(manifest.scheme)}")
@@ -350,7 +431,8 @@ def parse_manifest(data: Any) -> Manifest:
             if name in seen:
                 raise _fail(f"tensor {short_repr(name)} is listed twice")
             seen.add(name)
-    for name in [*manifest.passthrough, *manifest.transforms]:
+    for name in [*manifest.passthrough, *manifest.transforms,
+                 *(f"{m}.{n}" for m, record in manifest.moe.items() for n in record.tensors)]:
         if name in seen:
             raise _fail(f"tensor {short_repr(name)} is listed twice")
         seen.add(name)

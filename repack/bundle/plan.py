@@ -17,7 +17,8 @@ from ..formats import SourceModel
 from ..formats.safetensors_io import DTYPE_NAMES
 from ..formats.transforms import SourceMatrix, model_dtype
 from ..targets import Target
-from .layers import LayerPlan, OutputLayer
+from ..targets.moe import moe_layout
+from .layers import ExpertPlan, LayerPlan, OutputLayer
 
 SHARD_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -25,8 +26,9 @@ INDEX_NAME = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One output tensor. ``layer`` and ``part`` for converted tensors; ``source_name`` for passthrough;
-    ``matrix`` for an online-transform matrix."""
+    """One output tensor. ``layer`` and ``part`` for converted tensors (``experts`` and ``part`` for a FusedMoE
+    layer's, ``part`` its vLLM parameter name); ``source_name`` for passthrough; ``matrix`` for an online-transform
+    matrix."""
 
     name: str
     dtype_name: str
@@ -36,6 +38,7 @@ class PlannedTensor:
     part: str = ""
     source_name: str = ""
     matrix: SourceMatrix | None = None
+    experts: ExpertPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,18 @@ def _layer_outputs(layer: OutputLayer, target: Target) -> list[PlannedTensor]:
     ]
 
 
+def _expert_outputs(plan: ExpertPlan, target: Target) -> list[PlannedTensor]:
+    """A FusedMoE layer's tensors in the family's MoE layout (a one-line refusal where it has none, or where vLLM
+    refuses the layer's shape)."""
+    layout = moe_layout(target.name)
+    refuse = getattr(layout, "check_shape", None)
+    if refuse is not None:
+        refuse(plan.experts[1] - plan.experts[0], plan.group.hidden, plan.intermediate, plan.prefix)
+    specs = layout.runtime_specs(plan.experts[1] - plan.experts[0], plan.group.hidden, plan.intermediate)
+    return [PlannedTensor(name=f"{plan.module}.{part}", dtype_name=DTYPE_NAMES[spec.dtype], shape=spec.shape,
+                          nbytes=spec.nbytes, part=part, experts=plan) for part, spec in specs.items()]
+
+
 # Binary units first: "4GIB" must not be read as "4GI" bytes.
 SIZE_UNITS = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
               "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
@@ -104,7 +119,7 @@ def parse_size(size: int | str) -> int:
 def unit_order(source: SourceModel, layers: LayerPlan | None = None) -> list[str]:
     """The order in which a pass reads the source's units and every bundle writes them: by name. ``layers``:
     a fused or rank plan's output layers instead of the source's."""
-    prefixes = source.layers if layers is None else layers.layers
+    prefixes = source.layers if layers is None else [*layers.layers, *layers.experts]
     return sorted([*prefixes, *source.passthrough, *source.transforms.matrices])
 
 
@@ -115,6 +130,7 @@ def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shar
     another: the layer is converted once and only one converted layer is ever held in memory.
     """
     units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in layers.layers.values()}
+    units.update({module: _expert_outputs(plan, target) for module, plan in layers.experts.items()})
     names = {t.name: prefix for prefix, parts in units.items() for t in parts}
     consumed = {source.input_scale_name(p) for p in source.layers} if target.scheme == "W4A4" else set()
     for name in (n for n in source.passthrough if n not in consumed):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -14,7 +15,8 @@ from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_head
 from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
-from .manifest import MANIFEST_NAME, LayerRecord, Manifest, read_manifest
+from ..targets.moe import moe_layout
+from .manifest import MANIFEST_NAME, LayerRecord, Manifest, MoERecord, read_manifest
 
 
 @dataclass
@@ -82,6 +84,32 @@ class Bundle:
         hf = self.root / "hf_quant_config.json"
         return quantized_linear(self.config, load_json(contained_file(self.root, hf.name)) if hf.is_file() else None)
 
+    def moe_layers(self) -> dict[str, MoERecord]:
+        """The bundle's FusedMoE layers by vLLM's module name (``model.layers.0.mlp.experts.routed_experts``); empty
+        for a dense bundle. See docs/format.md for the record's fields."""
+        return self.manifest.moe
+
+    @property
+    def moe_layout(self) -> ModuleType:
+        """The MoE layout module (``targets.moe_trtllm`` / ``targets.moe_cutlass``) of the bundle's family: its
+        ``BACKEND``, ``KERNEL``, ``TENSORS``, ``from_runtime`` and ``decode_expert``."""
+        return moe_layout(self.target.name)
+
+    def moe_tensors(self, module: str) -> dict[str, torch.Tensor]:
+        """Every tensor vLLM's FusedMoE ``module`` holds after its load, by vLLM's parameter names (``w13_weight``,
+        ``w13_weight_scale``, ..., ``g1_scale_c`` on sm100), each checked against the layout's dtype and shape
+        (their digests are verify's)."""
+        record = self.manifest.moe.get(module)
+        if record is None:
+            raise RepackError(f"{self.root}: no FusedMoE layer {module!r} in this bundle")
+        specs = self.moe_layout.runtime_specs(record.local_experts, record.hidden, record.intermediate)
+        tensors = {name: self.read(f"{module}.{name}") for name in record.tensors}
+        for name, spec in specs.items():
+            if (tensors[name].dtype, tuple(tensors[name].shape)) != (spec.dtype, spec.shape):
+                raise RepackError(f"{module}.{name}: {tensors[name].dtype} {list(tensors[name].shape)} is not the "
+                                  f"{record.layout_id} layout's {spec.dtype} {list(spec.shape)}; run verify")
+        return tensors
+
     def layer(self, prefix: str) -> LayerRecord:
         try:
             return self.manifest.layers[prefix]
@@ -108,6 +136,8 @@ def open_bundle(path: str | Path) -> Bundle:
     for prefix, record in manifest.layers.items():
         _check_layer_record(prefix, record, target)
         _check_layer_transforms(prefix, record, manifest)
+    for record in manifest.moe.values():
+        _check_moe_record(record, family.name)
     config = load_json(contained_file(root, "config.json"))
     return Bundle(root=root, manifest=manifest, target=target, config=config)
 
@@ -150,3 +180,19 @@ def _check_layer_transforms(prefix: str, record: LayerRecord, manifest: Manifest
                 DTYPES[tensor.dtype].is_floating_point):
             raise RepackError(f"{MANIFEST_NAME}: {prefix}: {t.location} transform {t.matrix!r} is not a float "
                               f"[{t.block_size}, {t.block_size}] matrix whose block divides {dim}")
+
+
+def _check_moe_record(record: MoERecord, family: str) -> None:
+    """A FusedMoE record names its family's MoE layout and exactly that layout's tensors: the plugin hands them to
+    vLLM's kernel by these names."""
+    layout = moe_layout(family)
+    if record.layout_id != layout.LAYOUT_ID:
+        raise RepackError(f"{MANIFEST_NAME}: {record.module}: MoE layout {record.layout_id!r} is not {family}'s "
+                          f"({layout.LAYOUT_ID}); re-convert the source with this version")
+    if sorted(record.tensors) != sorted(layout.TENSORS):
+        raise RepackError(f"{MANIFEST_NAME}: {record.module}: tensors {sorted(record.tensors)} are not the "
+                          f"{layout.LAYOUT_ID} layout's {sorted(layout.TENSORS)}")
+    if record.hidden == 0 or record.hidden % BLOCK_SIZE or record.intermediate != record.rows[1] - record.rows[0] or (
+            record.intermediate % BLOCK_SIZE):
+        raise RepackError(f"{MANIFEST_NAME}: {record.module}: hidden {record.hidden} / intermediate "
+                          f"{record.intermediate} (rows {record.rows}) is not an NVFP4 MoE layer shape")

@@ -96,6 +96,9 @@ def convert(
     sample: Annotated[bool, _flag("Convert the built-in tiny sample checkpoint.", "--sample")] = False,
     fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
+    ep: Annotated[bool, _flag(
+        "MoE models: place whole experts on the --tp N ranks (N > 1), as vLLM's --enable-expert-parallel does, "
+        "instead of splitting every expert's intermediate size.", "--ep")] = False,
     rescale: Annotated[bool, _flag(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     weight_only: Annotated[bool, _flag(
@@ -110,6 +113,7 @@ def convert(
       nvfp4-repack convert --sample --target sm100 -o sample-sm100
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm120 -o llama-sm120
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
+      nvfp4-repack convert ./Qwen3-30B-A3B-NVFP4 --target sm100 --tp 4 --ep -o qwen3-moe-sm100-ep4
       nvfp4-repack convert nvidia/Llama-3.1-8B-Instruct-FP4 -t sm100 -t sm120 -t sm90 -o llama  # llama/sm100, ...
     """
     from ..bundle.plan import parse_size
@@ -137,7 +141,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            weight_only=weight_only, on_plan=start_bar,
+            weight_only=weight_only, ep=ep, on_plan=start_bar,
             notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
