@@ -35,6 +35,8 @@ CONVERTED = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_
              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
 CONVERT = "convert_to_nvfp4_moe_kernel_format"
 METHODS = ("ModelOptNvFp4FusedMoE", "CompressedTensorsW4A4Nvfp4MoEMethod")
+# compressed-tensors' loaded scalars, left on the module by vLLM's post-load (its kernels read the converted ones)
+KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -78,22 +80,20 @@ def check_method(name: str, module: nn.Module, backend: str) -> None:
                           f"converted for, or re-convert the source for this GPU")
 
 
-def check_placement(name: str, module: nn.Module, experts: tuple[int, int], intermediate: int) -> None:
-    """The bundle's experts and per-rank intermediate size must be the ones vLLM placed on this rank (TP and EP
-    sizes and ``--enable-expert-parallel`` as at conversion)."""
+def check_placement(name: str, module: nn.Module, expert_map: list[int] | None, experts: int,
+                    intermediate: int) -> None:
+    """The bundle's experts (its ``_expert_map`` under ``--ep``, else all of them) and per-rank intermediate size
+    must be what vLLM placed on this rank: the same TP size, and ``--enable-expert-parallel`` as ``--ep`` was."""
     held = module._expert_map
-    total = module.global_num_experts
-    if held is None:
-        ours = (0, total)
-    else:
-        local = torch.nonzero(held >= 0).flatten()
-        ours = (int(local[0]), int(local[-1]) + 1) if len(local) else (0, 0)
-    vllm_intermediate = module.moe_config.intermediate_size_per_partition
-    if (ours, vllm_intermediate) != (tuple(experts), intermediate):
+    ours = None if held is None else held.tolist()
+    have = (ours, module.local_num_experts, module.moe_config.intermediate_size_per_partition)
+    if have != (expert_map, experts, intermediate):
+        mode = "with" if ours is not None else "without"
         raise RepackError(
-            f"{name}: vLLM places experts {ours[0]}..{ours[1] - 1} of {total} with intermediate size "
-            f"{vllm_intermediate} on this rank, the bundle experts {experts[0]}..{experts[1] - 1} with {intermediate}; "
-            f"serve it with the --tensor-parallel-size and --enable-expert-parallel it was converted for (--tp, --ep)"
+            f"{name}: vLLM holds {module.local_num_experts} of {module.global_num_experts} experts with intermediate "
+            f"size {have[2]} on this rank ({mode} expert parallelism), the bundle {experts} with {intermediate}"
+            f"{' under --ep' if expert_map is not None else ''}; serve it with the --tensor-parallel-size it was "
+            f"converted for (--tp), with --enable-expert-parallel exactly when it was converted with --ep"
         )
 
 
@@ -120,20 +120,20 @@ def _conversion(method: object, convert: Callable[..., tuple[torch.Tensor, ...]]
 
 
 def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor], done: Callable[[], None]) -> None:
-    """Hook the module's MoE post-load so that it installs ``tensors`` (vLLM's names: the eight converted ones,
-    ``g1_scale_c`` on TRT-LLM-gen, and any loaded parameter vLLM keeps, e.g. compressed-tensors' global scales)
-    instead of converting its own; ``done`` is called once it ran."""
+    """Hook the module's MoE post-load so that it installs ``tensors`` (vLLM's names: the eight converted ones and
+    ``g1_scale_c`` on TRT-LLM-gen, from ``Bundle.moe_tensors``) instead of converting its own; ``done`` is called
+    once it ran. Compressed-tensors' loaded global scales (:data:`KEPT`), which vLLM keeps and no kernel reads, are
+    zeroed: a bundle does not hold them."""
     method = module.quant_method
     missing = sorted(set(CONVERTED) - set(tensors))
     if missing:
         raise RepackError(f"{name}: the bundle has no {missing[0]} for this MoE layer; run verify")
     params = dict(module.named_parameters(recurse=False))
+    tensors = {part: t.to(params[next(iter(params))].device) for part, t in tensors.items()}
     with torch.no_grad():
-        for part in set(tensors) - set(CONVERTED) - {"g1_scale_c"}:  # loaded values vLLM keeps as they are
-            if part not in params or params[part].shape != tensors[part].shape:
-                raise RepackError(f"{name}.{part}: not a {list(tensors[part].shape)} parameter of vLLM's "
-                                  f"{type(method).__name__} layer; re-convert the source")
-            params[part].copy_(tensors[part])
+        for part in KEPT:
+            if part in params:
+                params[part].zero_()
     held = dict(tensors)
     for scale, activation in (("w13_weight_scale_2", "w13_input_scale"), ("w2_weight_scale_2", "w2_input_scale")):
         held[scale] = unfolded_scale(tensors[scale], tensors[activation], f"{name}.{scale}")
@@ -148,7 +148,7 @@ def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor]
         with _conversion(method, convert):
             method.process_weights_after_loading(layer)
         expected = tensors.get("g1_scale_c")
-        if expected is not None and not torch.equal(layer.g1_scale_c, expected.to(layer.g1_scale_c.device)):
+        if expected is not None and not torch.equal(layer.g1_scale_c, expected):
             raise RepackError(f"{name}.g1_scale_c: vLLM derives another value from the bundle's scales; run verify")
         done()
 

@@ -47,7 +47,7 @@ from ..bundle.manifest import MANIFEST_NAME, LayerRecord
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import Target
-from .experts import preimage
+from .experts import check_method, check_placement, moe_modules, preimage, serve_experts
 from .kernels import kernel_class
 
 LOAD_FORMAT = "nvfp4_repack"
@@ -242,7 +242,7 @@ class BundleModelLoader(BaseModelLoader):
         self._restored: set[str] = set()
         self._opened = self._bundle(model_config)  # refuse before vLLM allocates anything
         model = super().load_model(vllm_config, model_config, prefix)
-        missed = sorted(set(self._opened.manifest.layers) - self._restored)
+        missed = sorted({*self._opened.manifest.layers, *self._opened.moe_layers()} - self._restored)
         if missed:
             raise RepackError(f"vLLM never post-processed bundle layer {missed[0]!r} ({len(missed)} in all)")
         if self._opened.target.name == "sm90":
@@ -269,11 +269,30 @@ class BundleModelLoader(BaseModelLoader):
             raise RepackError(f"{qutlass[0]}: vLLM serves this W4A4 layer with its input Hadamard through "
                               f"QutlassNvFP4LinearMethod, whose W4A4 GEMM the bundle's {bundle.manifest.layout_id} "
                               f"layout does not feed (issue 30, part 3); serve the source with --load-format auto")
+        self._install_experts(model, bundle)
         installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)
             _install_transforms(module, name, bundle, installed)
         model.load_weights(self._passthrough(bundle))
+
+    def _install_experts(self, model: nn.Module, bundle: Bundle) -> None:
+        """Each FusedMoE module gets the bundle's tensors through its own post-load (:func:`serve_experts`), after
+        one-line refusals of what vLLM would hold otherwise (another backend, other experts or sizes per rank)."""
+        modules, records = moe_modules(model), bundle.moe_layers()
+        extra = sorted(set(records) - set(modules))
+        if extra:
+            raise RepackError(f"{bundle.root}: {extra[0]!r} is not a FusedMoE module of vLLM's "
+                              f"{type(model).__name__}; was the bundle converted for this model?")
+        absent = sorted(set(modules) - set(records))
+        if absent:
+            raise RepackError(f"{bundle.root}: vLLM's FusedMoE module {absent[0]!r} has no tensors in the bundle; "
+                              f"MoE bundles are converted with --fuse for --target sm100 or sm120")
+        for name, module in modules.items():
+            record = records[name]
+            check_method(name, module, record.backend)
+            check_placement(name, module, record.expert_map, record.local_experts, record.intermediate)
+            serve_experts(name, module, bundle.moe_tensors(name), lambda name=name: self._restored.add(name))
 
     @staticmethod
     def _passthrough(bundle: Bundle) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,9 +35,8 @@ from vllm.distributed import (
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
-from vllm.model_executor.model_loader import DefaultModelLoader, get_model_loader
+from vllm.model_executor.model_loader import get_model_loader
 
-from repack.bundle.layers import assemble_experts, plan_experts
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import SourceModel, read_source
@@ -46,9 +44,8 @@ from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama
-from repack.targets.moe import moe_layout
 from repack.vllm_plugin import register
-from repack.vllm_plugin.experts import check_method, check_placement, moe_modules, serve_experts
+from repack.vllm_plugin.experts import KEPT
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
 
@@ -282,19 +279,28 @@ def test_w4a4_bundle_refuses_a_kernel_of_another_layout(vllm_world, tmp_path):
     assert "vLLM chose FlashInferCuteDslNvFp4W4A16LinearKernel for this W4A4 bundle" in str(caught.value)
 
 
-def _tp2_rank(rank: int, cases: list[tuple[str, str, str, bool]], init_file: str, results: str) -> None:
-    """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's."""
+def _tp2_rank(rank: int, cases: list[tuple[str, str, str, bool, bool]], init_file: str, results: str) -> None:
+    """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's; a
+    case with ``ep`` loads with --enable-expert-parallel. A case whose source is "" expects the plugin to refuse."""
     import torch.distributed as dist
 
     out = {}
     with world(tp_size=2, rank=rank, init_file=init_file):
-        for source, bundle, target, w4a4 in cases:
-            expected = layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4))
+        for source, bundle, target, w4a4, ep in cases:
+            if not source:
+                try:
+                    load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4, ep=ep)
+                    out[bundle] = ["not refused"]
+                except RepackError as refusal:
+                    out[bundle] = [] if "--enable-expert-parallel exactly when" in str(refusal) else [str(refusal)]
+                continue
+            expected = without_kept_values(layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4,
+                                                             ep=ep)))
             dist.barrier()
             if rank == 0:
                 _delete_weights(Path(source))
             dist.barrier()
-            got = layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4))
+            got = without_kept_values(layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4, ep=ep)))
             out[Path(source).parent.name] = _differences(got, expected) or (
                 [] if any(k.endswith("qkv_proj:kernel") for k in got) else ["no fused layer loaded"])
     Path(results, f"rank-{rank}.json").write_text(json.dumps(out))
@@ -307,9 +313,14 @@ def _tp2_llama(root: Path, fmt: str, gen: torch.Generator, w4a4: bool = False) -
                        w4a4=w4a4)
 
 
+MOE_TP2 = [("ct_moe_nvfp4", "sm100", False), ("modelopt_moe_nvfp4", "sm120", False),
+           ("modelopt_moe_nvfp4", "sm100", True), ("ct_moe_nvfp4", "sm120", True)]
+
+
 def test_plugin_state_equals_vllm_load_tp2(tmp_path):
-    """Both formats and both targets at TP = 2, weight-only and W4A4 (vLLM's auto W4A4 kernels), in one
-    two-process world (each process imports vLLM once)."""
+    """Both formats and both targets at TP = 2, weight-only and W4A4 (vLLM's auto W4A4 kernels), MoE bundles with
+    and without expert parallelism (and one refused where vLLM's placement differs), in one two-process world (each
+    process imports vLLM once)."""
     seed = int(torch.randint(0, 2**31, ()))
     print(f"seed={seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -319,15 +330,21 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
             case = tmp_path / f"{fmt}-{target}"
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
             convert(source, target, case / "bundle", fuse=True, tp=2, weight_only=True)
-            cases.append((str(source), str(case / "bundle"), target, False))  # OUT itself, as `vllm serve OUT` is given
+            cases.append((str(source), str(case / "bundle"), target, False, False))  # OUT, as `vllm serve OUT` is given
     for fmt, target in (("modelopt", "sm100"), ("compressed-tensors", "sm120")):  # W4A4 bundles, the default
         case = tmp_path / f"w4a4-{fmt}-{target}"
         source = _tp2_llama(case / "source", fmt, gen, w4a4=True)
         convert(source, target, case / "bundle", tp=2)
-        cases.append((str(source), str(case / "bundle"), target, True))
+        cases.append((str(source), str(case / "bundle"), target, True, False))
+    for fixture, target, ep in MOE_TP2:  # MoE bundles: experts split along the intermediate size, or whole (--ep)
+        case = tmp_path / f"{fixture}-{target}-ep{int(ep)}"
+        source = shutil.copytree(PRODUCERS / fixture, case / "source")
+        convert(source, target, case / "bundle", tp=2, ep=ep)
+        cases.append((str(source), str(case / "bundle"), target, True, ep))
+    cases.append(("", cases[-1][1], cases[-1][2], True, False))  # an --ep bundle served without expert parallelism
     sample = shutil.copytree(SAMPLE_DIR, tmp_path / "sample" / "source")  # the docs' serving example, as written
     convert(sample, "sm100", tmp_path / "sample" / "bundle", fuse=True, tp=2)  # a weight-only checkpoint
-    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100", False))
+    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100", False, False))
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
@@ -504,48 +521,56 @@ def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
 
 
-MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4"]
-EXPERT_DATA = re.compile(r"\.experts\.\d+\.\w+_proj\.(weight|weight_packed|weight_scale)$")  # codes, block scales
+
+MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4"]  # i48: I = 48 (sm100 pads to 64)
 
 
-class _ExpertsFromLayout(DefaultModelLoader):
-    """vLLM's load of a source without its experts' codes and block scales, the FusedMoE modules served by
-    :func:`serve_experts` with our layout's tensors of the same experts instead."""
+def without_kept_values(state: dict[str, object]) -> dict[str, object]:
+    """``state`` with compressed-tensors' loaded MoE global scales compared by class, dtype, shape and strides only:
+    vLLM keeps the source's values (no kernel reads them), a bundle does not hold them (the plugin zeroes them)."""
+    return {k: v[:-1] if k.rsplit(".", 1)[-1] in KEPT else v for k, v in state.items()}
 
-    def __init__(self, load_config, family: str, tp: int, rank: int, ep: bool):
-        super().__init__(load_config)
-        self.family, self.tp, self.rank, self.ep, self.served = family, tp, rank, ep, set()
 
-    def get_all_weights(self, model_config, model):
-        yield from ((n, t) for n, t in super().get_all_weights(model_config, model) if not EXPERT_DATA.search(n))
-
-    def load_weights(self, model, model_config):
-        super().load_weights(model, model_config)
-        source = read_source(model_config.model)
-        layout = moe_layout(self.family)
-        plans = plan_experts(source, self.tp, self.rank, ep=self.ep)
-        for name, module in moe_modules(model).items():
-            plan = plans[name.removesuffix(".routed_experts")]
-            check_method(name, module, layout.BACKEND)
-            check_placement(name, module, plan.experts, plan.intermediate)
-            tensors = layout.to_runtime(assemble_experts(source, plan), plan.prefix)
-            serve_experts(name, module, tensors, lambda name=name: self.served.add(name))
+def _moe_state_test(tmp_path: Path, fixture: str, target: str) -> tuple[dict, dict]:
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = without_kept_values(layer_state(load(source, "safetensors", target, w4a4=True)))
+    _delete_weights(source)
+    return without_kept_values(layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))), expected
 
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
 @pytest.mark.parametrize("fixture", MOE_FIXTURES)
-def test_served_experts_hold_vllms_state(vllm_world, tmp_path, fixture, target):
-    """vLLM's FusedMoE post-load with its conversion replaced by our layout's tensors leaves the state vLLM's own
-    conversion of the source leaves: parameters, buffers, input scales, backend, kernel classes, quant config."""
-    from vllm.config.load import LoadConfig
-
-    source = _source(tmp_path, fixture)
-    expected = layer_state(load(source, "safetensors", target, w4a4=True))
-    harness.select(f"{target}-w4a4")
-    config = EngineArgs(model=str(source), dtype="bfloat16", max_model_len=128, enforce_eager=True,
-                        linear_backend="auto").create_engine_config()
-    loader = _ExpertsFromLayout(LoadConfig(), target, 1, 0, False)
-    with set_current_vllm_config(config):
-        got = layer_state(loader.load_model(vllm_config=config, model_config=config.model_config))
-    assert len(loader.served) == 2 and any(k.endswith("routed_experts:backend") for k in expected)
+def test_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    """A MoE bundle (W4A4 experts and dense layers) against vLLM's auto load of the source: every parameter and
+    buffer, each FusedMoE module's backend, kernel classes, quant config and moe_config sizes (``moe_state``)."""
+    if (fixture, target) == ("modelopt_moe_i48_nvfp4", "sm120"):  # 2I = 96: vLLM and convert refuse it
+        with pytest.raises(RepackError, match="multiple of 128"):
+            convert(_source(tmp_path, fixture), target, tmp_path / "bundle", fuse=True)
+        return
+    got, expected = _moe_state_test(tmp_path, fixture, target)
+    backend = expected["model.layers.0.mlp.experts.routed_experts:backend"]
+    assert backend == {"sm100": "FLASHINFER_TRTLLM", "sm120": "FLASHINFER_CUTLASS"}[target]
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+def test_moe_refuses_another_backend(vllm_world, tmp_path):
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm120", tmp_path / "bundle", fuse=True)
+    message = _refused(tmp_path / "bundle", "sm100")  # an sm100's auto: TRT-LLM-gen
+    assert "vLLM chose the FLASHINFER_TRTLLM MoE backend on this GPU, but the bundle holds the FLASHINFER_CUTLASS" \
+        in message
+
+
+def test_moe_refuses_a_weight_only_moe_method(vllm_world, tmp_path):
+    """vLLM serves W4A16 NVFP4 experts with Marlin (here: the bundle's config edited to weight-only)."""
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    _edit_json(tmp_path / "bundle" / "config.json", lambda c: [
+        g.update(input_activations=None) for g in c["quantization_config"]["config_groups"].values()])
+    assert "(W4A16: Marlin); bundles hold NVFP4 W4A4 MoE" in _refused(tmp_path / "bundle")
+
+
+def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
+    convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["moe"].pop("model.layers.1.mlp.experts.routed_experts"))
+    assert "FusedMoE module 'model.layers.1.mlp.experts.routed_experts' has no tensors" in _refused(tmp_path / "bundle")
