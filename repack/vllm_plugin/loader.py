@@ -14,11 +14,13 @@ repacks the weight into the kernel's layout. A bundle already holds that layout 
    the bundle's matrices, already normalized, into the tensors vLLM shares between partitions and layers, and
    marks them normalized (:func:`_install_transforms`);
 5. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
-6. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
+6. for each FusedMoE module (MoE bundles): refuses what vLLM would hold otherwise and hooks its MoE post-load so
+   that vLLM's expert conversion returns the bundle's tensors (:mod:`.experts`);
+7. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
    ``process_weights_after_loading`` (the padding, swizzle and FlashInfer repack) is replaced, for that one
    call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
    tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer);
-7. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
+8. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
    its kernels (:func:`_kernels_take_input_transforms`); sm100 and sm120 run vLLM's transform method as it is.
 
 Everything else vLLM does after loading (its schemes' Python-side state, W4A4 activation scales, KV-cache
