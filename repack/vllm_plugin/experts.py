@@ -35,8 +35,6 @@ CONVERTED = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_
              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
 CONVERT = "convert_to_nvfp4_moe_kernel_format"
 METHODS = ("ModelOptNvFp4FusedMoE", "CompressedTensorsW4A4Nvfp4MoEMethod")
-# compressed-tensors' loaded scalars, left on the module by vLLM's post-load (its kernels read the converted ones)
-KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -122,8 +120,9 @@ def _conversion(method: object, convert: Callable[..., tuple[torch.Tensor, ...]]
 def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor], done: Callable[[], None]) -> None:
     """Hook the module's MoE post-load so that it installs ``tensors`` (vLLM's names: the eight converted ones and
     ``g1_scale_c`` on TRT-LLM-gen, from ``Bundle.moe_tensors``) instead of converting its own; ``done`` is called
-    once it ran. Compressed-tensors' loaded global scales (:data:`KEPT`), which vLLM keeps and no kernel reads, are
-    zeroed: a bundle does not hold them."""
+    once it ran. The per-expert float32 scalars vLLM allocated are zeroed rather than left as uninitialized memory:
+    its post-load compares w1's and w3's before converting (a warning), and compressed-tensors' loaded global scales
+    stay on the module after it (no kernel reads them; a bundle does not hold them)."""
     method = module.quant_method
     missing = sorted(set(CONVERTED) - set(tensors))
     if missing:
@@ -131,9 +130,9 @@ def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor]
     params = dict(module.named_parameters(recurse=False))
     tensors = {part: t.to(params[next(iter(params))].device) for part, t in tensors.items()}
     with torch.no_grad():
-        for part in KEPT:
-            if part in params:
-                params[part].zero_()
+        for param in params.values():
+            if param.dtype == torch.float32:
+                param.zero_()
     held = dict(tensors)
     for scale, activation in (("w13_weight_scale_2", "w13_input_scale"), ("w2_weight_scale_2", "w2_input_scale")):
         held[scale] = unfolded_scale(tensors[scale], tensors[activation], f"{name}.{scale}")

@@ -43,9 +43,8 @@ from repack.formats import SourceModel, read_source
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
-from repack.sample.synthetic import write_llama
+from repack.sample.synthetic import write_llama, write_qwen_moe
 from repack.vllm_plugin import register
-from repack.vllm_plugin.experts import KEPT
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
 
@@ -525,19 +524,27 @@ def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
 MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4"]  # i48: I = 48 (sm100 pads to 64)
 
 
+# compressed-tensors' loaded MoE scalars, which vLLM's post-load leaves on the module (its kernels read the converted)
+KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
+
+
 def without_kept_values(state: dict[str, object]) -> dict[str, object]:
     """``state`` with compressed-tensors' loaded MoE global scales compared by class, dtype, shape and strides only:
     vLLM keeps the source's values (no kernel reads them), a bundle does not hold them (the plugin zeroes them)."""
     return {k: v[:-1] if k.rsplit(".", 1)[-1] in KEPT else v for k, v in state.items()}
 
 
-def _moe_state_test(tmp_path: Path, fixture: str, target: str) -> tuple[dict, dict]:
-    source = _source(tmp_path, fixture)
+def _moe_state_test(tmp_path: Path, checkpoint: Path, target: str) -> tuple[dict, dict]:
+    """The plugin's state from a bundle of ``checkpoint`` and vLLM's from the checkpoint (a copy, weights deleted
+    before the plugin loads)."""
+    source = Path(shutil.copytree(checkpoint, tmp_path / "source"))
     bundle = tmp_path / "bundle"
     convert(source, target, bundle, fuse=True)
     expected = without_kept_values(layer_state(load(source, "safetensors", target, w4a4=True)))
     _delete_weights(source)
-    return without_kept_values(layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))), expected
+    served = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    assert not any(any(v[-1]) for k, v in served.items() if k.rsplit(".", 1)[-1] in KEPT), "not zeroed"
+    return without_kept_values(served), expected
 
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
@@ -549,10 +556,34 @@ def test_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target
         with pytest.raises(RepackError, match="multiple of 128"):
             convert(_source(tmp_path, fixture), target, tmp_path / "bundle", fuse=True)
         return
-    got, expected = _moe_state_test(tmp_path, fixture, target)
+    got, expected = _moe_state_test(tmp_path, PRODUCERS / fixture, target)
     backend = expected["model.layers.0.mlp.experts.routed_experts:backend"]
     assert backend == {"sm100": "FLASHINFER_TRTLLM", "sm120": "FLASHINFER_CUTLASS"}[target]
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+# Fresh synthetic MoE checkpoints: "aligned" has a hidden size vLLM's TRT-LLM-gen does not pad (256), "odd" one it
+# pads (80 -> 256) and scale rows w2 pads (80 -> 128); "wide" gate/up multipliers that differ (vLLM keeps w1's) and 5
+# experts; "shared" is a Qwen2-MoE with a shared expert (a dense NVFP4 MLP beside the FusedMoE) and a dense first layer.
+MOE_SYNTHETIC = {
+    "aligned": dict(hidden=256, experts=3, intermediate=64),
+    "odd": dict(hidden=80, experts=3, intermediate=64),
+    "wide": dict(hidden=64, experts=5, intermediate=256, shared_scales=False),
+    "shared": dict(hidden=64, experts=4, intermediate=128, layers=3, shared_expert=96, dense_layers=(0,)),
+}
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("shape", MOE_SYNTHETIC)
+def test_moe_plugin_state_equals_vllm_load_synthetic(vllm_world, tmp_path, shape, fmt, target):
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    write_qwen_moe(tmp_path / "synthetic", fmt, generator=torch.Generator().manual_seed(seed),
+                   **{"layers": 2, **MOE_SYNTHETIC[shape]})
+    got, expected = _moe_state_test(tmp_path, tmp_path / "synthetic", target)
+    assert not _differences(got, expected), f"{shape} {fmt} {target} (seed {seed}): differs in " \
+        f"{_differences(got, expected)[:8]}"
 
 
 def test_moe_refuses_another_backend(vllm_world, tmp_path):
