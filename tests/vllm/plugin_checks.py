@@ -37,6 +37,7 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
 from vllm.model_executor.model_loader import get_model_loader
 
+from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import SourceModel, read_source
@@ -46,6 +47,7 @@ from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama, write_qwen_moe
 from repack.vllm_plugin import register
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
+from repack.vllm_plugin.experts import unfolded_scale
 from repack.vllm_plugin.loader import LOAD_FORMAT
 
 harness.patch()
@@ -467,9 +469,9 @@ def test_sm90_kernel_class_eager_calls_skip_the_op(vllm_world, tmp_path, monkeyp
     assert torch.equal(kernel.apply_weights(layer, x), torch.zeros_like(expected))
 
 
-def _refused(path: Path, target: str = "sm100") -> str:
+def _refused(path: Path, target: str = "sm100", w4a4: bool = False) -> str:
     with pytest.raises(RepackError) as caught:
-        load(path, LOAD_FORMAT, target)
+        load(path, LOAD_FORMAT, target, w4a4=w4a4)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -586,15 +588,59 @@ def test_moe_plugin_state_equals_vllm_load_synthetic(vllm_world, tmp_path, shape
         f"{_differences(got, expected)[:8]}"
 
 
+def test_unfolded_scale_is_what_vllms_fold_turns_into_the_bundles_bytes():
+    """vLLM's experts classes fold ``w*_weight_scale_2 *= input_scale`` in float32: the plugin gives them a value that
+    folds into the bundle's bytes exactly, and refuses a bundle value no float32 folds into."""
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
+    multiplier = torch.rand(4096, generator=gen) * 10.0 ** torch.randint(-6, 2, (4096,), generator=gen)
+    scale = torch.full((4096,), float(torch.rand((), generator=gen) * 10.0 ** torch.randint(-4, 3, ()).item()))
+    folded = multiplier * scale
+    assert torch.equal(unfolded_scale(folded, scale, "x") * scale, folded), f"seed {seed}"
+    three = torch.tensor([3.0])
+    # near 1.75 a step of x (2^-24) moves x * 3 by 1.5 of the result's steps (2^-23): some results are never hit
+    target = next(t for t in (torch.tensor([1.75]) + k * 2.0**-23 for k in range(8))
+                  if not torch.any(_neighbours(t / 3, 16) * three == t))
+    with pytest.raises(RepackError, match="not a float32 product with its input scale"):
+        unfolded_scale(target, three, "x")
+
+
+def _neighbours(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``2n + 1`` float32 values around ``x`` (a one-element tensor), step by step."""
+    below, above, out = x, x, [x]
+    for _ in range(n):
+        below, above = torch.nextafter(below, below * 0), torch.nextafter(above, above * 2)
+        out += [below, above]
+    return torch.cat(out)
+
+
+def _corrupt(bundle: Path, name: str) -> None:
+    """Flip one bit of the first byte of tensor ``name`` in its shard (digests are verify's, not the loader's)."""
+    entry = open_bundle(bundle).entry(name)
+    with open(entry.file, "r+b") as f:
+        f.seek(entry.begin)
+        byte = f.read(1)[0]
+        f.seek(entry.begin)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def test_moe_refuses_a_g1_scale_c_vllm_does_not_derive(vllm_world, tmp_path):
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    _corrupt(tmp_path / "bundle", "model.layers.1.mlp.experts.routed_experts.g1_scale_c")
+    assert "routed_experts.g1_scale_c: vLLM derives another value from the bundle's scales; run verify" in \
+        _refused(tmp_path / "bundle", w4a4=True)
+
+
 def test_moe_refuses_another_backend(vllm_world, tmp_path):
     convert(_source(tmp_path, "ct_moe_nvfp4"), "sm120", tmp_path / "bundle", fuse=True)
-    message = _refused(tmp_path / "bundle", "sm100")  # an sm100's auto: TRT-LLM-gen
+    message = _refused(tmp_path / "bundle", "sm100", w4a4=True)  # an sm100's auto: TRT-LLM-gen
     assert "vLLM chose the FLASHINFER_TRTLLM MoE backend on this GPU, but the bundle holds the FLASHINFER_CUTLASS" \
         in message
 
 
 def test_moe_refuses_a_weight_only_moe_method(vllm_world, tmp_path):
-    """vLLM serves W4A16 NVFP4 experts with Marlin (here: the bundle's config edited to weight-only)."""
+    """vLLM serves W4A16 NVFP4 experts with Marlin (here: the bundle's config edited to weight-only, its dense layers
+    loaded with the W4A16 kernel)."""
     convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
     _edit_json(tmp_path / "bundle" / "config.json", lambda c: [
         g.update(input_activations=None) for g in c["quantization_config"]["config_groups"].values()])
@@ -604,4 +650,4 @@ def test_moe_refuses_a_weight_only_moe_method(vllm_world, tmp_path):
 def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
     convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
     _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["moe"].pop("model.layers.1.mlp.experts.routed_experts"))
-    assert "FusedMoE module 'model.layers.1.mlp.experts.routed_experts' has no tensors" in _refused(tmp_path / "bundle")
+    assert "FusedMoE module 'model.layers.1.mlp.experts.routed_experts' has no tensors" in _refused(tmp_path / "bundle", w4a4=True)
