@@ -32,14 +32,17 @@ from typing import Callable
 
 import torch
 
-from .bundle.layers import OutputLayer, Piece, assemble, layer_transforms, rescale_error, whole_piece
-from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, PartitionRecord, read_output_record
+from .bundle.layers import (
+    ExpertPlan, OutputLayer, Piece, assemble, expert_range, layer_transforms, rescale_error, whole_piece,
+)
+from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, MoERecord, PartitionRecord, read_output_record
 from .bundle.reader import Bundle, open_bundle
 from .convert import rank_folder
 from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
 from .formats.hashing import file_hexdigest, new_digest
+from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, map_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
@@ -48,6 +51,7 @@ from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
+from .verify_moe import EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -318,10 +322,15 @@ def numerics_sample(layers: dict[str, LayerRecord], gen: torch.Generator) -> set
 
     Exactness compares every layer's decode with the source bit for bit; numerics then shows that the runtime
     path computes the function for each layer geometry, which does not depend on the layer's values."""
-    first: dict[tuple[int, int], str] = {}
-    for prefix, record in layers.items():
-        first.setdefault((record.n, record.k), prefix)
-    names = list(layers)
+    return _first_of_each({prefix: (record.n, record.k) for prefix, record in layers.items()}, gen)
+
+
+def _first_of_each(shapes: dict[str, tuple[int, ...]], gen: torch.Generator) -> set[str]:
+    """The first name of each distinct shape, and one more at random."""
+    first: dict[tuple[int, ...], str] = {}
+    for name, shape in shapes.items():
+        first.setdefault(shape, name)
+    names = list(shapes)
     return set(first.values()) | ({names[int(torch.randint(0, len(names), (), generator=gen))]} if names else set())
 
 
@@ -421,6 +430,58 @@ def _check_departure(src: SourceModel, planned: OutputLayer, rescaled: NVFP4Weig
                    f"than the {bound:.4g} {what}", "exactness")
 
 
+def expert_plan(record: MoERecord, groups: dict[str, ExpertGroup]) -> tuple[ExpertPlan | None, str | None]:
+    """The plan a FusedMoE record says convert followed, checked against the source's experts: ``(plan, None)``, or
+    ``(None, why not)``."""
+    group = groups.get(record.source)
+    if group is None:
+        return None, f"{record.module}: {record.source} is not a FusedMoE layer of the source"
+    (first, last), (r0, r1) = record.experts, record.rows
+    local = slice(first, last)
+    members = {"gate": list(group.gate[local]), "up": list(group.up[local]), "down": list(group.down[local])}
+    sizes = (record.num_experts, record.hidden, record.members)
+    if sizes != (group.experts, group.hidden, members) or r1 > group.intermediate or r0 % BLOCK_SIZE:
+        return None, (f"{record.module}: experts {record.experts} of {record.num_experts}, rows {record.rows}, hidden "
+                      f"{record.hidden} or members do not match the source's {group.experts} experts of "
+                      f"[{group.intermediate}, {group.hidden}]")
+    plan = ExpertPlan(group, (r0, r1), (first, last), ep=record.expert_map is not None)
+    if plan.ep and record.expert_map != plan.expert_map:
+        return None, f"{record.module}: expert_map is not vLLM's for experts {record.experts} of {record.num_experts}"
+    return plan, None
+
+
+def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dict[str, ExpertGroup],
+               numerics: bool, gen: torch.Generator) -> TensorCheck:
+    """One FusedMoE layer: integrity and layout of its tensors; with the source, every expert exact
+    (``check_experts``: codes, block scales, folded scalars, padding) and, if ``numerics``, two sampled experts
+    computed as the FP4 x FP4 MoE GEMMs do against the float64 source (``expert_numerics``)."""
+    record = bundle.manifest.moe[module]
+    layout = bundle.moe_layout
+    check = TensorCheck(module)
+    specs = layout.runtime_specs(record.local_experts, record.hidden, record.intermediate)
+    held = {name: _checked_tensor(bundle, f"{module}.{name}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
+            for name, spec in specs.items()}
+    if any(t is None for t in held.values()) or src is None:
+        return check
+    plan, problem = expert_plan(record, groups)
+    if plan is None:
+        check.fail(problem, "exactness")
+        return check
+    if record.input_scales != ("all" if GLOBAL_INPUT_SCALES[src.format] else "local"):
+        check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
+    for problem in check_experts(src, plan, held, layout):
+        check.fail(problem, "exactness")
+    if numerics:
+        sampled = sorted({0, int(torch.randint(0, record.local_experts, (), generator=gen))})
+        errors = expert_numerics(src, plan, held, layout, sampled, gen, tokens=16, w4a4=True)
+        check.max_rel_error = max(errors.values())
+        for name, error in errors.items():
+            if not error <= EXPERT_W4A4_REL_ERROR:
+                check.fail(f"{name}: relative error {error:.3g} of the FP4 x FP4 expert exceeds "
+                           f"{EXPERT_W4A4_REL_ERROR:g}", "numerics")
+    return check
+
+
 def _check_passthrough(bundle: Bundle, name: str, src: SourceModel | None) -> TensorCheck:
     check = TensorCheck(name)
     tensor = _checked_tensor(bundle, name, check)
@@ -473,6 +534,10 @@ def verify_bundle(
     gen = torch.Generator().manual_seed(seed)
     sampled = numerics == "sample" or (numerics == "auto" and loaded.backend == "reference")
     chosen = numerics_sample(bundle.manifest.layers, gen) if sampled else set(bundle.manifest.layers)
+    moe = bundle.manifest.moe  # numerics need the source (and sample two experts of each layer checked)
+    moe_chosen = set() if src is None else _first_of_each(
+        {m: (r.local_experts, r.hidden, r.intermediate) for m, r in moe.items()}, gen) if sampled else set(moe)
+    sampled_moe = moe_chosen.__contains__
     tick = progress or (lambda name: None)
     in_flight = LAYERS_IN_FLIGHT if loaded.device.type == "cpu" else 1  # one GPU stream: no gain from threads
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, ThreadPoolExecutor(in_flight) as layers_pool, \
@@ -508,6 +573,11 @@ def verify_bundle(
             layers.append(_collect(checking, tick))
         position = {prefix: index for index, prefix in enumerate(names)}
         layers.sort(key=lambda check: position[check.name])
+        groups = expert_groups(src) if src is not None and bundle.manifest.moe else {}
+        for module in bundle.manifest.moe:
+            check_identity(wait=False)
+            layers.append(_check_moe(bundle, module, src, groups, sampled_moe(module), gen))
+            tick(module)
         for name in bundle.manifest.passthrough:
             passthrough.append(_check_passthrough(bundle, name, src))
             tick(name)
@@ -515,11 +585,13 @@ def verify_bundle(
         report = VerifyReport(
             bundle=str(bundle.root), target=bundle.target.name, device=device, backend=loaded.backend,
             source=str(src.checkpoint.root) if src else None, seed=seed, tolerance=NUMERIC_TOLERANCE,
-            files=[f.result() for f in files], layers=layers, passthrough=passthrough, numerics_layers=len(chosen),
+            files=[f.result() for f in files], layers=layers, passthrough=passthrough,
+            numerics_layers=len(chosen) + sum(map(sampled_moe, bundle.manifest.moe)),
             transforms=transform_checks,
         )
     if src is not None and bundle.manifest.tp_size == 1:  # a rank holds part of the model: see verify_output
         covered = {p.source for record in bundle.manifest.layers.values() for p in record.partitions}
+        covered |= {m for record in bundle.manifest.moe.values() for names in record.members.values() for m in names}
         for prefix in sorted(set(src.layers) - covered):
             report.layers.append(failed(prefix, f"{prefix}: source layer missing from the bundle", "exactness"))
         consumed = {src.input_scale_name(p) for p in covered} if bundle.target.scheme == "W4A4" else set()
@@ -591,8 +663,12 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
         for prefix, record in bundle.manifest.layers.items():
             for part in record.partitions:
                 pieces.setdefault(part.source, []).append((r, prefix, part))
-    checks = []
+    groups = expert_groups(src) if any(b.manifest.moe for b in ranks) else {}
+    checks = _check_moe_coverage(ranks, groups)
+    experts = {m for group in groups.values() for m in group.members}  # each rank's MoE check covers their values
     for name, layer in src.layers.items():
+        if name in experts:
+            continue
         check = TensorCheck(f"reassembled/{name}")
         checks.append(check)
         regions = {(tuple(p.source_rows), tuple(p.source_cols)): (r, prefix, p) for r, prefix, p in pieces.get(name, [])}
@@ -622,6 +698,25 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
             ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_products(x, weight, scale)
             worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
+    return checks
+
+
+def _check_moe_coverage(ranks: list[Bundle], groups: dict[str, ExpertGroup]) -> list[TensorCheck]:
+    """Every expert's intermediate rows held by exactly one rank (TP: each rank a slice of every expert; --ep: whole
+    experts on one rank each), per FusedMoE layer of the source."""
+    checks = []
+    for prefix, group in groups.items():
+        check = TensorCheck(f"reassembled/{prefix}")
+        checks.append(check)
+        cover = torch.zeros(group.experts, group.intermediate, dtype=torch.int32)
+        for bundle in ranks:
+            for record in bundle.manifest.moe.values():
+                if record.source == prefix and record.experts[1] <= group.experts:
+                    cover[slice(*record.experts), slice(*record.rows)] += 1
+        if not bool((cover == 1).all()):
+            missing = int((cover == 0).any(dim=1).nonzero()[0]) if bool((cover == 0).any()) else None
+            where = f" (expert {missing} is not all there)" if missing is not None else " (some held twice)"
+            check.fail(f"{prefix}: the ranks do not hold each expert's rows exactly once{where}", "exactness")
     return checks
 
 

@@ -14,7 +14,7 @@ from types import ModuleType
 
 from .bundle.layers import ExpertPlan, assemble_experts
 from .formats import SourceModel
-from .nvfp4 import NVFP4Weight, dequantize, fake_quantize_activations, quantize_activations
+from .nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
@@ -62,10 +62,13 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
 
 
 EXPERT_REL_ERROR = 1e-6  # float32 products of the folded scalars, read back in float64: ~1e-7 measured
-# W4A4: the GPU's float32 activation quantizer and the format's float64 definition pick different E2M1 steps where
-# x * gs / s lies within float32 ulps of a tie (24 of 40960 bf16 activations at ModelOpt's gs 803.9): measured up
-# to 6.1e-3 on the producer fixtures (8e-8 where no activation hits one); a wrong alpha or weight is >= 0.1.
-EXPERT_W4A4_REL_ERROR = 2e-2
+# W4A4: both sides quantize the activations with the kernel's quantizer, so only the weights, the alpha and the held
+# input scale (the activation codes it gives) can differ: 6e-8 measured on the producer fixtures at TP 1 and 2; a
+# wrong alpha, weight or input scale is >= 1e-3.
+EXPERT_W4A4_REL_ERROR = EXPERT_REL_ERROR
+# W4A4 activations are drawn with this standard deviation relative to the calibrated amax (4 sigma inside it), the
+# range the input scale was calibrated for (standard normal ones saturate whole blocks of ModelOpt's down_proj).
+CALIBRATED_STD = 0.25
 
 
 def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor], layout: ModuleType,
@@ -78,7 +81,10 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
     Weight-only (default): the held multiplier is read back as ``w*_weight_scale_2 / w*_input_scale``. ``w4a4``: as
     the FP4 x FP4 MoE GEMMs compute, bf16 ``x`` quantized as the GPU does (``quantize_activations``) with
     ``1 / w*_input_scale``, the product scaled by the held alpha ``w*_weight_scale_2``; the reference quantizes
-    ``x`` by the format's definition (``fake_quantize_activations``) with ``1 / max`` of the source's input scales."""
+    ``x`` the same way with ``1 / max`` of the source's input scales and multiplies in float64 (as dense verify's
+    ``w4a4_products``: the format's float64 definition of the quantizer rounds apart from the kernel's float32 one
+    on exact e4m3 ties, which calibrated scales make common, by a whole scale step), so a wrong held input scale
+    (other activation codes) or alpha shows up as it would on the GPU, and nothing else does."""
     group, inter = plan.group, plan.intermediate
     source_stack = assemble_experts(source, plan)
     errors = {}
@@ -90,18 +96,19 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
             ref_codes = getattr(source_stack, f"{which}_codes")[e]
             ref_scales = getattr(source_stack, f"{which}_scales")[e]
             own = getattr(source_stack, f"{which}_multiplier")[e].reshape(-1)
-            source_gs = 1.0 / getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
+            source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
+            source_gs = 1.0 / source_scale
             rows = ours.shape[0] // len(projs)
             for i, proj in enumerate(projs):
                 part = slice(i * rows, (i + 1) * rows)
                 ref = dequantize(NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1)), torch.float64)
                 x = torch.randn(tokens, ref.shape[1], generator=generator)
-                if w4a4:
-                    x = x.to(torch.bfloat16)
+                if w4a4:  # activations in the range the scale was calibrated for (amax = 2688 x input scale)
+                    x = (x * (CALIBRATED_STD * E2M1_MAX * E4M3_MAX) * source_scale.double()).to(torch.bfloat16)
                     x_codes, x_scales = quantize_activations(x, (1.0 / a_scale).reshape(1))
                     x_held = dequantize(NVFP4Weight(x_codes, x_scales, torch.ones(1)), torch.float64)
                     got = (x_held @ ours[part].T) * alpha.double()
-                    want = fake_quantize_activations(x, source_gs.reshape(1)) @ ref.T
+                    want = dequantize_activations(*quantize_activations(x, source_gs.reshape(1)), source_gs) @ ref.T
                 else:
                     x = x.double()
                     got = x @ ours[part].T * (alpha.double() / a_scale.double())

@@ -5,7 +5,9 @@ command line), inspect, and the refusals. Byte conformance with vLLM's own load:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -55,3 +57,114 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
         # the experts' activation scales are folded into the records' tensors: no longer passthrough
         assert not [n for n in bundle.manifest.passthrough if ".experts." in n]
         assert not [p for p in bundle.manifest.layers if ".experts." in p]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict:
+    """ct_moe_nvfp4 converted with --tp 2 --ep for each family: rank 1 holds experts 2 and 3 of both layers."""
+    out = {}
+    for target in LAYOUTS:
+        path = tmp_path_factory.mktemp("moe") / target
+        assert main(["convert", str(PRODUCERS / "ct_moe_nvfp4"), "-t", target, "--tp", "2", "--ep", "-o",
+                     str(path)]) == 0
+        out[target] = path
+    return out
+
+
+def _verify(path, capsys) -> tuple[int, str]:
+    code = main(["verify", str(path), "--seed", "7"])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", LAYOUTS)
+def test_verify_passes_fused_moe_bundles_with_expert_numerics(converted, target, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert main(["verify", str(converted[target]), "--report", str(report)]) == 0, capsys.readouterr().out
+    layers = {c["name"]: c for c in json.loads(report.read_text())["layers"]}
+    for rank in range(2):
+        moe = layers[f"rank-{rank}/model.layers.0.mlp.experts.routed_experts"]
+        assert moe["status"] == "ok" and 0 < moe["max_rel_error"] <= 1e-6  # two sampled experts, FP4 x FP4
+    assert layers["reassembled/model.layers.1.mlp.experts"]["status"] == "ok"  # every expert on exactly one rank
+
+
+MODULE = "model.layers.1.mlp.experts.routed_experts"
+
+
+def _tamper(path, change) -> None:
+    """Rank 1's ``MODULE`` tensors changed by ``change`` (held -> {name: new tensor}), its manifest rewritten to
+    match: what only the comparison with the source catches."""
+    from .test_verify import rewrite_consistently
+
+    rank = path / "rank-1"
+    held = open_bundle(rank).moe_tensors(MODULE)
+    for name, value in change(held).items():
+        rewrite_consistently(rank, f"{MODULE}.{name}", value)
+
+
+def _swapped_halves(target):
+    """w13 built from each expert's up rows where its gate rows go and back (through the layout, so that the
+    sm100 interleave puts them where the kernel reads gate rows)."""
+    from repack.targets.moe import w3w1
+
+    source = read_source(PRODUCERS / "ct_moe_nvfp4")
+    plan = plan_experts(source, 2, 1, ep=True)["model.layers.1.mlp.experts"]
+    stack = assemble_experts(source, plan)
+    swapped = LAYOUTS[target].to_runtime(dataclasses.replace(stack, w13_codes=w3w1(stack.w13_codes)))
+    return lambda held: {"w13_weight": swapped["w13_weight"]}
+
+
+def _corrupt_expert(held):
+    w2 = held["w2_weight"].clone()
+    w2[1].view(-1)[100] ^= 0x22  # local expert 1 of rank 1: global expert 3
+    return {"w2_weight": w2}
+
+
+def _swap_experts(held):
+    return {"w13_weight_scale": held["w13_weight_scale"][[1, 0]].contiguous()}
+
+
+@pytest.mark.parametrize("target", LAYOUTS)
+@pytest.mark.parametrize("case,expected", [
+    ("corrupt", ["rank-1: model.layers.1.mlp.experts.3.down_proj: codes differ"]),
+    ("swap", [f"rank-1: model.layers.1.mlp.experts.{e}.{p}_proj: block scales differ" for e in (2, 3)
+              for p in ("gate", "up")]),
+    ("halves", [f"rank-1: model.layers.1.mlp.experts.{e}.{p}_proj: codes differ" for e in (2, 3)
+                for p in ("gate", "up")]),
+])
+def test_verify_names_a_corrupted_or_swapped_expert_or_swapped_halves(converted, target, case, expected, tmp_path,
+                                                                      capsys):
+    """A tamperer who rewrites the manifest too (digests consistent): verify exits 1 and names the expert and
+    projection, one line each, from the source comparison."""
+    path = tmp_path / "out"
+    shutil.copytree(converted[target], path)  # its manifests still name the fixture as the source
+    change = {"corrupt": _corrupt_expert, "swap": _swap_experts, "halves": _swapped_halves(target)}[case]
+    _tamper(path, change)
+    code, text = _verify(path, capsys)
+    assert code == 1, text
+    lines = [line.strip() for line in text.splitlines() if "mlp.experts." in line and "differ" in line]
+    assert lines == expected, text
+
+
+def test_a_flipped_expert_byte_fails_integrity(converted, tmp_path, capsys):
+    path = tmp_path / "out"
+    shutil.copytree(converted["sm100"], path)
+    from .test_verify import flip_tensor_byte
+
+    flip_tensor_byte(path / "rank-0", f"{MODULE}.w2_weight", offset=17)
+    code, text = _verify(path, capsys)
+    assert code == 1 and f"rank-0: {MODULE}.w2_weight: blake3 digest differs from the manifest" in text, text
+
+
+def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["inspect", str(converted["sm120"] / "rank-1")]) == 0
+    text = capsys.readouterr().out
+    assert (f"2 FusedMoE layers, layout {moe_cutlass.LAYOUT_ID} (vLLM backend FLASHINFER_CUTLASS, FlashInferExperts)"
+            in text), text
+    row = next(line for line in text.splitlines() if MODULE in line)
+    cells = [cell.strip() for cell in row.split("│")[2:7]]
+    assert cells == ["2:4 of 4 (expert parallel)", "2", "64", "128 (0:128)", "local experts"], row
+    assert main(["inspect", str(converted["sm100"]), "--json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)
+    assert [r["moe"][MODULE]["expert_map"] for r in ranks] == [[0, 1, -1, -1], [-1, -1, 0, 1]]
+    assert {r["moe"][MODULE]["layout_id"] for r in ranks} == {moe_trtllm.LAYOUT_ID}

@@ -73,8 +73,8 @@ def rewrite_consistently(out, name, value):
     record = open_bundle(out).manifest.all_tensors[name]
     tensors = load_file(out / record.file)
     prefix, _, part = name.rpartition(".")
-    records = manifest["layers"][prefix]["tensors"] if prefix in manifest["layers"] else manifest["passthrough"]
-    key = part if prefix in manifest["layers"] else name
+    held = next((manifest[kind][prefix]["tensors"] for kind in ("layers", "moe") if prefix in manifest[kind]), None)
+    records, key = (held, part) if held is not None else (manifest["passthrough"], name)
     if value is None:
         del tensors[name], records[key]
     else:

@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from repack.bundle.layers import assemble_experts, plan_experts
+from repack.bundle.reader import open_bundle
+from repack.cli import main
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups
@@ -105,25 +107,30 @@ def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, arch, tp
 
 def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool) -> None:
     for rank in range(tp):
-        meta = json.loads((dumped / f"moe-rank-{rank}.json").read_text())
-        theirs = load_file(dumped / f"moe-rank-{rank}.safetensors")
         plans = plan_experts(source, tp, rank, ep=ep)
-        assert sorted(meta) == sorted(f"{p}.routed_experts" for p in plans)
-        for prefix, plan in plans.items():
-            info = meta[f"{prefix}.routed_experts"]
-            assert (info["backend"], info["experts"]) == (layout.BACKEND, layout.KERNEL)
-            ours = layout.to_runtime(assemble_experts(source, plan), prefix)
-            leftovers = CT_LEFTOVERS if source.format == "compressed-tensors" else set()
-            assert set(info["tensors"]) == set(ours) | leftovers | ({"_expert_map"} if ep else set()), prefix
-            if ep:  # global expert -> local index, -1 elsewhere
-                expected = torch.full((plan.group.experts,), -1, dtype=torch.int32)
-                expected[slice(*plan.experts)] = torch.arange(plan.experts[1] - plan.experts[0], dtype=torch.int32)
-                assert torch.equal(theirs[f"{prefix}.routed_experts._expert_map"], expected), (rank, prefix)
-            for part, tensor in ours.items():
-                ref = theirs[f"{prefix}.routed_experts.{part}"]
-                assert (tensor.dtype, tensor.shape) == (ref.dtype, ref.shape), (prefix, part)
-                assert info["tensors"][part]["stride"] == list(tensor.stride()), (prefix, part)
-                assert torch.equal(tensor.view(torch.uint8), ref.view(torch.uint8)), (rank, prefix, part)
+        held = {plan.module: (layout.to_runtime(assemble_experts(source, plan), prefix), plan.expert_map if ep else None)
+                for prefix, plan in plans.items()}
+        _assert_rank_state(dumped, rank, layout, held, source.format, (rank, "library"))
+
+
+def _assert_rank_state(dumped, rank: int, layout, held: dict, fmt: str, where) -> None:
+    """Rank ``rank``'s FusedMoE modules as vLLM holds them (``dumped``) against ``held``: ``{module: (our tensors by
+    vLLM's names, our _expert_map or None)}``: the same modules, tensors, dtypes, shapes, strides and bytes."""
+    meta = json.loads((dumped / f"moe-rank-{rank}.json").read_text())
+    theirs = load_file(dumped / f"moe-rank-{rank}.safetensors")
+    assert sorted(meta) == sorted(held), where
+    for module, (ours, expert_map) in held.items():
+        info = meta[module]
+        assert (info["backend"], info["experts"]) == (layout.BACKEND, layout.KERNEL), (where, module)
+        leftovers = CT_LEFTOVERS if fmt == "compressed-tensors" else set()
+        assert set(info["tensors"]) == set(ours) | leftovers | ({"_expert_map"} if expert_map else set()), module
+        if expert_map is not None:  # global expert -> local index, -1 elsewhere
+            assert theirs[f"{module}._expert_map"].tolist() == expert_map, (where, module)
+        for part, tensor in ours.items():
+            ref = theirs[f"{module}.{part}"]
+            assert (tensor.dtype, tensor.shape) == (ref.dtype, ref.shape), (where, module, part)
+            assert info["tensors"][part]["stride"] == list(tensor.contiguous().stride()), (where, module, part)
+            assert torch.equal(tensor.view(torch.uint8), ref.view(torch.uint8)), (where, module, part)
 
 
 EP_CASES = [(name, arch) for arch in LAYOUTS for name in EP]
@@ -136,3 +143,34 @@ def test_expert_parallel_ranks_are_byte_identical_to_vllm(name, arch, checkpoint
     dumped = oracle["ep"] / f"{name}-{arch}"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     _assert_ranks_identical(read_source(checkpoints[name]), dumped, LAYOUTS[arch], 2, ep=True)
+
+
+CLI_FIXTURES = [*PRODUCER_FIXTURES, *(f"shared-{f}" for f in FORMATS)]
+CLI_CASES = [(name, arch, mode) for mode in ("tp1", "tp2", "ep") for arch in LAYOUTS for name in CLI_FIXTURES
+             if mode != "ep" or name in EP]
+
+
+@pytest.mark.parametrize("name,arch,mode", CLI_CASES, ids=[f"cli-{n}-{a}-{m}" for n, a, m in CLI_CASES])
+def test_cli_convert_holds_vllms_fused_moe_state_byte_for_byte(name, arch, mode, checkpoints, oracle, tmp_path,
+                                                                 capsys):
+    """``nvfp4-repack convert --fuse [--tp 2] [--ep]`` end to end: every tensor of every FusedMoE module of every
+    rank's bundle, read back by ``Bundle.moe_tensors`` under the manifest's module names, is what vLLM 0.33's own
+    load leaves (dense layers W4A4); where vLLM refuses, convert exits 1 with one line and writes nothing."""
+    tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
+    dumped, layout = oracle["ep" if ep else tp] / f"{name}-{arch}", LAYOUTS[arch]
+    out = tmp_path / "out"
+    args = ["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "-o", str(out)]
+    code = main(args + ["--ep"] * ep)
+    err = capsys.readouterr().err
+    group = next(iter(expert_groups(read_source(checkpoints[name])).values()))
+    if (dumped / "refused.txt").exists() or (not ep and (group.intermediate // tp) % 16):  # see the library test
+        assert code == 1 and err.startswith("Error: ") and err.count("\n") == 1 and "multiple of" in err, err
+        assert not out.exists()
+        return
+    assert code == 0, err
+    for rank in range(tp):
+        bundle = open_bundle(out / f"rank-{rank}" if tp > 1 else out)
+        assert (bundle.manifest.scheme, bundle.manifest.layout_id) == ("W4A4", "w4a4-cutlass-v1")
+        held = {module: (bundle.moe_tensors(module), record.expert_map)
+                for module, record in bundle.moe_layers().items()}
+        _assert_rank_state(dumped, rank, layout, held, bundle.manifest.source.format, (rank, "cli"))

@@ -160,10 +160,11 @@ def convert(
         ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
         kept = f", {summary.kept_shards} shards kept from the interrupted run" if summary.kept_shards else ""
         table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}{ranks}{kept}")
-        for column in ("quantized layers", "passthrough tensors", "bytes in", "bytes out", "time"):
+        moe = ("FusedMoE layers",) if summary.moe_layers else ()
+        for column in ("quantized layers", *moe, "passthrough tensors", "bytes in", "bytes out", "time"):
             table.add_column(column, justify="right")
-        table.add_row(str(summary.layers), str(summary.passthrough), _human(summary.bytes_in),
-                      _human(summary.bytes_out), f"{summary.seconds:.2f} s")
+        table.add_row(str(summary.layers), *[str(summary.moe_layers)] * bool(moe), str(summary.passthrough),
+                      _human(summary.bytes_in), _human(summary.bytes_out), f"{summary.seconds:.2f} s")
         stdout.print(table)
 
 
@@ -199,10 +200,27 @@ def _inspect_bundle(path: Path, as_json: bool) -> None:
                       str(layer.weights_padding_cols), f"{layer.global_scale:.6g}", *([show(origin)] * sliced),
                       *([show(transforms or "-")] if manifest.transforms else []))
     stdout.print(table)
+    if manifest.moe:
+        stdout.print(_moe_table(manifest))
     if manifest.transforms:
         stdout.print(f"{len(manifest.transforms)} online-transform matrices, each stored once: "
                      + ", ".join(f"{show(name)} ({rec.tensor.dtype} [{rec.block_size}]^2, /{rec.scale:g})"
                                  for name, rec in manifest.transforms.items()), soft_wrap=True)
+
+
+def _moe_table(manifest) -> Table:
+    """A bundle's FusedMoE layers: vLLM's module, the experts it holds, top-k, sizes, layout and vLLM backend."""
+    first = next(iter(manifest.moe.values()))
+    table = Table(title=f"{len(manifest.moe)} FusedMoE layers, layout {show(first.layout_id)} (vLLM backend "
+                        f"{show(first.backend)}, {show(first.kernel)})")
+    for column in ("module", "experts held", "top-k", "hidden", "intermediate (rows)", "input scale of"):
+        table.add_column(column)
+    for module, record in manifest.moe.items():
+        placement = " (expert parallel)" if record.expert_map is not None else ""
+        table.add_row(show(module), f"{record.experts[0]}:{record.experts[1]} of {record.num_experts}{placement}",
+                      str(record.top_k or "-"), str(record.hidden),
+                      f"{record.intermediate} ({record.rows[0]}:{record.rows[1]})", f"{record.input_scales} experts")
+    return table
 
 
 def _transform_summary(source) -> list[dict]:
@@ -261,7 +279,7 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
         stdout.print(f"MoE: {moe['fused_moe_layers']} FusedMoE layers of {'/'.join(map(str, moe['experts']))} "
                      f"experts (top-{moe['top_k']}), hidden {moe['hidden']}, intermediate "
                      f"{'/'.join(map(str, moe['intermediate']))}, {moe['shared_expert_modules']} shared-expert "
-                     f"modules; vLLM's MoE layouts: {layouts} (written expert by expert for now: docs/moe.md)")
+                     f"modules; vLLM's MoE layouts: {layouts} (convert --fuse / --tp writes them: docs/moe.md)")
     stdout.print(f"possible targets: {', '.join(info['targets'])}")
 
 
