@@ -71,6 +71,10 @@ def check_method(name: str, module: nn.Module, backend: str) -> None:
         raise RepackError(f"{name}: vLLM serves this MoE layer with {kind}"
                           f"{' (W4A16: Marlin)' if getattr(method, 'use_a16', False) else ''}; bundles hold NVFP4 "
                           f"W4A4 MoE for {', '.join(METHODS)} only; serve the source with --load-format auto")
+    if getattr(method, "per_token_activation", False):
+        raise RepackError(f"{name}: vLLM quantizes this MoE layer's activations per token (quantization_config "
+                          f"moe.activation nvfp4_per_token), the bundle holds experts for the checkpoint's static input "
+                          f"scales; serve it without that override")
     chosen = method.nvfp4_backend.value
     if chosen != backend:
         raise RepackError(f"{name}: vLLM chose the {chosen} MoE backend on this GPU, but the bundle holds the "

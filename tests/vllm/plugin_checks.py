@@ -73,16 +73,16 @@ def world(tp_size: int = 1, rank: int = 0, init_file: str | None = None) -> Iter
 
 
 def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a4: bool = False,
-         ep: bool = False) -> nn.Module:
+         ep: bool = False, **engine: object) -> nn.Module:
     """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces; MoE:
     vLLM's auto NVFP4 MoE backend on that capability); ``w4a4``: vLLM's auto among its W4A4 kernels (else the
-    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel."""
+    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs."""
     arch = "sm120" if target == "sm120" else "sm100"
     _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
     config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
                         load_format=load_format, linear_backend=backend, tensor_parallel_size=tp_size,
-                        enable_expert_parallel=ep).create_engine_config()
+                        enable_expert_parallel=ep, **engine).create_engine_config()
     with set_current_vllm_config(config):
         return get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
 
@@ -469,9 +469,9 @@ def test_sm90_kernel_class_eager_calls_skip_the_op(vllm_world, tmp_path, monkeyp
     assert torch.equal(kernel.apply_weights(layer, x), torch.zeros_like(expected))
 
 
-def _refused(path: Path, target: str = "sm100", w4a4: bool = False) -> str:
+def _refused(path: Path, target: str = "sm100", w4a4: bool = False, **engine: object) -> str:
     with pytest.raises(RepackError) as caught:
-        load(path, LOAD_FORMAT, target, w4a4=w4a4)
+        load(path, LOAD_FORMAT, target, w4a4=w4a4, **engine)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -645,6 +645,14 @@ def test_moe_refuses_a_weight_only_moe_method(vllm_world, tmp_path):
     _edit_json(tmp_path / "bundle" / "config.json", lambda c: [
         g.update(input_activations=None) for g in c["quantization_config"]["config_groups"].values()])
     assert "(W4A16: Marlin); bundles hold NVFP4 W4A4 MoE" in _refused(tmp_path / "bundle")
+
+
+def test_moe_refuses_per_token_activations(vllm_world, tmp_path):
+    """vLLM's ModelOpt MoE with ``quantization_config.moe.activation = nvfp4_per_token`` (TRT-LLM-gen only) quantizes
+    activations per token and holds input scales of 1: not what the bundle's experts were converted for."""
+    convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    message = _refused(tmp_path / "bundle", w4a4=True, quantization_config={"moe": {"activation": "nvfp4_per_token"}})
+    assert "activations per token (quantization_config moe.activation nvfp4_per_token)" in message
 
 
 def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
