@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
-    ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, layer_transforms, plan_layers, rescale_error,
-    whole_piece,
+    ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, layer_transforms,
+    plan_layers, rescale_error, whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -46,7 +46,7 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
-from .targets.moe import ExpertStack, moe_layout
+from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -149,20 +149,23 @@ class _Writing:
         if self.output.plan.file_of[tensor.name] in self.remaining:
             self.transformer.submit(len(chunk), self._queue_write, tensor, chunk, last)
 
-    def take_experts(self, plan: ExpertPlan, stack: ExpertStack) -> None:
-        """A FusedMoE layer as :meth:`take_layer` takes a dense one: its layout's transform on the shared pool, its
-        tensors queued in the plan's order."""
-        nbytes = sum(t.nbytes for t in self.output.plan.units[plan.module])
-        transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack, plan.prefix)
-        self.transformer.submit(nbytes, self._queue_experts, plan, transformed)
+    def take_experts(self, tensors: list[PlannedTensor], stack: ExpertStack, last: bool) -> None:
+        """Some experts' rows of a FusedMoE layer's ``tensors`` (consecutive in the shard: one, or the scalars) as
+        :meth:`take_layer` takes a dense layer: the layout's transform on the shared pool, the bytes queued behind
+        what this bundle queued before. ``last``: the tensors' last experts."""
+        experts = tensors[0].experts
+        nbytes = sum(t.nbytes for t in tensors) * stack.experts // (experts.experts[1] - experts.experts[0])
+        transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack,
+                                             experts.prefix, [t.part for t in tensors])
+        self.transformer.submit(nbytes, self._queue_experts, tensors, transformed, last)
 
-    def _queue_experts(self, plan: ExpertPlan, transformed: Future) -> None:
+    def _queue_experts(self, tensors: list[PlannedTensor], transformed: Future, last: bool) -> None:
         values = transformed.result()
-        for tensor in self.output.plan.units[plan.module]:
+        for tensor in tensors:
             value = values[tensor.part]
-            if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
+            if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape[1:]) != tensor.shape[1:]:
                 raise AssertionError(f"{tensor.name}: target produced {value.dtype} {list(value.shape)}, planned otherwise")
-            self._queue_write(tensor, tensor_bytes(value), last=True)
+            self._queue_write(tensor, tensor_bytes(value), last=last)
 
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
@@ -344,11 +347,8 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
                 loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
             return loaded[prefix]
 
-        if unit in takers[0].output.plan.layers.experts:  # a FusedMoE layer: its experts, read once for every rank
-            for writing in takers:
-                plan = writing.output.plan.layers.experts[unit]
-                writing.take_experts(plan, assemble_experts(source, plan, load))
-            report(sum(source.checkpoint.tensors[n].nbytes for p in loaded for n in source.layers[p].tensor_names), unit)
+        if unit in takers[0].output.plan.layers.experts:
+            _pass_experts(source, reader, unit, takers, report)
             continue
         if unit in takers[0].output.plan.layers.layers:  # an output layer: a source layer, or pieces of some
             for writing in takers:
@@ -371,6 +371,47 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
             for writing in takers:
                 writing.take_chunk(writing.output.plan.units[unit][0], chunk, last=done == entry.nbytes)
             report(len(chunk), unit)
+
+
+MOE_CHUNK_BYTES = 128 << 20  # source bytes of a FusedMoE layer's experts transformed at once (bounds memory)
+
+
+def _pass_experts(source: SourceModel, reader: HashingReader, module: str, takers: list[_Writing],
+                  report: Progress) -> None:
+    """One FusedMoE layer for every bundle that needs it (a --tp output's ranks: each source expert read once for
+    all of them). Tensor by tensor, in the shards' order, each a chunk of experts at a time (every layout tensor
+    is expert by expert), so memory holds one chunk of experts whatever the layer's size: each chunk reads only
+    the source tensors its layout tensor is made from; the small scalar tensors come from the experts' 4-byte
+    scales at once."""
+    plans = [w.output.plan.layers.experts[module] for w in takers]
+    group = plans[0].group
+    per_expert = sum(source.checkpoint.tensors[n].nbytes for names in (group.gate, group.up, group.down)
+                     for n in source.layers[names[0]].tensor_names)
+    step = max(1, MOE_CHUNK_BYTES // per_expert)
+    scales = [expert_input_scales(source, plan) for plan in plans]
+    tensors = takers[0].output.plan.units[module]  # one layout: the same parts, in the same order, in every bundle
+    weights = [i for i, t in enumerate(tensors) if t.part in MADE_FROM]  # the layouts list them before the scalars
+    scalars = [i for i, t in enumerate(tensors) if t.part not in MADE_FROM]
+    for index in weights:
+        field = MADE_FROM[tensors[index].part]
+        for start in range(0, group.experts, step):
+            loaded: dict[str, NVFP4Weight] = {}  # the chunk's source layers, shared by every bundle
+
+            def load(prefix: str) -> NVFP4Weight:
+                if prefix not in loaded:
+                    loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
+                return loaded[prefix]
+
+            for writing, plan, scale in zip(takers, plans, scales):
+                first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
+                if first < last:
+                    stack = assemble_experts(source, plan, load, (first, last), (field,), scale)
+                    writing.take_experts([writing.output.plan.units[module][index]], stack, last == plan.experts[1])
+            if index == weights[0]:
+                report(per_expert * (min(start + step, group.experts) - start), module)
+    for writing, plan, scale in zip(takers, plans, scales):
+        stack = assemble_experts(source, plan, fields=("multipliers",), input_scales=scale)
+        writing.take_experts([writing.output.plan.units[module][i] for i in scalars], stack, True)
 
 
 def convert_bundles(

@@ -24,11 +24,16 @@ LAYOUTS = {"sm100": moe_trtllm, "sm120": moe_cutlass}
 
 
 @pytest.mark.parametrize("target", LAYOUTS)
-@pytest.mark.parametrize("name,tp,ep", [("ct_moe_nvfp4", 1, False), ("modelopt_moe_nvfp4", 2, False),
-                                        ("ct_moe_nvfp4", 2, True)])
-def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(tmp_path, name, tp, ep, target):
+@pytest.mark.parametrize("name,tp,ep,chunk", [("ct_moe_nvfp4", 1, False, None), ("modelopt_moe_nvfp4", 2, False, 1),
+                                              ("ct_moe_nvfp4", 2, True, None), ("modelopt_moe_nvfp4", 2, True, 3)])
+def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(tmp_path, name, tp, ep, chunk, target,
+                                                                                  monkeypatch):
     """Every rank's FusedMoE tensors, read through ``Bundle.moe_tensors``, are the layout of that rank's experts cut
-    from the source (independently planned here), and the record says which experts, rows and layout."""
+    from the source (the whole stack, independently planned here), and the record says which experts, rows and
+    layout. ``chunk``: experts convert transforms at once (1; 3, which straddles the --ep ranks' 2 + 2), else all."""
+    if chunk is not None:
+        expert_bytes = 3 * (128 * 64 // 2 + 128 * 64 // 16 + 4)  # gate, up, down: codes, block and global scales
+        monkeypatch.setattr("repack.convert.MOE_CHUNK_BYTES", chunk * expert_bytes)
     out = tmp_path / "out"
     args = ["convert", str(PRODUCERS / name), "-t", target, "--fuse", "-o", str(out), "--tp", str(tp)]
     assert main(args + (["--ep"] if ep else [])) == 0

@@ -388,32 +388,81 @@ def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = Fal
     return plans
 
 
-def _stack(prefixes: tuple[str, ...], load: Callable[[str], NVFP4Weight]
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes ``[E, N, K/2]``, block scales ``[E, N, K/16]`` and multipliers ``[E]`` of same-shaped layers."""
-    weights = [load(p) for p in prefixes]
-    return (torch.stack([w.codes for w in weights]), torch.stack([w.block_scales for w in weights]),
-            torch.cat([w.multiplier.reshape(1) for w in weights]))
+STACK_FIELDS = ("w13_codes", "w13_scales", "w2_codes", "w2_scales", "multipliers")
 
 
-def assemble_experts(source: SourceModel, plan: ExpertPlan,
-                     load: Callable[[str], NVFP4Weight] | None = None) -> ExpertStack:
-    """The canonical expert stack of one bundle's FusedMoE layer: the rank's experts read once, cut to its rows by
-    slicing the stacked tensors (no per-expert work beyond the reads). vLLM's FlashInfer MoE backends quantize the
-    inputs of all of a rank's experts with the largest input scale it loaded: every expert's for ModelOpt, the
-    rank's own for compressed-tensors (the same thing without expert parallelism). ``load``: a source layer's
-    weight by prefix (a pass shares one read among its bundles); by default each is read here."""
+def expert_input_scales(source: SourceModel, plan: ExpertPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[E', 2]`` (w1, w3) and ``[E']`` (w2): the activation scales of the experts whose largest the layer
+    holds. vLLM's FlashInfer MoE backends quantize the inputs of all of a rank's experts with the largest input
+    scale it loaded: every expert's for ModelOpt, the rank's own for compressed-tensors (the same without expert
+    parallelism)."""
+    group = plan.group
+    scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else slice(*plan.experts)
+    return (read_input_scales(source, group.gate[scope] + group.up[scope]).view(2, -1).T.contiguous(),
+            read_input_scales(source, group.down[scope]))
+
+
+def expert_multipliers(source: SourceModel, prefixes: tuple[str, ...]) -> torch.Tensor:
+    """float32 ``[len(prefixes)]``: the layers' dequant multipliers, 4 bytes read each (as :meth:`load_layer` makes
+    them, and refused as it refuses them: not finite and positive)."""
+    values = torch.cat([source.scheme.to_multiplier(source.checkpoint.read(source.layers[p].tensor_names[2]).reshape(1))
+                        for p in prefixes])
+    bad = (~(torch.isfinite(values) & (values > 0))).nonzero()
+    if len(bad):
+        raise RepackError(f"{prefixes[int(bad[0])]}: global scale must be finite and positive, got {float(values[bad[0]])}")
+    return values
+
+
+def _placeholder(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """A field no requested tensor is made from: its shape, no memory (every element one zero)."""
+    return torch.zeros((), dtype=dtype).expand(*shape)
+
+
+def assemble_experts(source: SourceModel, plan: ExpertPlan, load: Callable[[str], NVFP4Weight] | None = None,
+                     chunk: tuple[int, int] | None = None, fields: tuple[str, ...] = STACK_FIELDS,
+                     input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertStack:
+    """The canonical expert stack of one bundle's FusedMoE layer: the rank's experts read once, cut to its rows and
+    stacked in one copy per field (no per-expert work beyond the reads).
+
+    Args:
+        load: a source layer's weight by prefix (a pass shares one read among its bundles); by default each is
+            read here.
+        chunk: global experts ``[first, last)`` (within the plan's) instead of all of the plan's: convert writes a
+            large layer's tensors a chunk of experts at a time.
+        fields: the :data:`STACK_FIELDS` to read; the others are zero-stride placeholders of their shape (for a
+            layout asked for the tensors made from these only, ``targets.moe.MADE_FROM``).
+        input_scales: :func:`expert_input_scales`, if already read.
+    """
     load = load or (lambda prefix: source.load_layer(source.layers[prefix]))
-    group, (r0, r1), local = plan.group, plan.rows, slice(*plan.experts)
-    gate, up, down = (_stack(p[local], load) for p in (group.gate, group.up, group.down))
-    scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else local
+    group, (r0, r1) = plan.group, plan.rows
+    first, last = chunk or plan.experts
+    experts, inter, hidden, local = last - first, r1 - r0, group.hidden, slice(first, last)
+    gate, up = ([load(p) for p in names[local]] if {"w13_codes", "w13_scales"} & set(fields) else []
+                for names in (group.gate, group.up))
+    down = [load(p) for p in group.down[local]] if {"w2_codes", "w2_scales"} & set(fields) else []
+
+    def w13(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # [gate; up] rows of each expert
+        if f"w13_{what}" not in fields:
+            return _placeholder(dtype, experts, 2 * inter, hidden // per_block)
+        name = "codes" if what == "codes" else "block_scales"
+        pairs = torch.stack([getattr(w, name)[r0:r1] for pair in zip(gate, up) for w in pair])  # [2E, I, K']
+        return pairs.view(experts, 2 * inter, -1)
+
+    def w2(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # the rank's columns of each down_proj
+        if f"w2_{what}" not in fields:
+            return _placeholder(dtype, experts, hidden, inter // per_block)
+        name = "codes" if what == "codes" else "block_scales"
+        return torch.stack([getattr(w, name)[:, r0 // per_block: r1 // per_block] for w in down])
+
+    if "multipliers" in fields:
+        w13_multiplier = torch.stack([expert_multipliers(source, names[local]) for names in (group.gate, group.up)], 1)
+        w2_multiplier = expert_multipliers(source, group.down[local])
+    else:
+        w13_multiplier, w2_multiplier = _placeholder(torch.float32, experts, 2), _placeholder(torch.float32, experts)
+    w13_input_scale, w2_input_scale = input_scales or expert_input_scales(source, plan)
     return ExpertStack(
-        w13_codes=torch.cat((gate[0][:, r0:r1], up[0][:, r0:r1]), dim=1),
-        w13_scales=torch.cat((gate[1][:, r0:r1], up[1][:, r0:r1]), dim=1),
-        w13_multiplier=torch.stack((gate[2], up[2]), dim=1),
-        w13_input_scale=read_input_scales(source, group.gate[scope] + group.up[scope]).view(2, -1).T.contiguous(),
-        w2_codes=down[0][:, :, r0 // 2 : r1 // 2].contiguous(),
-        w2_scales=down[1][:, :, r0 // BLOCK_SIZE : r1 // BLOCK_SIZE].contiguous(),
-        w2_multiplier=down[2],
-        w2_input_scale=read_input_scales(source, group.down[scope]),
+        w13_codes=w13("codes", torch.uint8, 2), w13_scales=w13("scales", torch.float8_e4m3fn, BLOCK_SIZE),
+        w13_multiplier=w13_multiplier, w13_input_scale=w13_input_scale,
+        w2_codes=w2("codes", torch.uint8, 2), w2_scales=w2("scales", torch.float8_e4m3fn, BLOCK_SIZE),
+        w2_multiplier=w2_multiplier, w2_input_scale=w2_input_scale,
     )

@@ -14,6 +14,10 @@ from ..nvfp4 import BLOCK_SIZE
 from .layout import round_up, swizzle_128x4, swizzle_128x4_offsets, unswizzle_128x4
 
 SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale")
+# The weight tensors each layout holds, and the one ExpertStack field each is made from, expert by expert (the
+# scalars are made from the multipliers and input scales): a layout asked for some of its tensors reads only these.
+MADE_FROM = {"w13_weight": "w13_codes", "w13_weight_scale": "w13_scales", "w2_weight": "w2_codes",
+             "w2_weight_scale": "w2_scales"}
 
 
 @dataclass(frozen=True)

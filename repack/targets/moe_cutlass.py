@@ -20,6 +20,8 @@ returns the codes and block scales exactly and the scalars as held; verify recom
 
 from __future__ import annotations
 
+from typing import Callable, Collection
+
 import torch
 
 from ..errors import RepackError
@@ -46,21 +48,24 @@ def check_shape(experts: int, hidden: int, intermediate: int, name: str = "MoE l
         )
 
 
-def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.Tensor]:
-    """The tensors vLLM holds on the FusedMoE module, by its names."""
+def to_runtime(stack: ExpertStack, name: str = "MoE layer",
+               parts: Collection[str] = TENSORS) -> dict[str, torch.Tensor]:
+    """The tensors vLLM holds on the FusedMoE module, by its names (``parts``: only these; each is expert by
+    expert, so a stack of some experts gives those experts' rows of every tensor)."""
     check_shape(stack.experts, stack.hidden, stack.intermediate, name)
     a13 = shared_input_scale(stack.w13_input_scale, stack.experts)
     a2 = shared_input_scale(stack.w2_input_scale, stack.experts)
-    return {
-        "w13_weight": w3w1(stack.w13_codes).contiguous(),
-        "w13_weight_scale": swizzle_experts(w3w1(stack.w13_scales)),
-        "w2_weight": stack.w2_codes.contiguous(),
-        "w2_weight_scale": swizzle_experts(stack.w2_scales),
-        "w13_weight_scale_2": stack.w13_multiplier[:, 0].to(torch.float32) * a13,
-        "w13_input_scale": a13,
-        "w2_weight_scale_2": stack.w2_multiplier.to(torch.float32) * a2,
-        "w2_input_scale": a2,
+    make: dict[str, Callable[[], torch.Tensor]] = {
+        "w13_weight": lambda: w3w1(stack.w13_codes).contiguous(),
+        "w13_weight_scale": lambda: swizzle_experts(w3w1(stack.w13_scales)),
+        "w2_weight": lambda: stack.w2_codes.contiguous(),
+        "w2_weight_scale": lambda: swizzle_experts(stack.w2_scales),
+        "w13_weight_scale_2": lambda: stack.w13_multiplier[:, 0].to(torch.float32) * a13,
+        "w13_input_scale": lambda: a13,
+        "w2_weight_scale_2": lambda: stack.w2_multiplier.to(torch.float32) * a2,
+        "w2_input_scale": lambda: a2,
     }
+    return {part: make[part]() for part in parts}
 
 
 def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:

@@ -22,6 +22,8 @@ w2_weight_scale ``[E, Hp, Ip/16]``; the scalars float32 ``[E]``.
 
 from __future__ import annotations
 
+from typing import Callable, Collection
+
 import torch
 
 from ..nvfp4 import BLOCK_SIZE
@@ -78,9 +80,12 @@ def w13_source_rows(intermediate: int, padded_intermediate: int) -> tuple[torch.
     return torch.where(up, inside + intermediate, inside), inside < intermediate
 
 
-def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.Tensor]:
-    """The tensors vLLM holds on the FusedMoE module, by its names (``name``: for messages; nothing is refused).
-    Each weight tensor is one gather from the canonical stack: pads, w3/w1 swap and row permutations folded."""
+def to_runtime(stack: ExpertStack, name: str = "MoE layer",
+               parts: Collection[str] = TENSORS) -> dict[str, torch.Tensor]:
+    """The tensors vLLM holds on the FusedMoE module, by its names (``name``: for messages; nothing is refused;
+    ``parts``: only these; each is expert by expert, so a stack of some experts gives those experts' rows of
+    every tensor). Each weight tensor is one gather from the canonical stack: pads, w3/w1 swap and row
+    permutations folded."""
     hidden, inter = stack.hidden, stack.intermediate
     hp, ip = padded_sizes(hidden, inter)
     rows13, valid13 = w13_source_rows(inter, ip)
@@ -89,17 +94,18 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer") -> dict[str, torch.T
     a13 = shared_input_scale(stack.w13_input_scale, stack.experts)
     a2 = shared_input_scale(stack.w2_input_scale, stack.experts)
     alpha13 = stack.w13_multiplier[:, 0].to(torch.float32) * a13
-    return {
-        "w13_weight": _gather(stack.w13_codes, rows13, valid13, hp // 2),
-        "w13_weight_scale": swizzle_experts(_gather(stack.w13_scales, rows13, valid13, hp // BLOCK_SIZE)),
-        "w2_weight": _gather(stack.w2_codes, rows2, valid2, ip // 2),
-        "w2_weight_scale": swizzle_experts(_gather(stack.w2_scales, rows2, valid2, ip // BLOCK_SIZE)),
-        "w13_weight_scale_2": alpha13,
-        "w13_input_scale": a13,
-        "w2_weight_scale_2": stack.w2_multiplier.to(torch.float32) * a2,
-        "w2_input_scale": a2,
-        "g1_scale_c": alpha13 * (1.0 / a2),
+    make: dict[str, Callable[[], torch.Tensor]] = {
+        "w13_weight": lambda: _gather(stack.w13_codes, rows13, valid13, hp // 2),
+        "w13_weight_scale": lambda: swizzle_experts(_gather(stack.w13_scales, rows13, valid13, hp // BLOCK_SIZE)),
+        "w2_weight": lambda: _gather(stack.w2_codes, rows2, valid2, ip // 2),
+        "w2_weight_scale": lambda: swizzle_experts(_gather(stack.w2_scales, rows2, valid2, ip // BLOCK_SIZE)),
+        "w13_weight_scale_2": lambda: alpha13,
+        "w13_input_scale": lambda: a13,
+        "w2_weight_scale_2": lambda: stack.w2_multiplier.to(torch.float32) * a2,
+        "w2_input_scale": lambda: a2,
+        "g1_scale_c": lambda: alpha13 * (1.0 / a2),
     }
+    return {part: make[part]() for part in parts}
 
 
 def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
