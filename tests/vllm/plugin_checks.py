@@ -588,6 +588,26 @@ def test_moe_plugin_state_equals_vllm_load_synthetic(vllm_world, tmp_path, shape
         f"{_differences(got, expected)[:8]}"
 
 
+@pytest.mark.parametrize("fixture,target", [("ct_moe_nvfp4", "sm100"), ("modelopt_moe_nvfp4", "sm120")])
+def test_moe_plugin_converts_no_expert_tensor(vllm_world, tmp_path, monkeypatch, fixture, target):
+    """No expert tensor goes through vLLM's conversion in a plugin load: its entry point (as each MoE method binds
+    it and as the oracle defines it), the FlashInfer preparation and the block-scale swizzle and interleave all
+    raise if called; the modules still end with their kernels built."""
+    convert(_source(tmp_path, fixture), target, tmp_path / "bundle", fuse=True)
+
+    def never(*args, **kwargs):
+        raise AssertionError("vLLM converted an expert tensor")
+
+    for module in (*harness.MOE_SELECTORS, harness.moe_oracle):
+        monkeypatch.setattr(module, "convert_to_nvfp4_moe_kernel_format", never)
+    monkeypatch.setattr(harness.moe_oracle, "prepare_nvfp4_moe_layer_for_fi_or_cutlass", never)
+    monkeypatch.setattr(harness.vfi_moe, "swizzle_blockscale", never)
+    monkeypatch.setattr(harness.flashinfer, "nvfp4_block_scale_interleave", never)
+    state = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, target, w4a4=True))
+    backends = [v for k, v in state.items() if k.endswith("routed_experts:backend")]
+    assert backends == [{"sm100": "FLASHINFER_TRTLLM", "sm120": "FLASHINFER_CUTLASS"}[target]] * 2
+
+
 def test_unfolded_scale_is_what_vllms_fold_turns_into_the_bundles_bytes():
     """vLLM's experts classes fold ``w*_weight_scale_2 *= input_scale`` in float32: the plugin gives them a value that
     folds into the bundle's bytes exactly, and refuses a bundle value no float32 folds into."""
