@@ -46,8 +46,8 @@ from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama, write_qwen_moe
 from repack.vllm_plugin import register
-from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.experts import unfolded_scale
+from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
 
 harness.patch()
