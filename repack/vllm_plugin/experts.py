@@ -73,8 +73,8 @@ def check_method(name: str, module: nn.Module, backend: str) -> None:
                           f"W4A4 MoE for {', '.join(METHODS)} only; serve the source with --load-format auto")
     if getattr(method, "per_token_activation", False):
         raise RepackError(f"{name}: vLLM quantizes this MoE layer's activations per token (quantization_config "
-                          f"moe.activation nvfp4_per_token), the bundle holds experts for the checkpoint's static input "
-                          f"scales; serve it without that override")
+                          f"moe.activation nvfp4_per_token), the bundle holds experts for the checkpoint's static "
+                          f"input scales; serve it without that override")
     chosen = method.nvfp4_backend.value
     if chosen != backend:
         raise RepackError(f"{name}: vLLM chose the {chosen} MoE backend on this GPU, but the bundle holds the "
@@ -100,8 +100,9 @@ def check_placement(name: str, module: nn.Module, expert_map: list[int] | None, 
 
 
 def _pad_dims(layer: nn.Module, w2: torch.Tensor) -> None:
-    """The sizes vLLM's TRT-LLM-gen preparation leaves on ``moe_config`` (``prepare_nvfp4_moe_layer_for_fi_or_cutlass``):
-    the unpadded hidden size kept, the padded hidden and per-rank intermediate sizes of the held ``w2``."""
+    """The sizes vLLM's TRT-LLM-gen preparation (``prepare_nvfp4_moe_layer_for_fi_or_cutlass``) leaves on
+    ``moe_config``: the unpadded hidden size kept, the padded hidden and per-rank intermediate sizes of the held
+    ``w2``."""
     config = layer.moe_config
     if config.hidden_dim_unpadded is None:
         config.hidden_dim_unpadded = config.hidden_dim

@@ -677,5 +677,6 @@ def test_moe_refuses_per_token_activations(vllm_world, tmp_path):
 
 def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
     convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
-    _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["moe"].pop("model.layers.1.mlp.experts.routed_experts"))
-    assert "FusedMoE module 'model.layers.1.mlp.experts.routed_experts' has no tensors" in _refused(tmp_path / "bundle", w4a4=True)
+    module = "model.layers.1.mlp.experts.routed_experts"
+    _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["moe"].pop(module))
+    assert f"FusedMoE module {module!r} has no tensors" in _refused(tmp_path / "bundle", w4a4=True)
