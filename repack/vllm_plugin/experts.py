@@ -85,7 +85,11 @@ def check_method(name: str, module: nn.Module, backend: str) -> None:
 def check_placement(name: str, module: nn.Module, expert_map: list[int] | None, experts: int,
                     intermediate: int) -> None:
     """The bundle's experts (its ``_expert_map`` under ``--ep``, else all of them) and per-rank intermediate size
-    must be what vLLM placed on this rank: the same TP size, and ``--enable-expert-parallel`` as ``--ep`` was."""
+    must be what vLLM placed on this rank: the same TP size, and ``--enable-expert-parallel`` as ``--ep`` was; and
+    no expert load balancing, which moves experts between ranks and shares one input scale over all of them."""
+    if module.moe_config.moe_parallel_config.enable_eplb:
+        raise RepackError(f"{name}: vLLM balances this MoE layer's experts (--enable-eplb), which MoE bundles are not "
+                          f"made for; serve it without --enable-eplb")
     held = module._expert_map
     ours = None if held is None else held.tolist()
     have = (ours, module.local_num_experts, module.moe_config.intermediate_size_per_partition)

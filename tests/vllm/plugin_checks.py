@@ -46,7 +46,7 @@ from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
 from repack.sample.synthetic import write_llama, write_qwen_moe
 from repack.vllm_plugin import register
-from repack.vllm_plugin.experts import unfolded_scale
+from repack.vllm_plugin.experts import check_placement, moe_modules, unfolded_scale
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
 
@@ -673,6 +673,20 @@ def test_moe_refuses_per_token_activations(vllm_world, tmp_path):
     convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
     message = _refused(tmp_path / "bundle", w4a4=True, quantization_config={"moe": {"activation": "nvfp4_per_token"}})
     assert "activations per token (quantization_config moe.activation nvfp4_per_token)" in message
+
+
+def test_moe_refuses_expert_load_balancing(vllm_world, tmp_path, monkeypatch):
+    """vLLM's EPLB (CUDA only: vLLM's own config refuses it on this CPU platform, so the flag is set on a loaded
+    module) moves experts between ranks and makes compressed-tensors' shared input scale the largest of all ranks'."""
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm100", w4a4=True)
+    name, module = next(iter(moe_modules(model).items()))
+    record = open_bundle(tmp_path / "bundle").moe_layers()[name]
+    placed = (record.expert_map, record.local_experts, module.moe_config.intermediate_size_per_partition)
+    check_placement(name, module, *placed)  # after the load: its sizes as vLLM left them
+    monkeypatch.setattr(module.moe_config.moe_parallel_config, "enable_eplb", True)
+    with pytest.raises(RepackError, match="balances this MoE layer's experts"):
+        check_placement(name, module, *placed)
 
 
 def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
