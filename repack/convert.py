@@ -12,6 +12,7 @@ shards a journal in the staging folder records (see ``bundle.resume``).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
@@ -340,17 +341,17 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
         takers = [w for w in outputs if unit in w.output.plan.units and w.needs(unit)]
         if not takers:
             continue
-        loaded: dict[str, NVFP4Weight] = {}  # each source layer read once, shared by every bundle's pieces
-
-        def load(prefix: str) -> NVFP4Weight:
-            if prefix not in loaded:
-                loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
-            return loaded[prefix]
-
         if unit in takers[0].output.plan.layers.experts:
             _pass_experts(source, reader, unit, takers, report)
             continue
         if unit in takers[0].output.plan.layers.layers:  # an output layer: a source layer, or pieces of some
+            loaded: dict[str, NVFP4Weight] = {}  # each source layer read once, shared by every bundle's pieces
+
+            def load(prefix: str) -> NVFP4Weight:
+                if prefix not in loaded:
+                    loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
+                return loaded[prefix]
+
             for writing in takers:
                 layer = writing.output.plan.layers.layers[unit]
                 whole = layer.prefix in source.layers and layer.pieces == (whole_piece(source.layers[layer.prefix]),)
@@ -395,13 +396,8 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
     for index in weights:
         field = MADE_FROM[tensors[index].part]
         for start in range(0, group.experts, step):
-            loaded: dict[str, NVFP4Weight] = {}  # the chunk's source layers, shared by every bundle
-
-            def load(prefix: str) -> NVFP4Weight:
-                if prefix not in loaded:
-                    loaded[prefix] = source.load_layer(source.layers[prefix], reader.read)
-                return loaded[prefix]
-
+            # the chunk's source layers, each read once for every bundle (and dropped with the chunk)
+            load = functools.cache(lambda prefix: source.load_layer(source.layers[prefix], reader.read))
             for writing, plan, scale in zip(takers, plans, scales):
                 first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
                 if first < last:

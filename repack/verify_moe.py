@@ -12,7 +12,7 @@ import torch
 
 from types import ModuleType
 
-from .bundle.layers import ExpertPlan, assemble_experts
+from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales
 from .formats import SourceModel
 from .nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
 
@@ -23,27 +23,44 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     return ne.reshape(ne.shape[0], -1).any(dim=1).tolist()
 
 
+CHECK_EXPERTS = 8  # experts compared at once: memory holds a few copies of that many, whatever the layer's size
+
+
 def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor],
                   layout: ModuleType) -> list[str]:
     """Problems found in ``held`` (a FusedMoE layer's tensors by vLLM's names, in ``layout``: a MoE layout module),
-    one line each; ``[]`` if exact."""
-    expected = layout.to_runtime(assemble_experts(source, plan), plan.prefix)
-    wrong = [f"{plan.prefix}: {name} is {t.dtype} {list(t.shape)}, expected {expected[name].dtype} "
-             f"{list(expected[name].shape)}" for name, t in held.items()
-             if name in expected and (t.dtype, t.shape) != (expected[name].dtype, expected[name].shape)]
-    missing = [f"{plan.prefix}: {name} is missing" for name in expected if name not in held]
+    one line each; ``[]`` if exact. Every layout tensor is expert by expert: compared ``CHECK_EXPERTS`` at a time."""
+    first, last = plan.experts
+    specs = layout.runtime_specs(last - first, plan.group.hidden, plan.intermediate)
+    wrong = [f"{plan.prefix}: {name} is {t.dtype} {list(t.shape)}, expected {specs[name].dtype} "
+             f"{list(specs[name].shape)}" for name, t in held.items()
+             if name in specs and (t.dtype, tuple(t.shape)) != (specs[name].dtype, specs[name].shape)]
+    missing = [f"{plan.prefix}: {name} is missing" for name in specs if name not in held]
     if wrong or missing:
         return missing + wrong
-    group, inter = plan.group, plan.intermediate
+    scales = expert_input_scales(source, plan)
+    problems = []
+    for start in range(first, last, CHECK_EXPERTS):
+        chunk = (start, min(start + CHECK_EXPERTS, last))
+        part = {name: held[name][chunk[0] - first: chunk[1] - first] for name in specs}
+        problems += _check_chunk(source, plan, chunk, part, layout, scales)
+    return problems
+
+
+def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], held: dict[str, torch.Tensor],
+                 layout: ModuleType, scales: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+    """:func:`check_experts` on global experts ``[chunk)``, whose rows of the layer's tensors are ``held``."""
+    source_stack = assemble_experts(source, plan, chunk=chunk, input_scales=scales)
+    expected = layout.to_runtime(source_stack, plan.prefix)
+    group, inter, offset = plan.group, plan.intermediate, chunk[0] - plan.experts[0]
     ours = layout.from_runtime(held, group.hidden, inter)
-    source_stack = assemble_experts(source, plan)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
     checks = {proj: [(what, _differs(getattr(ours, f"w13_{what}")[:, rows],
                                      getattr(source_stack, f"w13_{what}")[:, rows]))
                      for what in ("codes", "scales")] for proj, rows in halves.items()}
     checks["down"] = [(what, _differs(getattr(ours, f"w2_{what}"), getattr(source_stack, f"w2_{what}")))
                       for what in ("codes", "scales")]
-    local = slice(*plan.experts)
+    local = slice(*chunk)
     names = {"gate": group.gate[local], "up": group.up[local], "down": group.down[local]}
     problems = []
     for e in range(len(names["gate"])):
@@ -57,7 +74,7 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
     scalars = [name for name in expected if held[name].dim() == 1]
     for name in scalars:
         bad = _differs(held[name].reshape(-1, 1), expected[name].reshape(-1, 1))
-        problems += [f"{plan.prefix}: {name} differs (expert {e})" for e, b in enumerate(bad) if b]
+        problems += [f"{plan.prefix}: {name} differs (expert {offset + e})" for e, b in enumerate(bad) if b]
     return problems
 
 
@@ -86,16 +103,18 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
     on exact e4m3 ties, which calibrated scales make common, by a whole scale step), so a wrong held input scale
     (other activation codes) or alpha shows up as it would on the GPU, and nothing else does."""
     group, inter = plan.group, plan.intermediate
-    source_stack = assemble_experts(source, plan)
+    input_scales = expert_input_scales(source, plan)
     errors = {}
     for e in experts:
+        at = plan.experts[0] + e
+        source_stack = assemble_experts(source, plan, chunk=(at, at + 1), input_scales=input_scales)  # it alone
         for which, projs in (("w13", ("gate", "up")), ("w2", ("down",))):
             codes, scales = layout.decode_expert(held, e, which, group.hidden, inter)
             ours = dequantize(NVFP4Weight(codes, scales, torch.ones(1)), torch.float64)
             alpha, a_scale = held[f"{which}_weight_scale_2"][e], held[f"{which}_input_scale"][e]
-            ref_codes = getattr(source_stack, f"{which}_codes")[e]
-            ref_scales = getattr(source_stack, f"{which}_scales")[e]
-            own = getattr(source_stack, f"{which}_multiplier")[e].reshape(-1)
+            ref_codes = getattr(source_stack, f"{which}_codes")[0]
+            ref_scales = getattr(source_stack, f"{which}_scales")[0]
+            own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)
             source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
             source_gs = 1.0 / source_scale
             rows = ours.shape[0] // len(projs)

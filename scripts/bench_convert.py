@@ -4,10 +4,14 @@
     python scripts/bench_convert.py                      # 32 Llama-3-8B decoder layers (3.9 GB), 3 rounds
     python scripts/bench_convert.py --layers 8 --rounds 1 --jobs sm100 sm100:no-fsync verify:sm100
     python scripts/bench_convert.py --repo /tmp/old-tree  # the same jobs with another checkout's CLI (A/B)
+    python scripts/bench_convert.py --moe --rounds 1      # DeepSeek-R1-shaped MoE (4.2 GB): --fuse and --tp 8
 
-A job is a target (`sm100`), several targets in one pass (`sm100+sm120+sm90`), either with `:no-fsync`
-(`convert --no-fsync`), or `verify:T` (`verify OUT --source MODEL` of target T's bundle; `verify:T1+T2`: of a
-several-target output). Each runs as `python -m repack.cli ...` in a process of its own, timed from its start to
+A job is a target (`sm100`), several targets in one pass (`sm100+sm120+sm90`), with flags after colons:
+`:no-fsync` (`convert --no-fsync`), `:fuse` (`--fuse`), `:tpN` (`--tp N`); or `verify:T` (`verify OUT --source
+MODEL` of target T's bundle; `verify:T1+T2`: of a several-target output). `--moe` times a synthetic MoE checkpoint
+with DeepSeek-R1's expert shapes (hidden 7168, intermediate 2048; Qwen3-MoE-shaped config, ModelOpt NVFP4 W4A4, 4
+shards; `--layers` FusedMoE layers of `--experts` experts: 2 x 82 by default, 4.2 GB with the attention layers)
+instead, with `MOE_JOBS` (issue 28's goals: <= 2.0x cp, peak RSS <= 1.5 GB, the ranks of one output in one pass). Each runs as `python -m repack.cli ...` in a process of its own, timed from its start to
 its exit, with its CPU seconds and peak RSS from the kernel (wait4; this script imports no torch, so a child's
 peak RSS is its own). To measure as on a machine of N cores, run the script under `taskset -c 0-(N-1)`. The baselines are `cp -r MODEL COPY` and `cp -r MODEL COPY && sync` (the goal of a
 durable convert, which fsyncs its bundle before publishing it). Every job and copy starts after a `sync`, so none
@@ -39,19 +43,31 @@ from repack.sample.synthetic import write_llama
 write_llama(Path(sys.argv[1]), "modelopt", hidden=4096, heads=32, kv_heads=8, intermediate=14336, head_dim=128,
             generator=torch.Generator().manual_seed(0), layers=int(sys.argv[2]))
 """  # Llama-3-8B decoder layers of random NVFP4 weights (ModelOpt, one shard)
+MAKE_MOE_MODEL = """
+import sys, torch
+from pathlib import Path
+from repack.sample.synthetic import write_qwen_moe
+write_qwen_moe(Path(sys.argv[1]), "modelopt", hidden=7168, experts=int(sys.argv[3]), intermediate=2048, heads=56,
+               kv_heads=8, head_dim=128, generator=torch.Generator().manual_seed(0), layers=int(sys.argv[2]), top_k=8,
+               shards=4)
+"""  # DeepSeek-R1's expert shapes (its 256 experts per layer cut to --experts), Qwen3-MoE-shaped config, ModelOpt W4A4
 DEFAULT_JOBS = ["sm100", "sm120", "sm90", "sm100+sm120+sm90", "sm100:no-fsync", "sm120:no-fsync",
                 "sm100+sm120+sm90:no-fsync", "verify:sm100", "verify:sm120", "verify:sm90"]
+MOE_JOBS = ["sm100:fuse:no-fsync", "sm100:tp8:no-fsync"]
 
 
 def goal(job: str) -> tuple[str, float] | None:
     """The issue's goal for ``job``: (baseline, largest ratio to it)."""
-    targets, _, flag = job.removesuffix(BASE).partition(":")
+    targets, *flags = job.removesuffix(BASE).split(":")
+    base = "cp" if "no-fsync" in flags else "cp+sync"
     if job.startswith("verify:"):
         return ("cp", 2.0)
+    if "fuse" in flags or any(f.startswith("tp") for f in flags):  # issue 28's, for MoE checkpoints
+        return (base, 2.0)
     if "+" in targets:
-        return ("cp" if flag == "no-fsync" else "cp+sync", 2.5)
+        return (base, 2.5)
     if targets in ("sm100", "sm120"):
-        return ("cp" if flag == "no-fsync" else "cp+sync", 1.5)
+        return (base, 1.5)
     return None
 
 
@@ -63,9 +79,10 @@ def cli_command(model: Path, job: str, out: Path) -> list[str]:
     cli = [sys.executable, "-m", "repack.cli"]
     if job.startswith("verify:"):
         return [*cli, "verify", str(out), "--source", str(model)]
-    targets, _, flag = job.partition(":")
+    targets, *flags = job.split(":")
     chosen = [arg for t in targets.split("+") for arg in ("-t", t)]
-    return [*cli, "convert", str(model), *chosen, "-o", str(out), *(["--no-fsync"] if flag == "no-fsync" else [])]
+    options = [arg for flag in flags for arg in (["--tp", flag[2:]] if flag.startswith("tp") else [f"--{flag}"])]
+    return [*cli, "convert", str(model), *chosen, "-o", str(out), *options]
 
 
 def run_timed(command: list[str], repo: Path) -> dict:
@@ -190,9 +207,12 @@ def table(jobs: list[str], runs: dict[str, list[dict]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=32, help="Llama-3-8B decoder layers (123 MB each).")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="Llama-3-8B decoder layers (123 MB each; default 32), or FusedMoE layers with --moe (2).")
+    parser.add_argument("--moe", action="store_true", help="A DeepSeek-R1-shaped MoE checkpoint, MOE_JOBS by default.")
+    parser.add_argument("--experts", type=int, default=82, help="--moe: experts per layer (24.8 MB each).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every job and copy, alternating.")
-    parser.add_argument("--jobs", nargs="+", default=DEFAULT_JOBS)
+    parser.add_argument("--jobs", nargs="+", default=None)
     parser.add_argument("--dir", type=Path, default=None, help="Work folder (default: a temporary one).")
     parser.add_argument("--model", type=Path, default=None,
                         help="An existing checkpoint to time instead of a new synthetic one (--layers is then unused).")
@@ -211,16 +231,22 @@ def main() -> None:
     if problem is not None:
         print(f"Error: {problem}", file=sys.stderr)
         sys.exit(2)
+    args.layers = args.layers or (2 if args.moe else 32)
+    args.jobs = args.jobs or (MOE_JOBS if args.moe else DEFAULT_JOBS)
     clis = {"": args.repo, **({BASE: args.base} if args.base else {})}
     labels = [job + suffix for job in args.jobs for suffix in clis]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         model = args.model or Path(tmp) / "model"
         started = time.perf_counter()
         if args.model is None:
-            subprocess.run([sys.executable, "-c", MAKE_MODEL, str(model), str(args.layers)], check=True, cwd=REPO,
+            maker = [MAKE_MOE_MODEL, str(model), str(args.layers), str(args.experts)] if args.moe else [
+                MAKE_MODEL, str(model), str(args.layers)]
+            subprocess.run([sys.executable, "-c", *maker], check=True, cwd=REPO,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         size = sum(f.stat().st_size for f in model.iterdir())
-        made = f"{args.layers} Llama-3-8B layers, made in {time.perf_counter() - started:.0f} s" if args.model is None else model
+        what = (f"{args.layers} FusedMoE layers of {args.experts} DeepSeek-R1-shaped experts" if args.moe else
+                f"{args.layers} Llama-3-8B layers")
+        made = f"{what}, made in {time.perf_counter() - started:.0f} s" if args.model is None else model
         print(f"checkpoint: {size / 1e9:.2f} GB ({made}); {len(os.sched_getaffinity(0))} cores; CLI of {args.repo}"
               + (f"; rows marked{BASE}: CLI of {args.base}" if args.base else ""))
         print(f"CPU seconds to hash the checkpoint once: {hash_costs(model)}")

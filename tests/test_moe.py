@@ -237,9 +237,12 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         expert_groups(quantized_router)
 
 
+@pytest.mark.parametrize("per_check", [8, 3])  # experts compared at once: all 4, or 3 + 1
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)
 @pytest.mark.parametrize("name", MOE_FIXTURES)
-def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts(name, layout):
+def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts(name, layout, per_check,
+                                                                                   monkeypatch):
+    monkeypatch.setattr("repack.verify_moe.CHECK_EXPERTS", per_check)
     source = read_source(PRODUCERS / name)
     plan = plan_experts(source, 2, 1)["model.layers.0.mlp.experts"]
     stack = assemble_experts(source, plan)

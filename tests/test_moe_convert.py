@@ -173,3 +173,24 @@ def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypat
     ranks = json.loads(capsys.readouterr().out)
     assert [r["moe"][MODULE]["expert_map"] for r in ranks] == [[0, 1, -1, -1], [-1, -1, 0, 1]]
     assert {r["moe"][MODULE]["layout_id"] for r in ranks} == {moe_trtllm.LAYOUT_ID}
+
+
+def test_the_ranks_of_one_output_share_each_read_of_an_expert(tmp_path, monkeypatch):
+    """One pass for every rank: each expert layer is loaded as often at --tp 4 (4 bundles) as at --fuse (one): once
+    per layout tensor made from it (codes, then block scales), whatever the number of ranks."""
+    from repack.formats.source import SourceModel
+
+    counts: dict[str, list[str]] = {}
+    original = SourceModel.load_layer
+
+    def counted(self, layer, read=None):
+        counts.setdefault(mode, []).append(layer.prefix)
+        return original(self, layer, read) if read is not None else original(self, layer)
+
+    monkeypatch.setattr(SourceModel, "load_layer", counted)
+    for mode, args in (("fuse", ["--fuse"]), ("tp4", ["--tp", "4", "--ep"]), ("tp2", ["--tp", "2"])):
+        assert main(["convert", str(PRODUCERS / "modelopt_moe_nvfp4"), "-t", "sm100", "-o", str(tmp_path / mode),
+                     *args]) == 0
+    experts = {mode: sorted(p for p in loaded if ".experts." in p) for mode, loaded in counts.items()}
+    assert len(experts["fuse"]) == 2 * 2 * 4 * 3  # layers x (codes, scales) x experts x projections
+    assert experts["tp4"] == experts["tp2"] == experts["fuse"]

@@ -187,7 +187,7 @@ def write_llama(
 def write_qwen_moe(
     root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
     layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
-    shared_scales: bool = True, shared_expert: int = 0, dense_layers: tuple[int, ...] = (),
+    shared_scales: bool = True, shared_expert: int = 0, dense_layers: tuple[int, ...] = (), shards: int = 1,
 ) -> Path:
     """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build (Qwen2-MoE with ``shared_expert``, the intermediate size of
     its dense shared expert): NVFP4 attention and routed experts, every layer's input scale random (so that the
@@ -239,4 +239,4 @@ def write_qwen_moe(
     }
     ignore = (["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"] if fmt != "modelopt"
               else ["lm_head", "*.mlp.gate", "*.shared_expert_gate"])
-    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config, ignore=ignore)
+    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config, ignore=ignore, shards=shards)
