@@ -281,7 +281,8 @@ def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: 
     top_k = source.checkpoint.config.get("num_experts_per_tok")
     return MoERecord(
         module=plan.module, source=plan.prefix, layout_id=layout.LAYOUT_ID, backend=layout.BACKEND,
-        kernel=layout.KERNEL, num_experts=plan.group.experts, experts=list(plan.experts), rows=list(plan.rows),
+        kernel=layout.KERNEL, num_experts=plan.group.experts, local_experts=plan.experts[1] - plan.experts[0],
+        experts=list(plan.experts), rows=list(plan.rows),
         hidden=plan.group.hidden, intermediate=plan.intermediate,
         members={"gate": list(plan.group.gate[local]), "up": list(plan.group.up[local]),
                  "down": list(plan.group.down[local])},

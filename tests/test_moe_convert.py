@@ -49,8 +49,9 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
             plan = plans[record.source]
             first, last = plan.experts
             assert (record.layout_id, record.backend, record.kernel) == (layout.LAYOUT_ID, layout.BACKEND, layout.KERNEL)
-            assert (record.num_experts, record.experts, record.rows, record.hidden, record.intermediate, record.top_k) \
-                == (4, [first, last], list(plan.rows), 64, 128 // (1 if ep else tp), 2)
+            assert (record.num_experts, record.local_experts, record.experts, record.rows, record.hidden,
+                    record.intermediate, record.top_k) == (4, last - first, [first, last], list(plan.rows), 64,
+                                                           128 // (1 if ep else tp), 2)
             assert record.members["down"] == [f"{record.source}.{e}.down_proj" for e in range(first, last)]
             assert record.input_scales == ("all" if name.startswith("modelopt") else "local")
             assert record.expert_map == ([e - first if first <= e < last else -1 for e in range(4)] if ep else None)
@@ -194,3 +195,45 @@ def test_the_ranks_of_one_output_share_each_read_of_an_expert(tmp_path, monkeypa
     experts = {mode: sorted(p for p in loaded if ".experts." in p) for mode, loaded in counts.items()}
     assert len(experts["fuse"]) == 2 * 2 * 4 * 3  # layers x (codes, scales) x experts x projections
     assert experts["tp4"] == experts["tp2"] == experts["fuse"]
+
+
+@pytest.mark.parametrize("name,args,code,message", [
+    ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there yet"),
+    ("modelopt_moe_nvfp4", ["-t", "sm100", "--fuse", "--weight-only"], 1,
+     "Error: --weight-only: NVFP4 MoE experts have no weight-only layout here"),
+    ("ct_moe_nvfp4a16", ["-t", "sm120", "--tp", "2"], 1, "Error: NVFP4A16 MoE (weight-only experts) is not supported"),
+    ("ct_moe_i48_nvfp4", ["-t", "sm120", "--fuse"], 1, "needs 2 x intermediate size per rank a multiple of 128"),
+    ("ct_moe_nvfp4", ["-t", "sm100", "--fuse", "--ep"], 2, "--ep places whole experts on tensor-parallel ranks"),
+])
+def test_moe_refusals_are_one_line_and_write_nothing(tmp_path, capsys, name, args, code, message):
+    out = tmp_path / "out"
+    assert main(["convert", str(PRODUCERS / name), "-o", str(out), *args]) == code
+    err = capsys.readouterr().err
+    assert message in err and (code == 2 or err.count("\n") == 1), err
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("experts", [3, 5], "experts \\[3, 5\\] \\(2 local\\) of 4 or rows"),
+    ("local_experts", 3, "experts \\[2, 4\\] \\(3 local\\) of 4"),
+    ("expert_map", [0, 1, -1], "expert_map must give each of the 4 experts"),
+    ("input_scales", "some", "input_scales must be all or local"),
+    ("members", {"gate": [], "up": [], "down": []}, "members must name each held expert"),
+    ("layout_id", "moe-flashinfer-cutlass-v1", "is not sm100's \\(moe-flashinfer-trtllm-v1\\)"),
+    ("tensors", "drop g1_scale_c", "are not the moe-flashinfer-trtllm-v1 layout's"),
+])
+def test_a_malformed_moe_record_is_refused_in_one_line(converted, tmp_path, field, value, message):
+    from repack.errors import RepackError
+
+    rank = tmp_path / "rank-1"
+    shutil.copytree(converted["sm100"] / "rank-1", rank)
+    manifest = json.loads((rank / "manifest.json").read_text())
+    record = manifest["moe"][MODULE]
+    if value == "drop g1_scale_c":
+        del record["tensors"]["g1_scale_c"]
+    else:
+        record[field] = value
+    (rank / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RepackError, match=message) as err:
+        open_bundle(rank)
+    assert "\n" not in str(err.value)

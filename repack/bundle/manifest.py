@@ -117,6 +117,7 @@ class MoERecord:
     backend: str
     kernel: str
     num_experts: int
+    local_experts: int  # experts[1] - experts[0]: the [E] of every tensor
     experts: list[int]
     rows: list[int]
     hidden: int
@@ -126,10 +127,6 @@ class MoERecord:
     tensors: dict[str, TensorRecord]
     expert_map: list[int] | None = None
     top_k: int | None = None
-
-    @property
-    def local_experts(self) -> int:
-        return self.experts[1] - self.experts[0]
 
 
 @dataclass(frozen=True)
@@ -332,8 +329,9 @@ def _moe(obj: Any, module: str, algorithm: str) -> MoERecord:
     where = f"moe {module}"
     num_experts = _int(obj, "num_experts", where)
     experts, rows = _pair(obj, "experts", where), _pair(obj, "rows", where)
-    if not experts[0] < experts[1] <= num_experts or not rows[0] < rows[1]:
-        raise _fail(f"{where}: experts {experts} of {num_experts} or rows {rows} are not ranges")
+    local = _int(obj, "local_experts", where)
+    if not experts[0] < experts[1] <= num_experts or local != experts[1] - experts[0] or not rows[0] < rows[1]:
+        raise _fail(f"{where}: experts {experts} ({local} local) of {num_experts} or rows {rows} are not ranges")
     members = _get(obj, "members", dict, where)
     if sorted(members) != ["down", "gate", "up"]:
         raise _fail(f"{where}: members must list gate, up and down")
@@ -351,7 +349,7 @@ def _moe(obj: Any, module: str, algorithm: str) -> MoERecord:
     return MoERecord(
         module=module, source=_get(obj, "source", str, where), layout_id=_get(obj, "layout_id", str, where),
         backend=_get(obj, "backend", str, where), kernel=_get(obj, "kernel", str, where), num_experts=num_experts,
-        experts=experts, rows=rows, hidden=_int(obj, "hidden", where), intermediate=_int(obj, "intermediate", where),
+        local_experts=local, experts=experts, rows=rows, hidden=_int(obj, "hidden", where), intermediate=_int(obj, "intermediate", where),
         members=members, input_scales=input_scales,
         tensors={name: _tensor(rec, f"{module}.{name}", algorithm)
                  for name, rec in _get(obj, "tensors", dict, where).items()},

@@ -120,6 +120,8 @@ def convert(
     from ..convert import convert as run_convert
 
     source = _model_or_sample(model, sample, "MODEL")
+    if ep and tp < 2:
+        raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
     try:
         parse_size(max_shard_size)
     except RepackError as exc:
