@@ -14,11 +14,13 @@ repacks the weight into the kernel's layout. A bundle already holds that layout 
    the bundle's matrices, already normalized, into the tensors vLLM shares between partitions and layers, and
    marks them normalized (:func:`_install_transforms`);
 5. loads every other tensor through vLLM's own weight loaders (``model.load_weights``);
-6. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
+6. for each FusedMoE module (MoE bundles): refuses what vLLM would hold otherwise and hooks its MoE post-load so
+   that vLLM's expert conversion returns the bundle's tensors (:mod:`.experts`);
+7. runs vLLM's ``process_weights_after_loading`` unchanged, except that for the bundle's layers the kernel's
    ``process_weights_after_loading`` (the padding, swizzle and FlashInfer repack) is replaced, for that one
    call, by :func:`_restore`: it installs the bundle's multiplier and the state the kernel keeps beside its
    tensors (``weights_padding_cols``; on sm100 the 6-D scale view over the stored buffer);
-7. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
+8. on sm90, hands each layer's online input transform to this project's kernel class, which applies it inside
    its kernels (:func:`_kernels_take_input_transforms`); sm100 and sm120 run vLLM's transform method as it is,
    QuTLASS's (``QutlassNvFP4LinearMethod``) too: on a W4A4 bundle its post-load derives ``fused_alpha``,
    ``fused_global_scale`` and ``hadamard_matrix`` from what this loader installed, as from the source.
@@ -49,6 +51,7 @@ from ..bundle.manifest import MANIFEST_NAME, LayerRecord
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import Target
+from .experts import check_method, check_placement, moe_modules, preimage, serve_experts
 from .kernels import kernel_class
 
 LOAD_FORMAT = "nvfp4_repack"
@@ -150,11 +153,7 @@ def _stored_reciprocal(multiplier: torch.Tensor) -> torch.Tensor:
     """A float32 ``g`` with ``1 / g == multiplier`` in float32, so compressed-tensors' ``1 / max(g)`` rebuilds the
     bundle's multiplier exactly (and with it W4A4's ``alpha``); one of the neighbours of ``1 / m`` is such a ``g``
     whenever ``m`` itself was a float32 reciprocal, as a compressed-tensors multiplier is."""
-    guess = (1.0 / multiplier.double()).float()
-    for candidate in (guess, torch.nextafter(guess, guess * 2), torch.nextafter(guess, guess * 0)):
-        if torch.equal(1.0 / candidate, multiplier):
-            return candidate
-    return guess
+    return preimage(multiplier, lambda g: 1.0 / g, (1.0 / multiplier.double()).float())
 
 
 def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record: LayerRecord,
@@ -262,7 +261,7 @@ class BundleModelLoader(BaseModelLoader):
         self._restored: set[str] = set()
         self._opened = self._bundle(model_config)  # refuse before vLLM allocates anything
         model = super().load_model(vllm_config, model_config, prefix)
-        missed = sorted(set(self._opened.manifest.layers) - self._restored)
+        missed = sorted({*self._opened.manifest.layers, *self._opened.moe_layers()} - self._restored)
         if missed:
             raise RepackError(f"vLLM never post-processed bundle layer {missed[0]!r} ({len(missed)} in all)")
         if self._opened.target.name == "sm90":
@@ -287,11 +286,30 @@ class BundleModelLoader(BaseModelLoader):
                    if type(module.quant_method).__name__ == "QutlassNvFP4LinearMethod"]
         if qutlass and bundle.target.scheme != "W4A4":  # QuTLASS's FP4 x FP4 GEMM reads the W4A4 layout only
             _refuse_qutlass(qutlass[0], layers[qutlass[0]], bundle)
+        self._install_experts(model, bundle)
         installed: set[int] = set()
         for name, module in layers.items():
             self._install(module, name, bundle, names)
             _install_transforms(module, name, bundle, installed)
         model.load_weights(self._passthrough(bundle))
+
+    def _install_experts(self, model: nn.Module, bundle: Bundle) -> None:
+        """Each FusedMoE module gets the bundle's tensors through its own post-load (:func:`serve_experts`), after
+        one-line refusals of what vLLM would hold otherwise (another backend, other experts or sizes per rank)."""
+        modules, records = moe_modules(model), bundle.moe_layers()
+        extra = sorted(set(records) - set(modules))
+        if extra:
+            raise RepackError(f"{bundle.root}: {extra[0]!r} is not a FusedMoE module of vLLM's "
+                              f"{type(model).__name__}; was the bundle converted for this model?")
+        absent = sorted(set(modules) - set(records))
+        if absent:
+            raise RepackError(f"{bundle.root}: vLLM's FusedMoE module {absent[0]!r} has no tensors in the bundle; "
+                              f"MoE bundles are converted with --fuse for --target sm100 or sm120")
+        for name, module in modules.items():
+            record = records[name]
+            check_method(name, module, record.backend)
+            check_placement(name, module, record.expert_map, record.local_experts, record.intermediate)
+            serve_experts(name, module, bundle.moe_tensors(name), lambda name=name: self._restored.add(name))
 
     @staticmethod
     def _passthrough(bundle: Bundle) -> Iterator[tuple[str, torch.Tensor]]:

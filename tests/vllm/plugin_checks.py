@@ -13,6 +13,7 @@ compared with the buffer under it) and, per NVFP4 layer, the kernel class and th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -32,17 +33,20 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
 from vllm.model_executor.model_loader import get_model_loader
 
+from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import SourceModel, read_source
 from repack.formats.transforms import load_matrix
 from repack.nvfp4 import dequantize
 from repack.sample import SAMPLE_DIR
-from repack.sample.synthetic import write_llama
+from repack.sample.synthetic import write_llama, write_qwen_moe
 from repack.vllm_plugin import register
+from repack.vllm_plugin.experts import check_placement, moe_modules, unfolded_scale
 from repack.vllm_plugin.kernels import RepackSm90NvFp4LinearKernel
 from repack.vllm_plugin.loader import LOAD_FORMAT
 from variants import OUTPUT_VARIANTS, output_variant
@@ -70,15 +74,17 @@ def world(tp_size: int = 1, rank: int = 0, init_file: str | None = None) -> Iter
         destroy_distributed_environment()
 
 
-def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a4: bool = False) -> nn.Module:
-    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces);
-    ``w4a4``: vLLM's auto among its W4A4 kernels (else the W4A16 cute-dsl kernel, forced)."""
+def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a4: bool = False,
+         ep: bool = False, **engine: object) -> nn.Module:
+    """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces; MoE:
+    vLLM's auto NVFP4 MoE backend on that capability); ``w4a4``: vLLM's auto among its W4A4 kernels (else the
+    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs."""
     arch = "sm120" if target == "sm120" else "sm100"
     _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
     config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
-                        load_format=load_format, linear_backend=backend,
-                        tensor_parallel_size=tp_size).create_engine_config()
+                        load_format=load_format, linear_backend=backend, tensor_parallel_size=tp_size,
+                        enable_expert_parallel=ep, **engine).create_engine_config()
     with set_current_vllm_config(config):
         return get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
 
@@ -101,9 +107,44 @@ def transform_state(name: str, module: HadamardTransform, first: dict[int, str])
     return state
 
 
+# What a FusedMoE kernel reads from its moe_config (vLLM's TRT-LLM-gen preparation pads the sizes in place).
+MOE_CONFIG_ATTRS = ("hidden_dim", "hidden_dim_unpadded", "intermediate_size_per_partition", "num_experts",
+                    "num_local_experts", "experts_per_token")
+
+
+def object_state(name: str, obj: object, aliases: dict[int, str]) -> dict[str, object]:
+    """The tensors (with the module tensor each aliases, if any) and plain scalars of a kernel-side object (a quant
+    config, its descriptors, an experts class), one level of dataclass descriptors deep."""
+    state: dict[str, object] = {f"{name}:class": type(obj).__name__}
+    for attr, value in sorted(vars(obj).items()):
+        if isinstance(value, torch.Tensor):
+            state[f"{name}.{attr}"] = (tensor_state(value), aliases.get(value.data_ptr()))
+        elif isinstance(value, (int, float, str, bool, torch.dtype, type(None))):
+            state[f"{name}.{attr}"] = value
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            state.update(object_state(f"{name}.{attr}", value, aliases))
+    return state
+
+
+def moe_state(name: str, module: nn.Module) -> dict[str, object]:
+    """A FusedMoE module's plain tensor attributes (compressed-tensors' input scales), its MoE backend, the modular
+    kernel's prepare/finalize and experts classes with their state, the quant config and the moe_config sizes."""
+    tensors = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+    aliases = {t.data_ptr(): part for part, t in [*module.named_parameters(recurse=False),
+                                                  *module.named_buffers(recurse=False), *tensors.items()]}
+    method = module.quant_method
+    state: dict[str, object] = {f"{name}.{part}": tensor_state(t) for part, t in tensors.items()}
+    state[f"{name}:backend"] = method.nvfp4_backend.value
+    state.update({f"{name}:moe_config.{a}": getattr(module.moe_config, a) for a in MOE_CONFIG_ATTRS})
+    state.update(object_state(f"{name}:quant_config", method.moe_quant_config, aliases))
+    state.update(object_state(f"{name}:experts", method.moe_kernel.fused_experts, aliases))
+    state[f"{name}:prepare_finalize"] = type(method.moe_kernel.prepare_finalize).__name__
+    return state
+
+
 def layer_state(model: nn.Module) -> dict[str, object]:
     """Every parameter and buffer of ``model``, each NVFP4 layer's kernel class and kernel-read attributes, its
-    quantization method's class, and its online-transform modules' state."""
+    quantization method's class, its online-transform modules' state, and each FusedMoE module's (``moe_state``)."""
     state: dict[str, object] = {}
     first: dict[int, str] = {}
     for name, module in model.named_modules():
@@ -112,6 +153,8 @@ def layer_state(model: nn.Module) -> dict[str, object]:
         for part, t in vars(module).items():  # plain tensor attributes (QuTLASS's hadamard_matrix)
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
                 state[f"{name}.{part}"] = (*tensor_state(t), first.get(t.data_ptr()))
+        if isinstance(module, RoutedExperts):
+            state.update(moe_state(name, module))
         if isinstance(module, HadamardTransform):
             state.update(transform_state(name, module, first))
         if hasattr(module, "quant_method"):
@@ -273,19 +316,28 @@ def test_w4a4_bundle_refuses_a_kernel_of_another_layout(vllm_world, tmp_path):
     assert "vLLM chose FlashInferCuteDslNvFp4W4A16LinearKernel for this W4A4 bundle" in str(caught.value)
 
 
-def _tp2_rank(rank: int, cases: list[tuple[str, str, str, bool]], init_file: str, results: str) -> None:
-    """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's."""
+def _tp2_rank(rank: int, cases: list[tuple[str, str, str, bool, bool]], init_file: str, results: str) -> None:
+    """One rank of a TP=2 world on gloo: vLLM's load of each source, then (its weights deleted) the plugin's; a
+    case with ``ep`` loads with --enable-expert-parallel. A case whose source is "" expects the plugin to refuse."""
     import torch.distributed as dist
 
     out = {}
     with world(tp_size=2, rank=rank, init_file=init_file):
-        for source, bundle, target, w4a4 in cases:
-            expected = layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4))
+        for source, bundle, target, w4a4, ep in cases:
+            if not source:
+                try:
+                    load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4, ep=ep)
+                    out[bundle] = ["not refused"]
+                except RepackError as refusal:
+                    out[bundle] = [] if "--enable-expert-parallel exactly when" in str(refusal) else [str(refusal)]
+                continue
+            expected = without_kept_values(layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4,
+                                                             ep=ep)))
             dist.barrier()
             if rank == 0:
                 _delete_weights(Path(source))
             dist.barrier()
-            got = layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4))
+            got = without_kept_values(layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4, ep=ep)))
             out[Path(source).parent.name] = _differences(got, expected) or (
                 [] if any(k.endswith("qkv_proj:kernel") for k in got) else ["no fused layer loaded"])
     Path(results, f"rank-{rank}.json").write_text(json.dumps(out))
@@ -298,9 +350,14 @@ def _tp2_llama(root: Path, fmt: str, gen: torch.Generator, w4a4: bool = False) -
                        w4a4=w4a4)
 
 
+MOE_TP2 = [("ct_moe_nvfp4", "sm100", False), ("modelopt_moe_nvfp4", "sm120", False),
+           ("modelopt_moe_nvfp4", "sm100", True), ("ct_moe_nvfp4", "sm120", True)]
+
+
 def test_plugin_state_equals_vllm_load_tp2(tmp_path):
-    """Both formats and both targets at TP = 2, weight-only and W4A4 (vLLM's auto W4A4 kernels), in one
-    two-process world (each process imports vLLM once)."""
+    """Both formats and both targets at TP = 2, weight-only and W4A4 (vLLM's auto W4A4 kernels), MoE bundles with
+    and without expert parallelism (and one refused where vLLM's placement differs), in one two-process world (each
+    process imports vLLM once)."""
     seed = int(torch.randint(0, 2**31, ()))
     print(f"seed={seed}")
     gen = torch.Generator().manual_seed(seed)
@@ -310,15 +367,21 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
             case = tmp_path / f"{fmt}-{target}"
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
             convert(source, target, case / "bundle", fuse=True, tp=2, weight_only=True)
-            cases.append((str(source), str(case / "bundle"), target, False))  # OUT itself, as `vllm serve OUT` is given
+            cases.append((str(source), str(case / "bundle"), target, False, False))  # OUT, as `vllm serve OUT` is given
     for fmt, target in (("modelopt", "sm100"), ("compressed-tensors", "sm120")):  # W4A4 bundles, the default
         case = tmp_path / f"w4a4-{fmt}-{target}"
         source = _tp2_llama(case / "source", fmt, gen, w4a4=True)
         convert(source, target, case / "bundle", tp=2)
-        cases.append((str(source), str(case / "bundle"), target, True))
+        cases.append((str(source), str(case / "bundle"), target, True, False))
+    for fixture, target, ep in MOE_TP2:  # MoE bundles: experts split along the intermediate size, or whole (--ep)
+        case = tmp_path / f"{fixture}-{target}-ep{int(ep)}"
+        source = shutil.copytree(PRODUCERS / fixture, case / "source")
+        convert(source, target, case / "bundle", tp=2, ep=ep)
+        cases.append((str(source), str(case / "bundle"), target, True, ep))
+    cases.append(("", cases[-1][1], cases[-1][2], True, False))  # an --ep bundle served without expert parallelism
     sample = shutil.copytree(SAMPLE_DIR, tmp_path / "sample" / "source")  # the docs' serving example, as written
     convert(sample, "sm100", tmp_path / "sample" / "bundle", fuse=True, tp=2)  # a weight-only checkpoint
-    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100", False))
+    cases.append((str(sample), str(tmp_path / "sample" / "bundle"), "sm100", False, False))
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
@@ -442,9 +505,9 @@ def test_sm90_kernel_class_eager_calls_skip_the_op(vllm_world, tmp_path, monkeyp
     assert torch.equal(kernel.apply_weights(layer, x), torch.zeros_like(expected))
 
 
-def _refused(path: Path, target: str = "sm100") -> str:
+def _refused(path: Path, target: str = "sm100", w4a4: bool = False, **engine: object) -> str:
     with pytest.raises(RepackError) as caught:
-        load(path, LOAD_FORMAT, target)
+        load(path, LOAD_FORMAT, target, w4a4=w4a4, **engine)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -493,3 +556,177 @@ def test_refuses_another_tp_size(vllm_world, tmp_path):
 def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
+
+
+
+MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4"]  # i48: I = 48 (sm100 pads to 64)
+
+
+# compressed-tensors' loaded MoE scalars, which vLLM's post-load leaves on the module (its kernels read the converted)
+KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
+
+
+def without_kept_values(state: dict[str, object]) -> dict[str, object]:
+    """``state`` with compressed-tensors' loaded MoE global scales compared by class, dtype, shape and strides only:
+    vLLM keeps the source's values (no kernel reads them), a bundle does not hold them (the plugin zeroes them)."""
+    return {k: v[:-1] if k.rsplit(".", 1)[-1] in KEPT else v for k, v in state.items()}
+
+
+def _moe_state_test(tmp_path: Path, checkpoint: Path, target: str) -> tuple[dict, dict]:
+    """The plugin's state from a bundle of ``checkpoint`` and vLLM's from the checkpoint (a copy, weights deleted
+    before the plugin loads)."""
+    source = Path(shutil.copytree(checkpoint, tmp_path / "source"))
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = without_kept_values(layer_state(load(source, "safetensors", target, w4a4=True)))
+    _delete_weights(source)
+    served = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    assert not any(any(v[-1]) for k, v in served.items() if k.rsplit(".", 1)[-1] in KEPT), "not zeroed"
+    return without_kept_values(served), expected
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fixture", MOE_FIXTURES)
+def test_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    """A MoE bundle (W4A4 experts and dense layers) against vLLM's auto load of the source: every parameter and
+    buffer, each FusedMoE module's backend, kernel classes, quant config and moe_config sizes (``moe_state``)."""
+    if (fixture, target) == ("modelopt_moe_i48_nvfp4", "sm120"):  # 2I = 96: vLLM and convert refuse it
+        with pytest.raises(RepackError, match="multiple of 128"):
+            convert(_source(tmp_path, fixture), target, tmp_path / "bundle", fuse=True)
+        return
+    got, expected = _moe_state_test(tmp_path, PRODUCERS / fixture, target)
+    backend = expected["model.layers.0.mlp.experts.routed_experts:backend"]
+    assert backend == {"sm100": "FLASHINFER_TRTLLM", "sm120": "FLASHINFER_CUTLASS"}[target]
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+# Fresh synthetic MoE checkpoints: "aligned" has a hidden size vLLM's TRT-LLM-gen does not pad (256), "odd" one it
+# pads (80 -> 256) and scale rows w2 pads (80 -> 128); "wide" gate/up multipliers that differ (vLLM keeps w1's) and 5
+# experts; "shared" is a Qwen2-MoE with a shared expert (a dense NVFP4 MLP beside the FusedMoE) and a dense first layer.
+MOE_SYNTHETIC = {
+    "aligned": dict(hidden=256, experts=3, intermediate=64),
+    "odd": dict(hidden=80, experts=3, intermediate=64),
+    "wide": dict(hidden=64, experts=5, intermediate=256, shared_scales=False),
+    "shared": dict(hidden=64, experts=4, intermediate=128, layers=3, shared_expert=96, dense_layers=(0,)),
+}
+
+
+@pytest.mark.parametrize("target", ["sm100", "sm120"])
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("shape", MOE_SYNTHETIC)
+def test_moe_plugin_state_equals_vllm_load_synthetic(vllm_world, tmp_path, shape, fmt, target):
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    write_qwen_moe(tmp_path / "synthetic", fmt, generator=torch.Generator().manual_seed(seed),
+                   **{"layers": 2, **MOE_SYNTHETIC[shape]})
+    got, expected = _moe_state_test(tmp_path, tmp_path / "synthetic", target)
+    assert not _differences(got, expected), f"{shape} {fmt} {target} (seed {seed}): differs in " \
+        f"{_differences(got, expected)[:8]}"
+
+
+@pytest.mark.parametrize("fixture,target", [("ct_moe_nvfp4", "sm100"), ("modelopt_moe_nvfp4", "sm120")])
+def test_moe_plugin_converts_no_expert_tensor(vllm_world, tmp_path, monkeypatch, fixture, target):
+    """No expert tensor goes through vLLM's conversion in a plugin load: its entry point (as each MoE method binds
+    it and as the oracle defines it), the FlashInfer preparation and the block-scale swizzle and interleave all
+    raise if called; the modules still end with their kernels built."""
+    convert(_source(tmp_path, fixture), target, tmp_path / "bundle", fuse=True)
+
+    def never(*args, **kwargs):
+        raise AssertionError("vLLM converted an expert tensor")
+
+    for module in (*harness.MOE_SELECTORS, harness.moe_oracle):
+        monkeypatch.setattr(module, "convert_to_nvfp4_moe_kernel_format", never)
+    monkeypatch.setattr(harness.moe_oracle, "prepare_nvfp4_moe_layer_for_fi_or_cutlass", never)
+    monkeypatch.setattr(harness.vfi_moe, "swizzle_blockscale", never)
+    monkeypatch.setattr(harness.flashinfer, "nvfp4_block_scale_interleave", never)
+    state = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, target, w4a4=True))
+    backends = [v for k, v in state.items() if k.endswith("routed_experts:backend")]
+    assert backends == [{"sm100": "FLASHINFER_TRTLLM", "sm120": "FLASHINFER_CUTLASS"}[target]] * 2
+
+
+def test_unfolded_scale_is_what_vllms_fold_turns_into_the_bundles_bytes():
+    """vLLM's experts classes fold ``w*_weight_scale_2 *= input_scale`` in float32: the plugin gives them a value that
+    folds into the bundle's bytes exactly, and refuses a bundle value no float32 folds into."""
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
+    multiplier = torch.rand(4096, generator=gen) * 10.0 ** torch.randint(-6, 2, (4096,), generator=gen)
+    scale = torch.full((4096,), float(torch.rand((), generator=gen) * 10.0 ** torch.randint(-4, 3, ()).item()))
+    folded = multiplier * scale
+    assert torch.equal(unfolded_scale(folded, scale, "x") * scale, folded), f"seed {seed}"
+    three = torch.tensor([3.0])
+    # near 1.75 a step of x (2^-24) moves x * 3 by 1.5 of the result's steps (2^-23): some results are never hit
+    target = next(t for t in (torch.tensor([1.75]) + k * 2.0**-23 for k in range(8))
+                  if not torch.any(_neighbours(t / 3, 16) * three == t))
+    with pytest.raises(RepackError, match="not a float32 product with its input scale"):
+        unfolded_scale(target, three, "x")
+
+
+def _neighbours(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``2n + 1`` float32 values around ``x`` (a one-element tensor), step by step."""
+    below, above, out = x, x, [x]
+    for _ in range(n):
+        below, above = torch.nextafter(below, below * 0), torch.nextafter(above, above * 2)
+        out += [below, above]
+    return torch.cat(out)
+
+
+def _corrupt(bundle: Path, name: str) -> None:
+    """Flip one bit of the first byte of tensor ``name`` in its shard (digests are verify's, not the loader's)."""
+    entry = open_bundle(bundle).entry(name)
+    with open(entry.file, "r+b") as f:
+        f.seek(entry.begin)
+        byte = f.read(1)[0]
+        f.seek(entry.begin)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def test_moe_refuses_a_g1_scale_c_vllm_does_not_derive(vllm_world, tmp_path):
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    _corrupt(tmp_path / "bundle", "model.layers.1.mlp.experts.routed_experts.g1_scale_c")
+    assert "routed_experts.g1_scale_c: vLLM derives another value from the bundle's scales; run verify" in \
+        _refused(tmp_path / "bundle", w4a4=True)
+
+
+def test_moe_refuses_another_backend(vllm_world, tmp_path):
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm120", tmp_path / "bundle", fuse=True)
+    message = _refused(tmp_path / "bundle", "sm100", w4a4=True)  # an sm100's auto: TRT-LLM-gen
+    assert "vLLM chose the FLASHINFER_TRTLLM MoE backend on this GPU, but the bundle holds the FLASHINFER_CUTLASS" \
+        in message
+
+
+def test_moe_refuses_a_weight_only_moe_method(vllm_world, tmp_path):
+    """vLLM serves W4A16 NVFP4 experts with Marlin (here: the bundle's config edited to weight-only, its dense layers
+    loaded with the W4A16 kernel)."""
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    _edit_json(tmp_path / "bundle" / "config.json", lambda c: [
+        g.update(input_activations=None) for g in c["quantization_config"]["config_groups"].values()])
+    assert "(W4A16: Marlin); bundles hold NVFP4 W4A4 MoE" in _refused(tmp_path / "bundle")
+
+
+def test_moe_refuses_per_token_activations(vllm_world, tmp_path):
+    """vLLM's ModelOpt MoE with ``quantization_config.moe.activation = nvfp4_per_token`` (TRT-LLM-gen only) quantizes
+    activations per token and holds input scales of 1: not what the bundle's experts were converted for."""
+    convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    message = _refused(tmp_path / "bundle", w4a4=True, quantization_config={"moe": {"activation": "nvfp4_per_token"}})
+    assert "activations per token (quantization_config moe.activation nvfp4_per_token)" in message
+
+
+def test_moe_refuses_expert_load_balancing(vllm_world, tmp_path, monkeypatch):
+    """vLLM's EPLB (CUDA only: vLLM's own config refuses it on this CPU platform, so the flag is set on a loaded
+    module) moves experts between ranks and makes compressed-tensors' shared input scale the largest of all ranks'."""
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    model = load(tmp_path / "bundle", LOAD_FORMAT, "sm100", w4a4=True)
+    name, module = next(iter(moe_modules(model).items()))
+    record = open_bundle(tmp_path / "bundle").moe_layers()[name]
+    placed = (record.expert_map, record.local_experts, module.moe_config.intermediate_size_per_partition)
+    check_placement(name, module, *placed)  # after the load: its sizes as vLLM left them
+    monkeypatch.setattr(module.moe_config.moe_parallel_config, "enable_eplb", True)
+    with pytest.raises(RepackError, match="balances this MoE layer's experts"):
+        check_placement(name, module, *placed)
+
+
+def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
+    convert(_source(tmp_path, "modelopt_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
+    module = "model.layers.1.mlp.experts.routed_experts"
+    _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["moe"].pop(module))
+    assert f"FusedMoE module {module!r} has no tensors" in _refused(tmp_path / "bundle", w4a4=True)
