@@ -3,5 +3,6 @@
 __version__ = "0.1.0"
 BUNDLE_FORMAT_VERSION = 5  # 2: online transforms, tp_size / tp_rank / fusion / partitions; 3: per-tensor digests are
 # xxh3-128, named by tensor_digest; 4: files and tensors hashed with BLAKE3, named by file_digest / tensor_digest, and
-# a Hub source's own sha256 of each shard file (source.hub_sha256); 5: FusedMoE layers (``moe``), which a reader of 4
-# would silently drop
+# a Hub source's own sha256 of each shard file (source.hub_sha256); 5: FusedMoE layers (``moe``), output transforms on
+# some partitions (a layer transform's ``partitions``) and whole-K/N matrices (``whole``), which a reader of 4 would
+# silently drop or misapply
