@@ -42,7 +42,7 @@ from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
 from .formats.hashing import file_hexdigest, new_digest
-from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups
+from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, kept_scales
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, map_tensor, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
@@ -485,6 +485,8 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
         return check
     if record.input_scales != ("all" if GLOBAL_INPUT_SCALES[src.format] else "local"):
         check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
+    for name in sorted(set(kept_scales(src, plan.group, plan.experts)) - set(bundle.manifest.passthrough)):
+        check.fail(f"{name}: missing from the bundle (vLLM keeps it on {module} as loaded)", "exactness")
     for problem in check_experts(src, plan, held, layout):
         check.fail(problem, "exactness")
     if numerics:

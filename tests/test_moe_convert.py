@@ -70,8 +70,15 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
             assert set(held) == set(expected) == set(layout.TENSORS)
             for part, tensor in expected.items():
                 assert torch.equal(held[part].view(torch.uint8), tensor.view(torch.uint8)), (rank, module, part)
-        # the experts' activation scales are folded into the records' tensors: no longer passthrough
-        assert not [n for n in bundle.manifest.passthrough if ".experts." in n]
+        # the experts' activation scales are folded into the records' tensors; compressed-tensors' global scales,
+        # which vLLM keeps on its module as loaded, stay passthrough: the rank's experts', the source's bytes
+        kept = [n for n in bundle.manifest.passthrough if ".experts." in n]
+        assert sorted(kept) == (sorted(f"model.layers.{i}.mlp.experts.{e}.{proj}.{scale}" for i in range(2)
+                                       for e in range(first, last) for proj in ("gate_proj", "up_proj", "down_proj")
+                                       for scale in ("weight_global_scale", "input_global_scale"))
+                                if name.startswith("ct_") else [])
+        for n in kept:
+            assert torch.equal(bundle.read(n).view(torch.uint8), source.checkpoint.read(n).view(torch.uint8)), n
         assert not [p for p in bundle.manifest.layers if ".experts." in p]
 
 
@@ -155,6 +162,22 @@ def test_verify_names_a_corrupted_or_swapped_expert_or_swapped_halves(converted,
     assert code == 1, text
     lines = [line.strip() for line in text.splitlines() if "mlp.experts." in line and "differ" in line]
     assert lines == expected, text
+
+
+@pytest.mark.parametrize("target", LAYOUTS)
+def test_verify_catches_a_kept_expert_scale_changed_or_missing(converted, target, tmp_path, capsys):
+    """compressed-tensors' expert global scales vLLM keeps as loaded, passthrough in the bundle: one changed (manifest
+    rewritten to match) or dropped fails against the source."""
+    path = tmp_path / "out"
+    shutil.copytree(converted[target], path)
+    changed, dropped = (f"model.layers.1.mlp.experts.{e}.{p}" for e, p in ((3, "up_proj.weight_global_scale"),
+                                                                            (2, "down_proj.input_global_scale")))
+    rewrite_consistently(path / "rank-1", changed, open_bundle(path / "rank-1").read(changed) * 2)
+    rewrite_consistently(path / "rank-1", dropped, None)
+    code, text = _verify(path, capsys)
+    assert code == 1, text
+    assert f"rank-1: {changed}: differs from the source" in text, text
+    assert f"rank-1: {dropped}: missing from the bundle (vLLM keeps it on {MODULE} as loaded)" in text, text
 
 
 def test_a_flipped_expert_byte_fails_integrity(converted, tmp_path, capsys):

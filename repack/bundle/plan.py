@@ -14,6 +14,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from ..errors import RepackError
 from ..formats import SourceModel
+from ..formats.moe import kept_scales
 from ..formats.safetensors_io import DTYPE_NAMES
 from ..formats.transforms import SourceMatrix, model_dtype
 from ..targets import Target
@@ -118,7 +119,14 @@ def unit_order(source: SourceModel, layers: LayerPlan | None = None) -> list[str
     """The order in which a pass reads the source's units and every bundle writes them: by name. ``layers``:
     a fused or rank plan's output layers instead of the source's."""
     prefixes = source.layers if layers is None else [*layers.layers, *layers.experts]
-    return sorted([*prefixes, *source.passthrough, *source.transforms.matrices])
+    kept = [] if layers is None else expert_scales(source, layers)
+    return sorted({*prefixes, *source.passthrough, *kept, *source.transforms.matrices})
+
+
+def expert_scales(source: SourceModel, layers: LayerPlan) -> list[str]:
+    """The experts' source scales a bundle keeps as passthrough tensors (:func:`kept_scales`): its FusedMoE layers'
+    experts' (under expert parallelism the rank's own), so that vLLM's own expert weight loader places them."""
+    return [name for plan in layers.experts.values() for name in kept_scales(source, plan.group, plan.experts)]
 
 
 def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shard_size: int | str = "5GB") -> BundlePlan:
@@ -130,8 +138,9 @@ def plan_bundle(source: SourceModel, target: Target, layers: LayerPlan, max_shar
     units: dict[str, list[PlannedTensor]] = {layer.prefix: _layer_outputs(layer, target) for layer in layers.layers.values()}
     units.update({module: _expert_outputs(plan, target) for module, plan in layers.experts.items()})
     names = {t.name: prefix for prefix, parts in units.items() for t in parts}
-    consumed = {source.input_scale_name(p) for p in source.layers} if target.scheme == "W4A4" else set()
-    for name in (n for n in source.passthrough if n not in consumed):
+    kept = expert_scales(source, layers)
+    consumed = {source.input_scale_name(p) for p in source.layers} - set(kept) if target.scheme == "W4A4" else set()
+    for name in sorted({*(n for n in source.passthrough if n not in consumed), *kept}):
         entry = source.checkpoint.tensors[name]
         if name in names:
             raise RepackError(f"tensor {name!r} would collide with the converted layer {names[name]!r}")

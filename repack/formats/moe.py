@@ -28,6 +28,10 @@ EXPERT_ALIASES = {"MixtralForCausalLM": {"w1": "gate_proj", "w3": "up_proj", "w2
 # Whose input scales a rank's FusedMoE loads under expert parallelism (vLLM 0.33, FlashInfer backends): ModelOpt's
 # method holds every expert's (global_sf_num_experts), compressed-tensors' only the rank's own.
 GLOBAL_INPUT_SCALES = {"modelopt": True, "compressed-tensors": False}
+# Whether vLLM 0.33's method keeps the experts' loaded global scales on the FusedMoE module after its post-load (no
+# kernel reads them): compressed-tensors' ``w13/w2_weight_global_scale`` and ``w13/w2_input_global_scale`` stay;
+# ModelOpt's conversion replaces every scale it loaded.
+KEEPS_LOADED_SCALES = {"modelopt": False, "compressed-tensors": True}
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,18 @@ def read_input_scales(source: SourceModel, prefixes: tuple[str, ...]) -> torch.T
     """float32 ``[len(prefixes)]``: each layer's activation dequant scale as vLLM computes it (ModelOpt
     ``input_scale``, compressed-tensors ``1 / input_global_scale`` in float32), 4 bytes read each."""
     return torch.stack([source.read_input_scale(prefix).scale.reshape(()) for prefix in prefixes])
+
+
+def kept_scales(source: SourceModel, group: ExpertGroup, experts: tuple[int, int]) -> list[str]:
+    """The source tensors of experts ``[experts)`` that vLLM keeps on the module as loaded (``KEEPS_LOADED_SCALES``):
+    each expert's ``weight_global_scale`` and ``input_global_scale``, which its expert weight loader places by name
+    (gate/up into ``[e, 0]``/``[e, 1]`` of the ``w13_`` ones, down into ``[e]`` of the ``w2_`` ones, on the rank
+    holding expert ``e``). A bundle carries them as passthrough tensors under these names."""
+    if not KEEPS_LOADED_SCALES[source.format]:
+        return []
+    suffixes = (source.scheme.global_scale, source.scheme.input_scale)
+    return [f"{prefix}.{suffix}" for names in (group.gate, group.up, group.down)
+            for prefix in names[slice(*experts)] for suffix in suffixes]
 
 
 SHARED = re.compile(r"^(?P<module>.+\.shared_experts?)\.")

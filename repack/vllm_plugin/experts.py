@@ -35,6 +35,9 @@ CONVERTED = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_
              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
 CONVERT = "convert_to_nvfp4_moe_kernel_format"
 METHODS = ("ModelOptNvFp4FusedMoE", "CompressedTensorsW4A4Nvfp4MoEMethod")
+# Per method, the experts' source scales it keeps on the module as loaded after its post-load (no kernel reads them),
+# which a bundle carries as passthrough tensors under the source's names.
+KEPT_SCALES = {"CompressedTensorsW4A4Nvfp4MoEMethod": ("weight_global_scale", "input_global_scale")}
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -80,6 +83,17 @@ def check_method(name: str, module: nn.Module, backend: str) -> None:
         raise RepackError(f"{name}: vLLM chose the {chosen} MoE backend on this GPU, but the bundle holds the "
                           f"{backend} layout; serve it with --moe-backend {backend.lower()} on the GPU family it was "
                           f"converted for, or re-convert the source for this GPU")
+
+
+def check_kept_scales(name: str, module: nn.Module, members: dict[str, list[str]], passthrough: set[str]) -> None:
+    """One line when the bundle lacks a source scale of the held experts (``members``) that vLLM's method keeps on
+    the module as loaded (a bundle converted before it carried them): the module would hold zeros there."""
+    missing = sorted(f"{member}.{scale}" for names in members.values() for member in names
+                     for scale in KEPT_SCALES.get(type(module.quant_method).__name__, ())
+                     if f"{member}.{scale}" not in passthrough)
+    if missing:
+        raise RepackError(f"{name}: the bundle has no {missing[0]}, which vLLM keeps on this MoE layer as loaded; "
+                          f"re-convert the source")
 
 
 def check_placement(name: str, module: nn.Module, expert_map: list[int] | None, experts: int,
@@ -130,8 +144,9 @@ def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor]
     """Hook the module's MoE post-load so that it installs ``tensors`` (vLLM's names: the eight converted ones and
     ``g1_scale_c`` on TRT-LLM-gen, from ``Bundle.moe_tensors``) instead of converting its own; ``done`` is called
     once it ran. The per-expert float32 scalars vLLM allocated are zeroed rather than left as uninitialized memory:
-    its post-load compares w1's and w3's before converting (a warning), and compressed-tensors' loaded global scales
-    stay on the module after it (no kernel reads them; a bundle does not hold them)."""
+    its post-load compares w1's and w3's before converting (a warning). Compressed-tensors' loaded global scales,
+    which stay on the module after it (no kernel reads them), are then loaded over the zeros from the bundle's
+    passthrough tensors by vLLM's own expert weight loader, as from the source."""
     method = module.quant_method
     missing = sorted(set(CONVERTED) - set(tensors))
     if missing:

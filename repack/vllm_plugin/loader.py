@@ -51,7 +51,7 @@ from ..bundle.manifest import MANIFEST_NAME, LayerRecord
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import Target
-from .experts import check_method, check_placement, moe_modules, preimage, serve_experts
+from .experts import check_kept_scales, check_method, check_placement, moe_modules, preimage, serve_experts
 from .kernels import kernel_class
 
 LOAD_FORMAT = "nvfp4_repack"
@@ -295,7 +295,8 @@ class BundleModelLoader(BaseModelLoader):
 
     def _install_experts(self, model: nn.Module, bundle: Bundle) -> None:
         """Each FusedMoE module gets the bundle's tensors through its own post-load (:func:`serve_experts`), after
-        one-line refusals of what vLLM would hold otherwise (another backend, other experts or sizes per rank)."""
+        one-line refusals of what vLLM would hold otherwise (another backend, other experts or sizes per rank, a
+        loaded scale it keeps that the bundle lacks)."""
         modules, records = moe_modules(model), bundle.moe_layers()
         extra = sorted(set(records) - set(modules))
         if extra:
@@ -309,6 +310,7 @@ class BundleModelLoader(BaseModelLoader):
             record = records[name]
             check_method(name, module, record.backend)
             check_placement(name, module, record.expert_map, record.local_experts, record.intermediate)
+            check_kept_scales(name, module, record.members, set(bundle.manifest.passthrough))
             serve_experts(name, module, bundle.moe_tensors(name), lambda name=name: self._restored.add(name))
 
     @staticmethod

@@ -282,6 +282,10 @@ def test_plugin_serves_rotated_w4a4_bundles_through_qutlass(vllm_world, tmp_path
     bundle = tmp_path / "bundle"
     convert(source, target, bundle, fuse=True)
     expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
+    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    modules = [k for k in expected if k.endswith("routed_experts:backend")]
+    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
     _delete_weights(source)
     got = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
     assert any(v == "QutlassNvFP4LinearMethod" for v in expected.values())
@@ -301,6 +305,10 @@ def test_w4a4_plugin_state_equals_vllm_auto_load(vllm_world, tmp_path, fixture, 
     bundle = tmp_path / "bundle"
     convert(source, target, bundle, fuse=True)
     expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
+    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    modules = [k for k in expected if k.endswith("routed_experts:backend")]
+    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
     _delete_weights(source)
     got = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
     assert expected["model.layers.0.self_attn.qkv_proj:kernel"] == AUTO_W4A4[target]
@@ -331,13 +339,12 @@ def _tp2_rank(rank: int, cases: list[tuple[str, str, str, bool, bool]], init_fil
                 except RepackError as refusal:
                     out[bundle] = [] if "--enable-expert-parallel exactly when" in str(refusal) else [str(refusal)]
                 continue
-            expected = without_kept_values(layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4,
-                                                             ep=ep)))
+            expected = layer_state(load(source, "safetensors", target, tp_size=2, w4a4=w4a4, ep=ep))
             dist.barrier()
             if rank == 0:
                 _delete_weights(Path(source))
             dist.barrier()
-            got = without_kept_values(layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4, ep=ep)))
+            got = layer_state(load(bundle, LOAD_FORMAT, target, tp_size=2, w4a4=w4a4, ep=ep))
             out[Path(source).parent.name] = _differences(got, expected) or (
                 [] if any(k.endswith("qkv_proj:kernel") for k in got) else ["no fused layer loaded"])
     Path(results, f"rank-{rank}.json").write_text(json.dumps(out))
@@ -562,14 +569,9 @@ def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
 MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4"]  # i48: I = 48 (sm100 pads to 64)
 
 
-# compressed-tensors' loaded MoE scalars, which vLLM's post-load leaves on the module (its kernels read the converted)
+# compressed-tensors' loaded MoE scalars, which vLLM's post-load leaves on the module (its kernels read the converted):
+# a bundle carries them as passthrough tensors, so the plugin's values must be the source's too
 KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
-
-
-def without_kept_values(state: dict[str, object]) -> dict[str, object]:
-    """``state`` with compressed-tensors' loaded MoE global scales compared by class, dtype, shape and strides only:
-    vLLM keeps the source's values (no kernel reads them), a bundle does not hold them (the plugin zeroes them)."""
-    return {k: v[:-1] if k.rsplit(".", 1)[-1] in KEPT else v for k, v in state.items()}
 
 
 def _moe_state_test(tmp_path: Path, checkpoint: Path, target: str) -> tuple[dict, dict]:
@@ -578,11 +580,14 @@ def _moe_state_test(tmp_path: Path, checkpoint: Path, target: str) -> tuple[dict
     source = Path(shutil.copytree(checkpoint, tmp_path / "source"))
     bundle = tmp_path / "bundle"
     convert(source, target, bundle, fuse=True)
-    expected = without_kept_values(layer_state(load(source, "safetensors", target, w4a4=True)))
+    expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
+    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    modules = [k for k in expected if k.endswith("routed_experts:backend")]
+    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
     _delete_weights(source)
     served = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
-    assert not any(any(v[-1]) for k, v in served.items() if k.rsplit(".", 1)[-1] in KEPT), "not zeroed"
-    return without_kept_values(served), expected
+    return served, expected
 
 
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
@@ -723,6 +728,16 @@ def test_moe_refuses_expert_load_balancing(vllm_world, tmp_path, monkeypatch):
     monkeypatch.setattr(module.moe_config.moe_parallel_config, "enable_eplb", True)
     with pytest.raises(RepackError, match="balances this MoE layer's experts"):
         check_placement(name, module, *placed)
+
+
+def test_moe_refuses_a_bundle_without_a_kept_scale(vllm_world, tmp_path):
+    """A compressed-tensors MoE bundle without one of the experts' global scales vLLM keeps on its module as loaded
+    (as bundles converted before they were carried): refused, not served with zeros there."""
+    convert(_source(tmp_path, "ct_moe_nvfp4"), "sm120", tmp_path / "bundle", fuse=True)
+    scale = "model.layers.1.mlp.experts.3.up_proj.weight_global_scale"
+    _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["passthrough"].pop(scale))
+    assert f"routed_experts: the bundle has no {scale}, which vLLM keeps on this MoE layer as loaded; re-convert" \
+        in _refused(tmp_path / "bundle", "sm120", w4a4=True)
 
 
 def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
