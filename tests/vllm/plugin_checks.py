@@ -193,6 +193,26 @@ def _delete_weights(source: Path) -> None:
         file.unlink()
 
 
+# compressed-tensors' loaded MoE scalars, which vLLM's post-load leaves on the module (its kernels read the converted):
+# a bundle carries them as passthrough tensors, so the plugin's values must be the source's too
+KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
+
+
+def _w4a4_states(source: Path, target: str) -> tuple[dict, dict]:
+    """The plugin's state from a W4A4 ``--fuse`` bundle of ``source`` (a private copy: its weights are deleted before
+    the plugin loads) and vLLM's auto load of the source."""
+    bundle = source.parent / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = layer_state(load(source, "safetensors", target, w4a4=True))
+    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
+    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    modules = [k for k in expected if k.endswith("routed_experts:backend")]
+    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
+    _delete_weights(source)
+    served = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    return served, expected
+
+
 def _differences(got: dict, expected: dict) -> list[str]:
     keys = sorted(set(got) | set(expected))
     return [k for k in keys if got.get(k, "<absent>") != expected.get(k, "<absent>")]
@@ -278,16 +298,7 @@ def test_plugin_serves_rotated_w4a4_bundles_through_qutlass(vllm_world, tmp_path
     16..128 QutlassNvFP4LinearMethod: the W4A4 bundle's model holds the state of vLLM's load of the source, its
     fused_alpha, fused_global_scale, hadamard_matrix (and which transform tensor that is), FlashInfer backend,
     transform matrices and method classes included."""
-    source = _source(tmp_path, fixture)
-    bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True)
-    expected = layer_state(load(source, "safetensors", target, w4a4=True))
-    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
-    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
-    modules = [k for k in expected if k.endswith("routed_experts:backend")]
-    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
-    _delete_weights(source)
-    got = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    got, expected = _w4a4_states(_source(tmp_path, fixture), target)
     assert any(v == "QutlassNvFP4LinearMethod" for v in expected.values())
     assert any(k.endswith(".hadamard_matrix") for k in expected) and any(k.endswith(".fused_alpha") for k in expected)
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
@@ -301,16 +312,7 @@ AUTO_W4A4 = {"sm100": "FlashInferCuteDslNvFp4LinearKernel", "sm120": "FlashInfer
 def test_w4a4_plugin_state_equals_vllm_auto_load(vllm_world, tmp_path, fixture, target):
     """A W4A4 bundle (the default for these checkpoints) against vLLM's auto W4A4 load of the source: every
     parameter (input_global_scale, its inverse and alpha included) and the kernel class auto picks."""
-    source = _source(tmp_path, fixture)
-    bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True)
-    expected = layer_state(load(source, "safetensors", target, w4a4=True))
-    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
-    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
-    modules = [k for k in expected if k.endswith("routed_experts:backend")]
-    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
-    _delete_weights(source)
-    got = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
+    got, expected = _w4a4_states(_source(tmp_path, fixture), target)
     assert expected["model.layers.0.self_attn.qkv_proj:kernel"] == AUTO_W4A4[target]
     assert "model.layers.0.self_attn.qkv_proj.alpha" in expected
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
@@ -569,27 +571,6 @@ def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
 MOE_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4"]  # i48: I = 48 (sm100 pads to 64)
 
 
-# compressed-tensors' loaded MoE scalars, which vLLM's post-load leaves on the module (its kernels read the converted):
-# a bundle carries them as passthrough tensors, so the plugin's values must be the source's too
-KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
-
-
-def _moe_state_test(tmp_path: Path, checkpoint: Path, target: str) -> tuple[dict, dict]:
-    """The plugin's state from a bundle of ``checkpoint`` and vLLM's from the checkpoint (a copy, weights deleted
-    before the plugin loads)."""
-    source = Path(shutil.copytree(checkpoint, tmp_path / "source"))
-    bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True)
-    expected = layer_state(load(source, "safetensors", target, w4a4=True))
-    kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
-    method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
-    modules = [k for k in expected if k.endswith("routed_experts:backend")]
-    assert len(kept) == 4 * len(modules) * (method == "compressed-tensors") and all(map(any, kept))
-    _delete_weights(source)
-    served = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
-    return served, expected
-
-
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
 @pytest.mark.parametrize("fixture", MOE_FIXTURES)
 def test_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
@@ -599,7 +580,7 @@ def test_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target
         with pytest.raises(RepackError, match="multiple of 128"):
             convert(_source(tmp_path, fixture), target, tmp_path / "bundle", fuse=True)
         return
-    got, expected = _moe_state_test(tmp_path, PRODUCERS / fixture, target)
+    got, expected = _w4a4_states(_source(tmp_path, fixture), target)
     backend = expected["model.layers.0.mlp.experts.routed_experts:backend"]
     assert backend == {"sm100": "FLASHINFER_TRTLLM", "sm120": "FLASHINFER_CUTLASS"}[target]
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
@@ -624,7 +605,7 @@ def test_moe_plugin_state_equals_vllm_load_synthetic(vllm_world, tmp_path, shape
     print(f"seed={seed}")
     write_qwen_moe(tmp_path / "synthetic", fmt, generator=torch.Generator().manual_seed(seed),
                    **{"layers": 2, **MOE_SYNTHETIC[shape]})
-    got, expected = _moe_state_test(tmp_path, tmp_path / "synthetic", target)
+    got, expected = _w4a4_states(Path(shutil.copytree(tmp_path / "synthetic", tmp_path / "source")), target)
     assert not _differences(got, expected), f"{shape} {fmt} {target} (seed {seed}): differs in " \
         f"{_differences(got, expected)[:8]}"
 
