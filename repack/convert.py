@@ -487,7 +487,8 @@ def convert_bundles(
     return [
         ConvertSummary(out=w.output.out, target=w.output.plan.target.name, layers=len(w.output.plan.layers.layers),
                        moe_layers=len(w.output.plan.layers.experts),
-                       passthrough=len(source.passthrough), bytes_in=bytes_in, bytes_out=w.output.plan.total_bytes,
+                       passthrough=sum(bool(t.source_name) for parts in w.output.plan.units.values() for t in parts),
+                       bytes_in=bytes_in, bytes_out=w.output.plan.total_bytes,
                        seconds=seconds, kept_shards=len(w.journal.kept),
                        bundles=[str(w.output.out / w.output.folder) if w.output.folder else str(w.output.out)])
         for w in writings

@@ -317,3 +317,15 @@ def test_a_non_finite_expert_multiplier_is_refused_naming_the_layer(tmp_path):
     with pytest.raises(RepackError, match=r"experts\.1\.down_proj: global scale must be finite and positive"):
         convert(root, "sm100", tmp_path / "out", fuse=True)  # the weights' pass refuses it first
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,fuse", [("ct_moe_nvfp4", True), ("modelopt_moe_nvfp4", True), ("ct_nvfp4", False),
+                                       ("modelopt_nvfp4", True)])
+def test_the_summary_counts_the_passthrough_tensors_the_bundle_holds(tmp_path, name, fuse):
+    """W4A4 sources fold their layers' input scales into the layer records, and compressed-tensors MoE bundles keep
+    their experts' global scales as passthrough: the summary counts what the manifest holds, not the source's list."""
+    summary = convert(PRODUCERS / name, "sm100", tmp_path / "out", fuse=fuse)
+    source = read_source(PRODUCERS / name)
+    held = open_bundle(tmp_path / "out").manifest.passthrough
+    assert summary.passthrough == len(held)
+    assert len(held) != len(source.passthrough)  # what the count used to be
