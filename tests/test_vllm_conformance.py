@@ -200,14 +200,19 @@ def _assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     return len(meta)
 
 
+def _assert_tp1_bundle_matches(dumped: Path, source: Path, target: str, out: Path, compare, **options) -> None:
+    """A TP 1 ``--fuse`` bundle's 8 fused layers against vLLM's dump (which must not be a refusal), then verify."""
+    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()
+    convert(source, target, out, fuse=True, **options)
+    assert compare(out, dumped, 0) == 8
+    assert verify_output(out).passed
+
+
 @pytest.mark.parametrize("name,arch", TP1, ids=[f"{n}-{a}" for n, a in TP1])
 def test_fused_bundle_is_byte_identical_to_vllm(name, arch, checkpoints, oracle, tmp_path):
-    dumped = oracle[1] / f"{name}-{arch}"
-    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()
-    out = tmp_path / "bundle"
-    convert(checkpoints[name], arch, out, fuse=True, weight_only=True)  # W4A4 checkpoints too: the W4A16 kernel
-    assert _assert_rank_identical(out, dumped, 0) == 8
-    assert verify_output(out).passed
+    # W4A4 checkpoints too: the W4A16 kernel
+    _assert_tp1_bundle_matches(oracle[1] / f"{name}-{arch}", checkpoints[name], arch, tmp_path / "bundle",
+                               _assert_rank_identical, weight_only=True)
 
 
 @pytest.mark.parametrize("name,arch", TP2, ids=[f"{n}-{a}" for n, a in TP2])
@@ -318,12 +323,9 @@ def _assert_w4a4_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> in
 
 @pytest.mark.parametrize("name,arch", W4A4_TP1, ids=[f"{n}-{a}" for n, a in W4A4_TP1])
 def test_w4a4_bundle_is_byte_identical_to_vllm_auto(name, arch, checkpoints, oracle, tmp_path):
-    dumped = oracle[1] / f"{name}-{arch}"
-    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()
-    out = tmp_path / "bundle"
-    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, fuse=True)  # the default for a W4A4 checkpoint
-    assert _assert_w4a4_rank_identical(out, dumped, 0) == 8
-    assert verify_output(out).passed
+    # the W4A4 layout: the default for a W4A4 checkpoint
+    _assert_tp1_bundle_matches(oracle[1] / f"{name}-{arch}", checkpoints[name], arch.removesuffix("-w4a4"),
+                               tmp_path / "bundle", _assert_w4a4_rank_identical)
 
 
 @pytest.mark.parametrize("name,arch", W4A4_TP2, ids=[f"{n}-{a}" for n, a in W4A4_TP2])
