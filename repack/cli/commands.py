@@ -157,7 +157,7 @@ def convert(
         return
     for summary in summaries:
         for prefix, error in summary.rescaled.items():
-            stdout.print(f"rescaled {show(prefix)}: partition scales folded into block scales, "
+            stdout.print(f"rescaled {show(prefix)}: unequal global scales folded into block scales, "
                          f"added relative L2 weight error {error:.3g}", highlight=False)
         ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
         kept = f", {summary.kept_shards} shards kept from the interrupted run" if summary.kept_shards else ""
