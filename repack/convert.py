@@ -41,7 +41,7 @@ from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader, file_hexdigest
 from .formats.hub import hub_sha256
-from .formats.moe import GLOBAL_INPUT_SCALES
+from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
@@ -601,6 +601,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
+        _refuse_unfused_moe(source, targets)
         layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
                    for t in targets]
@@ -621,6 +622,19 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
+    """An MoE checkpoint converts into vLLM's FusedMoE layers only (``fuse`` / ``tp``): unfused, each expert would be
+    three dense layers of its own, which no engine serves. A family without an MoE layout (sm90) is named first."""
+    groups = expert_groups(source)
+    if not groups:
+        return
+    for target in targets:
+        moe_layout(target.name)
+    raise RepackError(f"{source.checkpoint.root}: an NVFP4 MoE model ({len(groups)} FusedMoE layers): convert it with "
+                      "--fuse or --tp N, which write vLLM's FusedMoE layers; unfused, each expert's gate/up/down would be "
+                      "dense layers of their own, which no engine serves")
 
 
 def served_scheme(source: SourceModel, weight_only: bool = False) -> str:
