@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     code = main()
-    _set_sigint(_exit_interrupted)  # the exit's own work (flushing, joining threads): still one line and 130
+    for stream in (sys.stdout, sys.stderr):  # what the command printed is out before a Ctrl-C could _exit
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: the interpreter's exit reports it as before
+            pass
+    _set_sigint(_exit_interrupted)  # the exit's own work (joining threads, teardown): still one line and 130
     gc.freeze()  # the interpreter's teardown would otherwise collect every object torch made: ~0.7 CPU s per command
     sys.exit(code)
