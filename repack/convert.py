@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
-    ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, layer_transforms,
-    plan_layers, rescale_error, whole_piece,
+    ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, expert_rescale_error,
+    layer_transforms, plan_layers, rescale_error, whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -41,7 +41,7 @@ from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader, file_hexdigest
 from .formats.hub import hub_sha256
-from .formats.moe import GLOBAL_INPUT_SCALES
+from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
@@ -241,7 +241,8 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
             partitions=_partitions(layer),
             rescale_error=writing.output.rescale_errors.get(prefix),
         )
-    moe = {module: _moe_record(source, plan.target, experts, {t.part: records.pop(t.name) for t in plan.units[module]})
+    moe = {module: _moe_record(source, plan.target, experts, {t.part: records.pop(t.name) for t in plan.units[module]},
+                               writing.output.rescale_errors.get(module))
            for module, experts in plan.layers.experts.items()}
     transforms = {
         name: TransformRecord(scheme=m.scheme, type=m.type, block_size=m.size, inverse=m.inverse, scale=m.scale,
@@ -278,7 +279,8 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
     )
 
 
-def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: dict[str, TensorRecord]) -> MoERecord:
+def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: dict[str, TensorRecord],
+                rescale_error: float | None) -> MoERecord:
     layout, local = moe_layout(target.name), slice(*plan.experts)
     top_k = source.checkpoint.config.get("num_experts_per_tok")
     return MoERecord(
@@ -291,6 +293,7 @@ def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: 
         input_scales="all" if GLOBAL_INPUT_SCALES[source.format] else "local", tensors=tensors,
         expert_map=plan.expert_map if plan.ep else None,
         top_k=top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None,
+        rescale_error=rescale_error,
     )
 
 
@@ -598,6 +601,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
+        _refuse_unfused_moe(source, targets)
         layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
                    for t in targets]
@@ -620,6 +624,19 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                    bundles=[b for s in summaries for b in s.bundles])
 
 
+def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
+    """An MoE checkpoint converts into vLLM's FusedMoE layers only (``fuse`` / ``tp``): unfused, each expert would be
+    three dense layers of its own, which no engine serves. A family without an MoE layout (sm90) is named first."""
+    groups = expert_groups(source)
+    if not groups:
+        return
+    for target in targets:
+        moe_layout(target.name)
+    raise RepackError(f"{source.checkpoint.root}: an NVFP4 MoE model ({len(groups)} FusedMoE layers): convert it with "
+                      "--fuse or --tp N, which write vLLM's FusedMoE layers; unfused, each expert's gate/up/down would be "
+                      "dense layers of their own, which no engine serves")
+
+
 def served_scheme(source: SourceModel, weight_only: bool = False) -> str:
     """The activation scheme the bundles serve: the checkpoint's (vLLM's auto; a W4A4 one with online transforms
     too, which vLLM serves through QuTLASS or its transform method around the W4A4 kernel), or W4A16 with
@@ -630,8 +647,10 @@ def served_scheme(source: SourceModel, weight_only: bool = False) -> str:
 def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:
     """The relative L2 error ``--rescale`` adds to each rescaled layer of ``plan``: recorded in its manifest,
     where verify bounds the layer's actual departure from the source by it."""
-    return {prefix: rescale_error(source, layer) for prefix, layer in plan.layers.layers.items()
-            if any(piece.scale_ratio != 1.0 for piece in layer.pieces)}
+    dense = {prefix: rescale_error(source, layer) for prefix, layer in plan.layers.layers.items()
+             if any(piece.scale_ratio != 1.0 for piece in layer.pieces)}
+    return dense | {module: expert_rescale_error(source, experts) for module, experts in plan.layers.experts.items()
+                    if experts.rescale}
 
 
 def _check_root(out: Path, protected: Path) -> None:

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .bundle.layers import (
-    ExpertPlan, OutputLayer, Piece, assemble, layer_transforms, rescale_error, whole_piece,
+    ExpertPlan, OutputLayer, Piece, assemble, expert_rescale_error, layer_transforms, rescale_error, whole_piece,
 )
 from .bundle.manifest import MANIFEST_NAME, OUTPUT_RECORD, LayerRecord, MoERecord, PartitionRecord, read_output_record
 from .bundle.reader import Bundle, open_bundle
@@ -438,12 +438,18 @@ def _check_departure(src: SourceModel, planned: OutputLayer, rescaled: NVFP4Weig
     """A --rescale layer departs from the unfused source by design (its block scales rounded to e4m3): that
     departure, on every rescaled layer (sampled numerics or not), is reported and may not exceed what convert
     recorded in the manifest (a manifest from before it was recorded: the numerics tolerance)."""
-    check.rescale_error = rescale_error(src, planned, rescaled)
-    bound, what = ((record.rescale_error, "the manifest records") if record.rescale_error is not None else
+    _bound_departure(check, planned.prefix, rescale_error(src, planned, rescaled), record.rescale_error)
+
+
+def _bound_departure(check: TensorCheck, name: str, departure: float, recorded: float | None) -> None:
+    """Report a rescaled layer's departure from the source; fail it beyond what the manifest records (or, where it
+    records nothing, the numerics tolerance)."""
+    check.rescale_error = departure
+    bound, what = ((recorded, "the manifest records") if recorded is not None else
                    (NUMERIC_TOLERANCE, "the numerics tolerance (the manifest records no rescale error)"))
-    if not check.rescale_error <= bound * (1 + RESCALE_SLACK):
-        check.fail(f"{planned.prefix}: rescaled weights depart from the source by {check.rescale_error:.4g}, more "
-                   f"than the {bound:.4g} {what}", "exactness")
+    if not departure <= bound * (1 + RESCALE_SLACK):
+        check.fail(f"{name}: rescaled weights depart from the source by {departure:.4g}, more than the {bound:.4g} "
+                   f"{what}", "exactness")
 
 
 def expert_plan(record: MoERecord, groups: dict[str, ExpertGroup]) -> tuple[ExpertPlan | None, str | None]:
@@ -460,7 +466,8 @@ def expert_plan(record: MoERecord, groups: dict[str, ExpertGroup]) -> tuple[Expe
         return None, (f"{record.module}: experts {record.experts} of {record.num_experts}, rows {record.rows}, hidden "
                       f"{record.hidden} or members do not match the source's {group.experts} experts of "
                       f"[{group.intermediate}, {group.hidden}]")
-    plan = ExpertPlan(group, (r0, r1), (first, last), ep=record.expert_map is not None)
+    plan = ExpertPlan(group, (r0, r1), (first, last), ep=record.expert_map is not None,
+                      rescale=record.rescale_error is not None)
     if plan.ep and record.expert_map != plan.expert_map:
         return None, f"{record.module}: expert_map is not vLLM's for experts {record.experts} of {record.num_experts}"
     return plan, None
@@ -489,6 +496,8 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
         check.fail(f"{name}: missing from the bundle (vLLM keeps it on {module} as loaded)", "exactness")
     for problem in check_experts(src, plan, held, layout):
         check.fail(problem, "exactness")
+    if plan.rescale:  # --rescale: exactness and numerics were against the rescaled experts
+        _bound_departure(check, module, expert_rescale_error(src, plan), record.rescale_error)
     if numerics:
         sampled = sorted({0, int(torch.randint(0, record.local_experts, (), generator=gen))})
         errors = expert_numerics(src, plan, held, layout, sampled, gen, tokens=16, w4a4=True)

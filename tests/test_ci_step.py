@@ -458,7 +458,7 @@ def test_version_and_short_help(capsys):
 def test_a_shard_size_without_unit_is_refused(make_model, tmp_path, capsys, size):
     model = make_model(seed=fresh_seed())
     capsys.readouterr()  # the printed seed stays in the test log, not in the CLI's output
-    assert main(["convert", str(model.path), "-t", "sm100", "-o", str(tmp_path / "o"), "--max-shard-size", size]) == 1
+    assert main(["convert", str(model.path), "-t", "sm100", "-o", str(tmp_path / "o"), "--max-shard-size", size]) == 2  # bad usage
     err = capsys.readouterr().err
     assert "--max-shard-size" in err and "unit" in err and not (tmp_path / "o").exists()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from repack import __version__
 from repack.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +79,9 @@ run()
 @pytest.mark.parametrize("module, argv", [
     ("typer", ["--help"]),                                  # while the CLI imports its commands
     ("rich.table", ["targets"]),
+    ("typer.rich_utils", ["--help"]),  # inside Typer's own parsing: it turned the Ctrl-C into a silent 130 (issue 38)
     ("torch", ["convert", "--sample", "-t", "sm100", "-o", "{out}"]),  # while a command imports what it needs
-], ids=["typer", "rich", "torch-in-convert"])
+], ids=["typer", "rich", "typer-parsing", "torch-in-convert"])
 def test_ctrl_c_during_startup_is_one_line_and_exit_130(tmp_path, module, argv):
     out = tmp_path / "out"
     argv = [a.format(out=out) for a in argv]
@@ -88,3 +90,30 @@ def test_ctrl_c_during_startup_is_one_line_and_exit_130(tmp_path, module, argv):
     assert (run.returncode, run.stderr) == (130, "Interrupted.\n"), run.stderr[-2000:]
     assert run.stdout == ""
     assert sorted(tmp_path.iterdir()) == []  # nothing written
+
+
+# A real SIGINT at the tool's own moments outside main(): between the console script's import of repack.cli and its
+# call of run() (pip's script runs `from repack.cli import run` first), and in run()'s exit after main() returned.
+_INTERRUPT_AROUND_MAIN = """
+import gc, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv = ["nvfp4-repack", "--version"]
+from repack.cli import run
+if WHERE == "before":
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+gc.freeze = lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(5))
+run()
+"""
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_ctrl_c_around_main_is_one_line_and_exit_130(tmp_path, where):
+    """Regression (issue 38): a Ctrl-C once the tool's code runs but outside main()'s handler printed Python's
+    traceback. The SIGINT handler the entry point installs first answers there (what comes before it, the
+    interpreter's own start, is CPython's: docs/usage.md)."""
+    code = _INTERRUPT_AROUND_MAIN.replace("WHERE", repr(where))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(), cwd=tmp_path,
+                         timeout=120)
+    assert (run.returncode, run.stderr) == (130, "Interrupted.\n"), run.stderr[-2000:]
+    assert run.stdout == ("" if where == "before" else f"nvfp4-repack {__version__}\n")

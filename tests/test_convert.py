@@ -174,10 +174,10 @@ def test_output_may_not_replace_the_source(make_model):
 def test_cli_sample_then_inspect(tmp_path, capsys):
     out = tmp_path / "sample-sm100"
     assert main(["convert", "--sample", "--target", "sm100", "-o", str(out), "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    [summary] = json.loads(capsys.readouterr().out)  # a list for one target as for several (issue 38)
     assert summary["layers"] == 14 and summary["target"] == "sm100"
     assert main(["inspect", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["target"] == "sm100"
+    assert [m["target"] for m in json.loads(capsys.readouterr().out)] == ["sm100"]  # a list, as for several
     assert main(["targets", "--json"]) == 0
     assert {t["name"] for t in json.loads(capsys.readouterr().out)} >= {"sm100", "sm120"}
 
@@ -188,7 +188,7 @@ def test_the_sample_shows_fuse_and_tp(tmp_path, capsys, flags, members):
     per-rank K a multiple of 16), and verify passes; the tokenizer `vllm serve OUT` reads is at OUT's top."""
     out = tmp_path / "out"
     assert main(["convert", "--sample", "-t", "sm100", *flags, "-o", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rescaled"] == {}
+    assert [s["rescaled"] for s in json.loads(capsys.readouterr().out)] == [{}]
     for member in members:
         manifest = open_bundle(out / member).manifest
         assert sorted(manifest.fusion) == ["mlp.gate_up_proj", "self_attn.qkv_proj"]
@@ -229,7 +229,7 @@ def test_shard_sizes_take_decimal_and_binary_units(size, nbytes):
 
 @pytest.mark.parametrize("size", ["4Gi", "5", "GiB", "-1MiB", "0KiB"])
 def test_shard_sizes_need_a_unit_and_a_positive_number(size, capsys, tmp_path):
-    assert main(["convert", "--sample", "-t", "sm100", "--max-shard-size", size, "-o", str(tmp_path / "o")]) == 1
+    assert main(["convert", "--sample", "-t", "sm100", "--max-shard-size", size, "-o", str(tmp_path / "o")]) == 2
     assert "such as 5GB, 500MB or 4GiB" in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
@@ -253,17 +253,25 @@ def test_bench_convert_with_a_missing_dir_is_a_one_line_usage_error(tmp_path):
 @pytest.mark.parametrize(
     "argv,code,message",
     [
-        (["convert", "--sample", "--target", "sm80", "-o", "x"], 1, "valid targets: sm100"),
         (["convert", "/does/not/exist", "--target", "sm100"], 1, "no such file or directory"),
         (["convert", "--sample"], 2, "Missing option"),
         (["inspect", "/does/not/exist"], 1, "no such file"),
+        # usage errors (exit 2, issue 38: these exited 1): flag values and combinations, refused before any read
+        (["convert", "--sample", "--target", "sm80", "-o", "x"], 2, "'--target': unknown target 'sm80'; valid targets: sm100"),
+        (["convert", "--sample", "-t", "sm999", "-o", "x"], 2, "unknown target 'sm999'"),
+        *[(["convert", "--sample", "-t", "sm100", "--max-shard-size", size, "-o", "x"], 2,
+           f"'--max-shard-size': shard size '{size}': expected a positive size") for size in ("5", "abc", "0GB", "-1GB")],
+        (["convert", "--sample", "-t", "all", "--fuse", "-o", "x"], 2, "--fuse/--tp take one target family"),
+        (["convert", "--sample", "-t", "all", "--tp", "2", "-o", "x"], 2, "--fuse/--tp take one target family"),
+        (["convert", "--sample", "-t", "sm100", "--tp", "2", "--resume", "-o", "x"], 2, "--resume is not supported with --tp"),
+        (["convert", "--sample", "-t", "sm100", "--bogus", "-o", "x"], 2, "No such option: --bogus"),
     ],
 )
 def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, argv, code, message):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == code
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert message in err and err.startswith("Error: ") and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())
 
 

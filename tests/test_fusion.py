@@ -167,7 +167,7 @@ def test_a_rescaled_bundle_verifies_and_its_departure_from_the_source_is_bounded
     out = tmp_path / "out"
     capsys.readouterr()
     assert main(["convert", str(root), "-t", "sm100", "--fuse", "--rescale", "-o", str(out), "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)["rescaled"]
+    [printed] = [s["rescaled"] for s in json.loads(capsys.readouterr().out)]
     assert len(printed) == 4 and min(printed.values()) > NUMERIC_TOLERANCE  # the case, by design
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text())

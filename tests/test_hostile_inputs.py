@@ -711,7 +711,7 @@ def test_corpus_covers_the_issue():
 def test_bad_max_shard_size(make_model, tmp_path, capsys, size, match):
     out = tmp_path / "out"
     code, _, err = run_cli(["convert", small(make_model), "-t", "sm100", "-o", out, "--max-shard-size", size], capsys)
-    assert code == 1
+    assert code == 2  # bad usage
     assert_one_line_error(err, match)
     assert not out.exists() and staging_leftovers(tmp_path, "out") == []
 

@@ -474,9 +474,24 @@ def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys
     assert "MoE: not supported: " in capsys.readouterr().out
 
 
-def test_unfused_convert_still_writes_experts_one_by_one(tmp_path):
-    """Without --fuse/--tp the checkpoint's own modules are kept: each expert's gate/up/down a dense layer (no
-    engine serves that; tests/test_moe_convert.py covers the FusedMoE bundles)."""
+@pytest.mark.parametrize("targets,message", [
+    (["-t", "sm120"], "an NVFP4 MoE model (2 FusedMoE layers): convert it with --fuse or --tp N"),
+    (["-t", "all"], "--target sm90: NVFP4 MoE layers are not supported there yet"),
+    (["-t", "sm90"], "--target sm90: NVFP4 MoE layers are not supported there yet"),
+])
+def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, targets, message):
+    """Regression (issue 38): without --fuse/--tp an MoE checkpoint was written as per-expert dense layers, which no
+    engine serves, and sm90 succeeded while inspect called it unsupported. Now refused in one line naming what to
+    use, and inspect lists the targets convert writes the model for."""
     out = tmp_path / "bundle"
-    convert(PRODUCERS / "modelopt_moe_nvfp4", "sm120", out)
-    assert verify_output(out).passed and not open_bundle(out).moe_layers()
+    assert main(["convert", str(PRODUCERS / "modelopt_moe_nvfp4"), *targets, "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and message in err and err.count("\n") == 1, err
+    assert not out.exists()
+    assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120"]
+    assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4")]) == 0
+    assert "possible targets: sm100, sm120 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
+    assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4a16"), "--json"]) == 0  # W4A16 experts: Marlin's, refused
+    info = json.loads(capsys.readouterr().out)
+    assert info["targets"] == [] and "weight-only experts) is not supported" in info["moe"]["unsupported"]

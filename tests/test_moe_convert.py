@@ -329,3 +329,55 @@ def test_the_summary_counts_the_passthrough_tensors_the_bundle_holds(tmp_path, n
     held = open_bundle(tmp_path / "out").manifest.passthrough
     assert summary.passthrough == len(held)
     assert len(held) != len(source.passthrough)  # what the count used to be
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_experts_with_unequal_gate_and_up_scales_are_refused_or_rescaled(tmp_path, capsys, fmt):
+    """Regression (issue 38): experts whose gate and up multipliers differ converted with exit 0 (``--rescale`` did
+    nothing for them) and the bundle failed its own verify: vLLM keeps gate's multiplier for both. Now refused in one
+    line naming the layer, as dense fused layers are; ``--rescale`` folds own / max into both halves' block scales,
+    records the error it added, and verify checks the rescaled experts exactly and bounds that error."""
+    root = write_qwen_moe(tmp_path / "m", fmt, hidden=64, experts=4, intermediate=128, layers=2, shared_scales=False,
+                          generator=torch.Generator().manual_seed(3))
+    for target, args in (("sm100", ["--fuse"]), ("sm120", ["--fuse"]), ("sm100", ["--tp", "2", "--ep"])):
+        out = tmp_path / f"{target}{len(args)}"
+        assert main(["convert", str(root), "-t", target, "-o", str(out), *args]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("Error: model.layers.0.mlp.experts.0: gate_proj and up_proj global scales differ ("), err
+        assert "pass --rescale" in err and err.count("\n") == 1 and not out.exists()
+        assert main(["convert", str(root), "-t", target, "-o", str(out), "--rescale", *args]) == 0
+        bundles = [out / f"rank-{r}" for r in range(2)] if "--tp" in args else [out]
+        errors = [r.rescale_error for b in bundles for r in open_bundle(b).moe_layers().values()]
+        assert len(errors) == 2 * len(bundles) and all(0 < e < 0.1 for e in errors), errors
+        capsys.readouterr()
+        assert main(["verify", str(out), "--numerics", "all"]) == 0, capsys.readouterr().out[-3000:]
+    manifest = json.loads((out / "rank-1" / "manifest.json").read_text())
+    record = manifest["moe"]["model.layers.1.mlp.experts.routed_experts"]
+    record["rescale_error"] /= 2
+    (out / "rank-1" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 1
+    assert ("model.layers.1.mlp.experts.routed_experts: rescaled weights depart from the source by"
+            in capsys.readouterr().out)
+    record.pop("rescale_error")  # not rescaled, by the record: the held experts are not the source's
+    (out / "rank-1" / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify", str(out)]) == 1
+    assert "block scales differ" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layers", [(1,), (0, 1)], ids=["one-layer", "every-layer"])
+def test_a_layer_missing_its_last_experts_is_refused_against_the_config(tmp_path, capsys, layers):
+    """Regression (issue 38): a checkpoint missing its highest-numbered expert (in one layer, or in all) converted and
+    verified, and --ep split 3 experts 2 + 1 where vLLM splits the config's 4 as 2 + 2."""
+    root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=64, experts=4, intermediate=64, layers=2,
+                          generator=torch.Generator().manual_seed(0))
+    tensors = load_file(root / "model.safetensors")
+    dropped = tuple(f"model.layers.{i}.mlp.experts.3." for i in layers)
+    save_file({k: v for k, v in tensors.items() if not k.startswith(dropped)}, root / "model.safetensors",
+              metadata={"format": "pt"})
+    for args in (["--fuse"], ["--tp", "2", "--ep"]):
+        assert main(["convert", str(root), "-t", "sm100", "-o", str(tmp_path / "out"), *args]) == 1
+        err = capsys.readouterr().err
+        assert err == (f"Error: model.layers.{layers[0]}.mlp.experts: config.json's num_experts is 4 but expert 3 has "
+                       "no NVFP4 gate_proj; expected experts 0..3, each with gate_proj, up_proj, down_proj\n")
+        assert not (tmp_path / "out").exists()

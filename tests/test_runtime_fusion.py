@@ -197,3 +197,24 @@ def test_biases_follow_their_members(tmp_path):
         with torch.no_grad():
             got = model(tokens).logits.double()
         assert float((got - ref).norm() / ref.norm()) < 3e-2, (bundle, fuse)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_a_model_with_fewer_layers_than_the_bundle_is_refused_untouched(tmp_path, fmt):
+    """Regression (issue 38): patching a bundle into a model with fewer decoder layers than its source raised, but
+    only after layer 0's q_proj had become a PackedLinear and embed_tokens had been overwritten. Every place is
+    checked before anything changes, as for a model with more layers."""
+    import transformers
+
+    root = write_llama(tmp_path / "m", fmt, hidden=64, heads=4, kv_heads=2, intermediate=96, layers=2,
+                       generator=torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()))))
+    convert(root, "sm100", tmp_path / "b")
+    config = transformers.AutoConfig.from_pretrained(root)
+    config.num_hidden_layers = 1
+    model = transformers.LlamaForCausalLM(config)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(RepackError, match=r"^model has no module 'model\.layers\.1\.[a-z_.]+' for the bundle's layer "
+                                          r"\(a model with fewer layers than the bundle's source\?\); nothing was patched$"):
+        patch_model(model, tmp_path / "b")
+    assert all(isinstance(m, torch.nn.Linear) for m in model.model.layers[0].self_attn.children())
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())  # embed_tokens too

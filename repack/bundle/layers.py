@@ -252,6 +252,9 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
     dense_source = replace(source, layers=dense)  # the experts are the FusedMoE layers'
+    if moe:
+        check_moe_scheme(source)
+    unequal = {prefix: _unequal_gate_up(source, group, rescale) for prefix, group in moe.items()}
     multipliers = _multipliers(dense_source)
     plans = []
     for rank in range(tp):
@@ -259,7 +262,8 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
                   for p, layer in _rank_layers(dense_source, tp, rank).items()}
         for layer in layers.values():
             layer_transforms(source.transforms, layer)  # refused here, before anything is written
-        experts = {plan.module: plan for plan in plan_experts(source, tp, rank, ep).values()} if moe else {}
+        experts = {plan.module: replace(plan, rescale=bool(unequal[prefix][slice(*plan.experts)].any()))
+                   for prefix, plan in plan_experts(source, tp, rank, ep).items()} if moe else {}
         plans.append(LayerPlan(scaled(layers), {fused: list(parts) for fused, parts in fusion.items()}, tp, rank,
                                experts, ep))
     return plans
@@ -383,6 +387,7 @@ class ExpertPlan:
     rows: tuple[int, int]
     experts: tuple[int, int]
     ep: bool = False
+    rescale: bool = False  # --rescale: each expert's gate and up block scales take own / max of their multipliers
 
     @property
     def prefix(self) -> str:
@@ -413,12 +418,17 @@ def expert_range(experts: int, ranks: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False) -> dict[str, ExpertPlan]:
-    """The FusedMoE layers of rank ``rank`` of ``tp``: every expert with the intermediate size split, or (``ep``,
-    vLLM's ``--enable-expert-parallel``) the rank's experts whole."""
+def check_moe_scheme(source: SourceModel) -> None:
+    """Only W4A4 experts have an MoE layout here: vLLM 0.33 serves weight-only NVFP4 MoE with Marlin."""
     if source.activation_scheme != "W4A4":
         raise RepackError(f"{source.quant_algo} MoE (weight-only experts) is not supported: vLLM 0.33 serves it "
                           "with Marlin; supported: W4A4 (NVFP4) MoE checkpoints")
+
+
+def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False) -> dict[str, ExpertPlan]:
+    """The FusedMoE layers of rank ``rank`` of ``tp``: every expert with the intermediate size split, or (``ep``,
+    vLLM's ``--enable-expert-parallel``) the rank's experts whole."""
+    check_moe_scheme(source)
     plans = {}
     for prefix, group in expert_groups(source).items():
         if ep:
@@ -432,6 +442,52 @@ def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = Fal
                               f"that is not a multiple of {BLOCK_SIZE}, as vLLM requires")
         plans[prefix] = ExpertPlan(group, (rank * per, (rank + 1) * per), (0, group.experts))
     return plans
+
+
+def _unequal_gate_up(source: SourceModel, group: ExpertGroup, rescale: bool) -> torch.Tensor:
+    """bool ``[E]``: the experts whose gate and up multipliers differ. vLLM 0.33's NVFP4 MoE methods keep gate's (w1's)
+    for both and only warn (``w1_weight_scale_2 must match w3_weight_scale_2``), so up would be mis-scaled: refused
+    in one line naming the first, unless ``rescale`` (folded into the block scales by :func:`assemble_experts`)."""
+    own = torch.stack([expert_multipliers(source, names) for names in (group.gate, group.up)], 1)
+    unequal = own[:, 0] != own[:, 1]
+    if unequal.any() and not rescale:
+        e = int(unequal.nonzero()[0])
+        gate, up = (names[e].rpartition(".")[2] for names in (group.gate, group.up))
+        low, high = (up, gate) if own[e, 1] < own[e, 0] else (gate, up)
+        raise RepackError(
+            f"{group.prefix}.{e}: {gate} and {up} global scales differ ({low} is {float(own[e].max() / own[e].min()):.6g}x "
+            f"smaller than {high}); vLLM keeps {gate}'s for both and would mis-scale {up}; pass --rescale to fold the "
+            "ratios into the block scales")
+    return unequal
+
+
+RESCALE_CHUNK = 8  # experts dequantized at once to measure what --rescale changed
+
+
+def expert_rescale_error(source: SourceModel, plan: ExpertPlan) -> float:
+    """The largest relative L2 error ``--rescale`` adds to one of the plan's experts' gate/up weights (its rows of
+    them; 0.0 where nothing was rescaled): the rescaled stack against the source's, expert by expert."""
+    if not plan.rescale:
+        return 0.0
+    fields, worst = ("w13_codes", "w13_scales", "multipliers"), 0.0
+    scales = expert_input_scales(source, plan)
+    for start in range(plan.experts[0], plan.experts[1], RESCALE_CHUNK):
+        chunk = (start, min(start + RESCALE_CHUNK, plan.experts[1]))
+        stacks = [assemble_experts(source, p, chunk=chunk, fields=fields, input_scales=scales)
+                  for p in (plan, replace(plan, rescale=False))]
+        for e in range(chunk[1] - chunk[0]):
+            rescaled, exact = (_w13_weight(stack, e) for stack in stacks)
+            error = float((rescaled - exact).norm() / exact.norm().clamp(min=1e-300))
+            worst = max(worst, error if math.isfinite(error) else math.inf)
+    return worst
+
+
+def _w13_weight(stack: ExpertStack, e: int) -> torch.Tensor:
+    """float64 ``[2I, H]``: expert ``e``'s gate rows then up rows, each with its own multiplier."""
+    inter = stack.w13_codes.shape[1] // 2
+    return torch.cat([dequantize(NVFP4Weight(stack.w13_codes[e, rows], stack.w13_scales[e, rows],
+                                             stack.w13_multiplier[e, i].reshape(1)))
+                      for i, rows in enumerate((slice(0, inter), slice(inter, 2 * inter)))])
 
 
 STACK_FIELDS = ("w13_codes", "w13_scales", "w2_codes", "w2_scales", "multipliers")
@@ -492,6 +548,8 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, load: Callable[[str]
             return _placeholder(dtype, experts, 2 * inter, hidden // per_block)
         name = "codes" if what == "codes" else "block_scales"
         pairs = torch.stack([getattr(w, name)[r0:r1] for pair in zip(gate, up) for w in pair])  # [2E, I, K']
+        if what == "scales" and ratios is not None:  # as _cut folds a dense partition's ratio
+            pairs = (pairs.to(torch.float32) * ratios.reshape(-1, 1, 1)).to(torch.float8_e4m3fn)
         return pairs.view(experts, 2 * inter, -1)
 
     def w2(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # the rank's columns of each down_proj
@@ -500,8 +558,14 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, load: Callable[[str]
         name = "codes" if what == "codes" else "block_scales"
         return torch.stack([getattr(w, name)[:, r0 // per_block: r1 // per_block] for w in down])
 
-    if "multipliers" in fields:
+    ratios = None  # [E, 2]: what --rescale folds into each expert's gate and up block scales (own / max)
+    if plan.rescale and {"w13_scales", "multipliers"} & set(fields):
+        own = torch.stack([expert_multipliers(source, names[local]) for names in (group.gate, group.up)], 1)
+        top = own.max(dim=1, keepdim=True).values
+        ratios, w13_multiplier = own / top, top.expand(-1, 2).contiguous()
+    elif "multipliers" in fields:
         w13_multiplier = torch.stack([expert_multipliers(source, names[local]) for names in (group.gate, group.up)], 1)
+    if "multipliers" in fields:
         w2_multiplier = expert_multipliers(source, group.down[local])
     else:
         w13_multiplier, w2_multiplier = _placeholder(torch.float32, experts, 2), _placeholder(torch.float32, experts)

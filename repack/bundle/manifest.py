@@ -139,6 +139,9 @@ class MoERecord:
     tensors: dict[str, TensorRecord]
     expert_map: list[int] | None = None
     top_k: int | None = None
+    # --rescale: the largest relative L2 error it added to one of the held experts' gate/up weights (their gate and
+    # up multipliers differed; None: nothing rescaled)
+    rescale_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -372,6 +375,7 @@ def _moe(obj: Any, module: str, algorithm: str) -> MoERecord:
                  for name, rec in _get(obj, "tensors", dict, where).items()},
         expert_map=None if expert_map is None else list(expert_map),
         top_k=None if top_k is None else _int(obj, "top_k", where),
+        rescale_error=None if obj.get("rescale_error") is None else _finite(obj, "rescale_error", where),
     )
 
 

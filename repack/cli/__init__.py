@@ -1,23 +1,50 @@
-"""The ``nvfp4-repack`` entry point, kept import-free so that Ctrl-C at any moment is one line.
+"""The ``nvfp4-repack`` entry point, kept import-free so that Ctrl-C at any moment of the tool's own code is one line.
 
-The console script imports this module and then calls :func:`run`; a KeyboardInterrupt raised by an import
-outside :func:`main`'s ``try`` would print a traceback. So the commands (:mod:`.app`: Typer, rich) are imported
-inside it, and torch only inside the commands that touch tensors: ``--help``, ``--version`` and ``targets`` never
-load it.
+The console script imports this module and then calls :func:`run`. Its first statements install a SIGINT handler
+that prints the one line and exits 130 at once: nothing is written before :func:`main` runs, and a
+KeyboardInterrupt raised outside :func:`main`'s ``try`` (between this import and the call, or after it returns)
+would print a traceback. :func:`main` hands Ctrl-C back to Python's KeyboardInterrupt, which the commands handle
+(a convert finishes its queued writes and keeps them for ``--resume``). The commands (:mod:`.app`: Typer, rich) are
+imported inside it, and torch only inside the commands that touch tensors: ``--help``, ``--version`` and
+``targets`` never load it. Before this module runs, the interpreter's own start (site-packages, the console
+script's first lines) is CPython's: a Ctrl-C there gets CPython's answer (docs/usage.md).
 """
 
 from __future__ import annotations
 
-import gc
-import sys
+import os
+import signal
 
 INTERRUPTED = "Interrupted."
 INTERRUPTED_EXIT = 130
 
 
+def _exit_interrupted(signum: int, frame: object) -> None:
+    """SIGINT outside :func:`main`: the one line, exit code 130, without unwinding (nothing to clean up there)."""
+    os.write(2, f"{INTERRUPTED}\n".encode())
+    os._exit(INTERRUPTED_EXIT)
+
+
+def _set_sigint(handler: object, unless: object = None) -> None:
+    """Install ``handler`` for SIGINT if the current one is Python's default (or ``unless``, ours); from another
+    thread, or where SIGINT was set otherwise (ignored by a shell's background job, a host program's), leave it."""
+    try:
+        if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, unless):
+            signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+_set_sigint(_exit_interrupted)  # the tool's first statement that runs: from here on, Ctrl-C is one line and 130
+
+import gc  # noqa: E402  (after the handler: each statement before it is a moment a Ctrl-C would print a traceback)
+import sys  # noqa: E402
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (0 ok, 1 bad input, 2 usage, 130 interrupted)."""
     try:
+        _set_sigint(signal.default_int_handler, unless=_exit_interrupted)  # KeyboardInterrupt: the commands' to handle
         from .app import run_app
 
         return run_app(argv)
@@ -28,5 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     code = main()
+    for stream in (sys.stdout, sys.stderr):  # what the command printed is out before a Ctrl-C could _exit
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: the interpreter's exit reports it as before
+            pass
+    _set_sigint(_exit_interrupted)  # the exit's own work (joining threads, teardown): still one line and 130
     gc.freeze()  # the interpreter's teardown would otherwise collect every object torch made: ~0.7 CPU s per command
     sys.exit(code)

@@ -87,13 +87,15 @@ def run_app(argv: list[str] | None = None) -> int:
     _quiet_flags(command, "nvfp4-repack")
     try:
         result = command.main(args=argv, prog_name="nvfp4-repack", standalone_mode=False)
+        if result == INTERRUPTED_EXIT:  # Typer's silent answer to a Ctrl-C outside the commands (parsing, --help);
+            return _report_interrupt(KeyboardInterrupt())  # no command of ours returns 130
         return result if isinstance(result, int) else 0
     except RepackError as exc:
         hint = " (pass --overwrite to replace it)" if isinstance(exc, OutputExists) else ""
         print(f"Error: {printable(f'{exc}{hint}', ERROR_LIMIT)}", file=sys.stderr)
         return 1
     except typer.Exit as exc:
-        return exc.exit_code
+        return _report_interrupt(KeyboardInterrupt()) if exc.exit_code == INTERRUPTED_EXIT else exc.exit_code
     except (Interrupted, typer.Abort, KeyboardInterrupt) as exc:
         return _report_interrupt(exc)
     except OSError as exc:  # files, permissions, disk space: the environment, reported like bad input
@@ -101,8 +103,10 @@ def run_app(argv: list[str] | None = None) -> int:
         print(f"Error: {printable(where + (exc.strerror or str(exc)), ERROR_LIMIT)}", file=sys.stderr)
         return 1
     except Exception as exc:
-        if _is_usage_error(exc):
-            exc.show()  # type: ignore[attr-defined]
+        if _is_usage_error(exc):  # one line too, naming the help to read
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see '{ctx.command_path} -h')" if getattr(ctx, "command_path", None) else ""
+            print(f"Error: {printable(f'{exc.format_message()}{where}', ERROR_LIMIT)}", file=sys.stderr)  # type: ignore[attr-defined]
             return int(exc.exit_code)  # type: ignore[attr-defined]
         # A bug: still one line unless debugging.
         if DEBUG:
@@ -114,4 +118,4 @@ def run_app(argv: list[str] | None = None) -> int:
 
 def _is_usage_error(exc: Exception) -> bool:
     """Click's usage errors; Typer >= 0.26 bundles Click privately, so match by behaviour, not by class."""
-    return callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None), int)
+    return callable(getattr(exc, "format_message", None)) and isinstance(getattr(exc, "exit_code", None), int)

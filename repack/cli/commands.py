@@ -70,6 +70,24 @@ def _default_out(model: Path | str, targets: list[str]) -> Path:
     return Path(f"{name}-{suffix}")
 
 
+def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Callable[[str], int], *, fuse: bool,
+                         tp: int, ep: bool, resume: bool) -> None:
+    """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything (the
+    library refuses the same with RepackError)."""
+    for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size))):
+        try:
+            check()
+        except RepackError as exc:
+            raise typer.BadParameter(str(exc), param_hint=f"'{flag}'") from None
+    if (fuse or tp > 1) and several_families(target):
+        raise typer.BadParameter("--fuse/--tp take one target family; convert each target in a run of its own")
+    if resume and tp > 1:
+        raise typer.BadParameter("--resume is not supported with --tp (a --tp convert keeps nothing when interrupted); "
+                                 "run the command again without --resume")
+    if ep and tp < 2:
+        raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
+
+
 def convert(
     target: TargetOpt,
     model: Annotated[
@@ -120,12 +138,7 @@ def convert(
     from ..convert import convert as run_convert
 
     source = _model_or_sample(model, sample, "MODEL")
-    if ep and tp < 2:
-        raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
-    try:
-        parse_size(max_shard_size)
-    except RepackError as exc:
-        raise RepackError(f"--max-shard-size: {exc}") from None
+    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume)
     destination = out or _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -151,13 +164,12 @@ def convert(
         if started:  # stopping a bar never started prints a stray blank line (rich 15)
             progress.stop()
     summaries = result if isinstance(result, list) else [result]
-    if as_json:
-        rows = [{**asdict(s), "out": str(s.out)} for s in summaries]
-        print(json.dumps(rows if isinstance(result, list) else rows[0], indent=2))
+    if as_json:  # one shape for one target or several: a list, a summary per target family
+        print(json.dumps([{**asdict(s), "out": str(s.out)} for s in summaries], indent=2))
         return
     for summary in summaries:
         for prefix, error in summary.rescaled.items():
-            stdout.print(f"rescaled {show(prefix)}: partition scales folded into block scales, "
+            stdout.print(f"rescaled {show(prefix)}: unequal global scales folded into block scales, "
                          f"added relative L2 weight error {error:.3g}", highlight=False)
         ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
         kept = f", {summary.kept_shards} shards kept from the interrupted run" if summary.kept_shards else ""
@@ -170,14 +182,11 @@ def convert(
         stdout.print(table)
 
 
-def _inspect_bundle(path: Path, as_json: bool) -> None:
+def _inspect_bundle(path: Path) -> None:
     from ..bundle.reader import open_bundle
 
     bundle = open_bundle(path)
     manifest = bundle.manifest
-    if as_json:
-        print(manifest.to_json(), end="")
-        return
     stdout.print(f"[bold]bundle[/] {show(path)}  target [bold]{show(manifest.target)}[/] "
                  f"({show(manifest.layout_id)}), format v{manifest.bundle_format_version}, "
                  f"tool {show(manifest.tool_version)}")
@@ -255,9 +264,10 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
         "passthrough_tensors": len(source.passthrough),
         "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
         "transforms": _transform_summary(source),
-        "targets": [t.name for t in FAMILIES],
         "moe": _moe_summary(source),
     }
+    # the families convert writes this source for (an MoE one: those with an MoE layout, with --fuse / --tp)
+    info["targets"] = [t.name for t in FAMILIES if info["moe"] is None or (info["moe"].get("layouts") or {}).get(t.name)]
     if as_json:
         print(json.dumps(info, indent=2))
         return
@@ -285,11 +295,13 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
                      f"experts (top-{moe['top_k']}), hidden {moe['hidden']}, intermediate "
                      f"{'/'.join(map(str, moe['intermediate']))}, {moe['shared_expert_modules']} shared-expert "
                      f"modules; vLLM's MoE layouts: {layouts} (convert --fuse / --tp writes them: docs/moe.md)")
-    stdout.print(f"possible targets: {', '.join(info['targets'])}")
+    moe = " (with --fuse or --tp N)" if info["moe"] and info["targets"] else ""
+    stdout.print(f"possible targets: {', '.join(info['targets']) or 'none'}{moe}")
 
 
 def _moe_summary(source) -> dict | None:
     """formats' MoE summary plus the layout each target family's vLLM ``auto`` uses for it (``None``: refused)."""
+    from ..bundle.layers import check_moe_scheme
     from ..errors import RepackError
     from ..formats.moe import moe_summary
     from ..targets.moe import moe_layout
@@ -297,6 +309,10 @@ def _moe_summary(source) -> dict | None:
     summary = moe_summary(source)
     if summary is None or "unsupported" in summary:
         return summary
+    try:
+        check_moe_scheme(source)
+    except RepackError as err:
+        return {"unsupported": str(err)}
     layouts = {}
     for family in FAMILIES:
         try:
@@ -335,18 +351,15 @@ def inspect(
         _inspect_source(model, revision, as_json)
         return
     members = member_bundles(local) if local.is_dir() else [local]
-    if members == [local]:
-        if is_bundle(local):
-            _inspect_bundle(local, as_json)
-        else:
-            _inspect_source(model, None, as_json)
-    elif as_json:
+    if members == [local] and not is_bundle(local):
+        _inspect_source(model, None, as_json)
+    elif as_json:  # one shape for one bundle or several (targets, ranks): a list of their manifests
         from ..bundle.reader import open_bundle
 
         print(json.dumps([json.loads(open_bundle(member).manifest.to_json()) for member in members], indent=2))
     else:
         for member in members:
-            _inspect_bundle(member, as_json=False)
+            _inspect_bundle(member)
 
 
 def targets(as_json: JsonOpt = False) -> None:

@@ -54,8 +54,29 @@ class ExpertGroup:
         return (*self.gate, *self.up, *self.down)
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen, Mixtral (and transformers 5), DeepSeek
+
+
 def is_moe_config(config: dict) -> bool:
-    return any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return any(key in config for key in EXPERT_COUNT_KEYS)
+
+
+def check_expert_count(config: dict, groups: dict[str, ExpertGroup]) -> None:
+    """Every FusedMoE layer holds the routed experts config.json counts (vLLM builds each with that many and
+    splits them among --ep ranks by it): a layer missing its highest-numbered experts, which the contiguity check
+    cannot see, is refused in one line, as is a count that is not a positive integer."""
+    for key in EXPERT_COUNT_KEYS:
+        if key not in config:
+            continue
+        count = config[key]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise RepackError(f"config.json: {key} must be a positive integer, got {str(count)[:40]!r}")
+        for module, group in groups.items():
+            if group.experts != count:
+                what = (f"expert {group.experts} has no NVFP4 {PROJECTIONS[0]}" if group.experts < count else
+                        f"it has {group.experts}")
+                raise RepackError(f"{module}: config.json's {key} is {count} but {what}; expected experts "
+                                  f"0..{count - 1}, each with {', '.join(PROJECTIONS)}")
 
 
 def find_expert_groups(layers: dict[str, QuantizedLayer],
@@ -120,6 +141,7 @@ def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
         raise RepackError(f"{source.checkpoint.root}: an MoE config, but no NVFP4 routed experts named "
                           f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}} (Mixtral: or w1/w3/w2); only that naming "
                           "is supported")
+    check_expert_count(config, groups)
     for module in groups:
         router = module.removesuffix(".experts") + ".gate"
         if router in source.layers:

@@ -249,6 +249,23 @@ def _check_covered(model: nn.Module, bundle: Bundle) -> None:
                           "with more layers than the bundle's source?); nothing was patched")
 
 
+def _check_places(model: nn.Module, bundle: Bundle) -> None:
+    """Every bundle layer has its model linear(s) of the right shape, and every passthrough tensor the model holds
+    has its shape: checked before anything is patched (a model with fewer decoder layers than the bundle's source
+    would otherwise be left half-patched)."""
+    try:
+        for record in bundle.manifest.layers.values():
+            for part in record.partitions:
+                _model_linear(model, part.source, part.rows[1] - part.rows[0], record.k)
+    except RepackError as err:
+        raise RepackError(f"{err} (a model with fewer layers than the bundle's source?); nothing was patched") from None
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, record in bundle.manifest.passthrough.items():
+        if name in state and list(state[name].shape) != list(record.shape):
+            raise RepackError(f"{name}: bundle shape {list(record.shape)} != model shape {list(state[name].shape)}; "
+                              "nothing was patched")
+
+
 def _copy_passthrough(model: nn.Module, bundle: Bundle) -> list[str]:
     """Load the bundle's passthrough tensors into ``model``; the names it has no place for."""
     state = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -274,13 +291,15 @@ def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, de
     (``Target.stack_rows``: sm90) and they share K and multiplier and have no online transform. Returns the names
     of bundle tensors the model has no place for (e.g. W4A4 activation scales, which weight-only serving does not
     use). A linear of the model that the bundle's quantization config quantizes but the bundle does not hold (a
-    model with more layers than the bundle's source) is an error, raised before anything is patched.
+    model with more layers than the bundle's source), and a bundle layer or tensor the model has no place of that
+    shape for (fewer layers) are errors, raised before anything is patched.
     """
     loaded = bundle if isinstance(bundle, LoadedBundle) else load_bundle(bundle, device)
     manifest, target = loaded.bundle.manifest, loaded.bundle.target
     if manifest.tp_size > 1:
         raise RepackError(f"patch_model runs whole models; this bundle is rank {manifest.tp_rank} of --tp {manifest.tp_size}")
     _check_covered(model, loaded.bundle)
+    _check_places(model, loaded.bundle)
     unused = _copy_passthrough(model, loaded.bundle)  # first: biases land in the modules they belong to
     done: set[str] = set()
     for name, members in _runtime_fusions(manifest) if fuse and target.stack_rows is not None else []:

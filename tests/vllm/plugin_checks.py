@@ -24,6 +24,7 @@ from typing import Iterator
 import harness  # noqa: I001  (first: fixes vLLM's platform before anything imports vLLM)
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import (
@@ -198,11 +199,14 @@ def _delete_weights(source: Path) -> None:
 KEPT = ("w13_weight_global_scale", "w13_input_global_scale", "w2_weight_global_scale", "w2_input_global_scale")
 
 
-def _w4a4_states(source: Path, target: str) -> tuple[dict, dict]:
+def _w4a4_states(source: Path, target: str, rescale: bool = False) -> tuple[dict, dict]:
     """The plugin's state from a W4A4 ``--fuse`` bundle of ``source`` (a private copy: its weights are deleted before
-    the plugin loads) and vLLM's auto load of the source."""
+    the plugin loads) and vLLM's auto load of the source (``rescale``: a ``--rescale`` bundle, against vLLM's load of
+    the checkpoint that --rescale means, ``_fold_gate_up``)."""
     bundle = source.parent / "bundle"
-    convert(source, target, bundle, fuse=True)
+    convert(source, target, bundle, fuse=True, rescale=rescale)
+    if rescale:
+        _fold_gate_up(source)
     expected = layer_state(load(source, "safetensors", target, w4a4=True))
     kept = [v[-1] for k, v in expected.items() if k.rsplit(".", 1)[-1] in KEPT]  # compared byte for byte below
     method = json.loads((source / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
@@ -211,6 +215,28 @@ def _w4a4_states(source: Path, target: str) -> tuple[dict, dict]:
     _delete_weights(source)
     served = layer_state(load(bundle, LOAD_FORMAT, target, w4a4=True))
     return served, expected
+
+
+def _fold_gate_up(source: Path) -> None:
+    """Rewrite ``source``'s experts as ``--rescale`` means them, written here from the formats' definitions: each
+    expert's gate and up block scales times own / largest of their two multipliers (ModelOpt ``weight_scale_2``,
+    compressed-tensors ``1 / weight_global_scale``, float32), rounded to e4m3, and both global scales the larger
+    multiplier's tensor."""
+    for file in source.glob("*.safetensors"):
+        tensors = load_file(file)
+        ct = any(k.endswith(".weight_global_scale") for k in tensors)
+        suffix = "weight_global_scale" if ct else "weight_scale_2"
+        for gate in [k.removesuffix(f".{suffix}") for k in tensors if ".experts." in k and
+                     k.endswith(f"gate_proj.{suffix}")]:
+            pair = (gate, gate.replace("gate_proj", "up_proj"))
+            own = [1.0 / tensors[f"{p}.{suffix}"] if ct else tensors[f"{p}.{suffix}"] for p in pair]
+            top = max(range(2), key=lambda i: float(own[i]))
+            for p, m in zip(pair, own):
+                scales = tensors[f"{p}.weight_scale"]
+                tensors[f"{p}.weight_scale"] = (scales.to(torch.float32) * (m / own[top])).to(scales.dtype)
+            for p in pair:
+                tensors[f"{p}.{suffix}"] = tensors[f"{pair[top]}.{suffix}"].clone()
+        save_file(tensors, file, metadata={"format": "pt"})
 
 
 def _differences(got: dict, expected: dict) -> list[str]:
@@ -587,7 +613,7 @@ def test_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target
 
 
 # Fresh synthetic MoE checkpoints: "aligned" has a hidden size vLLM's TRT-LLM-gen does not pad (256), "odd" one it
-# pads (80 -> 256) and scale rows w2 pads (80 -> 128); "wide" gate/up multipliers that differ (vLLM keeps w1's) and 5
+# pads (80 -> 256) and scale rows w2 pads (80 -> 128); "wide" gate/up multipliers that differ (--rescale) and 5
 # experts; "shared" is a Qwen2-MoE with a shared expert (a dense NVFP4 MLP beside the FusedMoE) and a dense first layer.
 MOE_SYNTHETIC = {
     "aligned": dict(hidden=256, experts=3, intermediate=64),
@@ -605,9 +631,19 @@ def test_moe_plugin_state_equals_vllm_load_synthetic(vllm_world, tmp_path, shape
     print(f"seed={seed}")
     write_qwen_moe(tmp_path / "synthetic", fmt, generator=torch.Generator().manual_seed(seed),
                    **{"layers": 2, **MOE_SYNTHETIC[shape]})
-    got, expected = _w4a4_states(Path(shutil.copytree(tmp_path / "synthetic", tmp_path / "source")), target)
-    assert not _differences(got, expected), f"{shape} {fmt} {target} (seed {seed}): differs in " \
-        f"{_differences(got, expected)[:8]}"
+    source = Path(shutil.copytree(tmp_path / "synthetic", tmp_path / "source"))
+    rescale = not MOE_SYNTHETIC[shape].get("shared_scales", True)
+    if rescale:  # vLLM would keep gate's multiplier for up too: refused unless --rescale
+        with pytest.raises(RepackError, match="gate_proj and up_proj global scales differ"):
+            convert(source, target, tmp_path / "refused", fuse=True)
+    got, expected = _w4a4_states(source, target, rescale)
+    differences = _differences(got, expected)
+    if rescale and fmt == "compressed-tensors":  # the bundle keeps the source's loaded gate/up global scales (no
+        # kernel reads them), not the folded checkpoint's
+        kept = [k for k in differences if k.endswith(".w13_weight_global_scale")]
+        assert len(kept) == 2, differences  # each layer's, which the fold changed
+        differences = [k for k in differences if k not in kept]
+    assert not differences, f"{shape} {fmt} {target} (seed {seed}): differs in {differences[:8]}"
 
 
 @pytest.mark.parametrize("fixture,target", [("ct_moe_nvfp4", "sm100"), ("modelopt_moe_nvfp4", "sm120")])
