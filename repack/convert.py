@@ -47,7 +47,9 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
+from .targets.engines import ROTATED_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
+from .targets.w4a4 import runs_qutlass
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -76,6 +78,7 @@ class OutputBundle:
     plan: BundlePlan
     folder: str = ""  # inside ``out``: rank-R of a --tp conversion, whose ranks are staged (and installed) together
     rescale_errors: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added
+    engines: dict[str, list[str]] = field(default_factory=dict)  # the manifest's engine versions (targets/engines.py)
 
 
 def bundle_config(config: dict, target: Target, layers: LayerPlan) -> dict:
@@ -276,6 +279,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         scheme=plan.target.scheme,
         kernels=list(plan.target.kernels),
         moe=moe,
+        engines=writing.output.engines,
     )
 
 
@@ -531,6 +535,7 @@ def convert(
     rescale: bool = False,
     weight_only: bool = False,
     ep: bool = False,
+    vllm: str | None = None,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -555,8 +560,11 @@ def convert(
     The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
     sm120; sm90 is weight-only for every checkpoint), a weight-only
     one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
-    W4A4 layouts existed.
+    W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
+    supported); the manifest lists every supported version whose state after loading is the bundle's
+    (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
     """
+    engine = resolve_version("vllm", vllm)
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -576,7 +584,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -584,8 +592,8 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, ep: bool, progress: Progress | None, on_plan: Callable | None,
-             notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
+             rescale: bool, weight_only: bool, ep: bool, engine: EngineVersion, progress: Progress | None,
+             on_plan: Callable | None, notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out`` (several targets) or its parent exists."""
     written = {t.name for t in targets}
     if not single:  # the targets of an interrupted earlier run that this one does not write
@@ -605,6 +613,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
                    for t in targets]
+    outputs = [replace(output, engines=bundle_engines(engine, _layout_ids(output.plan), _features(source, output.plan)))
+               for output in outputs]  # a version's refusal before anything is written
     if on_plan is not None:
         on_plan(source, outputs)
     outputs = [replace(output, rescale_errors=_rescale_errors(source, output.plan)) for output in outputs]
@@ -622,6 +632,24 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _layout_ids(plan: BundlePlan) -> list[str]:
+    """The layouts a bundle holds: its dense layers' and its FusedMoE layers'."""
+    return [plan.target.layout_id] + ([moe_layout(plan.target.name).LAYOUT_ID] if plan.layers.experts else [])
+
+
+def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
+    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer whose online input
+    transforms all have a block of 16..128 (vLLM 0.33 runs QuTLASS on it, 0.34 Humming's Hadamard kernel)."""
+    if plan.target.scheme != "W4A4":
+        return []
+    for layer in plan.layers.layers.values():
+        blocks = [None if t.matrix.whole else t.matrix.size
+                  for t in layer_transforms(source.transforms, layer) if t.location == "input"]
+        if runs_qutlass(blocks):
+            return [ROTATED_W4A4]
+    return []
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
