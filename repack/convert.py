@@ -47,9 +47,9 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
-from .targets.engines import ROTATED_W4A4, EngineVersion, bundle_engines, resolve_version
+from .targets.engines import HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
-from .targets.w4a4 import runs_qutlass
+from .targets.w4a4 import runs_humming
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -640,15 +640,15 @@ def _layout_ids(plan: BundlePlan) -> list[str]:
 
 
 def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
-    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer whose online input
-    transforms all have a block of 16..128 (vLLM 0.33 runs QuTLASS on it, 0.34 Humming's Hadamard kernel)."""
+    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer that vLLM 0.34 serves
+    through Humming's Hadamard kernel (its own layout)."""
     if plan.target.scheme != "W4A4":
         return []
     for layer in plan.layers.layers.values():
-        blocks = [None if t.matrix.whole else t.matrix.size
-                  for t in layer_transforms(source.transforms, layer) if t.location == "input"]
-        if runs_qutlass(blocks):
-            return [ROTATED_W4A4]
+        placed = layer_transforms(source.transforms, layer)
+        inputs = [(t.matrix.type, None if t.matrix.whole else t.matrix.size) for t in placed if t.location == "input"]
+        if runs_humming(inputs, sum(t.location == "output" for t in placed)):
+            return [HADAMARD_W4A4]
     return []
 
 

@@ -17,7 +17,7 @@ from repack.targets.moe import moe_layout
 
 from .conftest import PRODUCERS
 
-ROTATED_W4A4 = "ct_quip_vu_had32_nvfp4"  # W4A4, input rotations of block 32: QuTLASS in 0.33, Humming in 0.34
+ROTATED_W4A4 = "ct_quip_vu_had32_nvfp4"  # W4A4, Hadamard input rotations of block 32: QuTLASS in 0.33, Humming in 0.34
 BOTH = {"vllm": ["0.33", "0.34"]}
 
 
@@ -40,8 +40,11 @@ def test_every_layout_written_is_held_by_every_vllm_version():
         assert written <= set(version.layouts), (version.label, written - set(version.layouts))
 
 
-@pytest.mark.parametrize("fixture,options", [("ct_nvfp4a16", {}), ("modelopt_nvfp4", {"fuse": True}),
-                                             (ROTATED_W4A4, {"weight_only": True})])
+@pytest.mark.parametrize("fixture,options", [
+    ("ct_nvfp4a16", {}), ("modelopt_nvfp4", {"fuse": True}), (ROTATED_W4A4, {"weight_only": True}),
+    # random-hadamard input rotations: QuTLASS in 0.33, vLLM 0.34's transform method around the W4A4 kernel (no
+    # Humming), which reads the W4A4 layout as it is
+    ("ct_quip_vu_rhad16_nvfp4", {"fuse": True})])
 def test_a_bundle_both_versions_hold_lists_both(fixture, options, tmp_path):
     for vllm in (None, "0.33", "0.34"):
         out = tmp_path / str(vllm)
@@ -51,7 +54,7 @@ def test_a_bundle_both_versions_hold_lists_both(fixture, options, tmp_path):
 
 
 def test_rotated_w4a4_is_refused_for_034_in_one_line_naming_033(tmp_path, capsys):
-    """vLLM 0.34 serves it through Humming's Hadamard kernel (its own layout): refused by default (the newest) and
+    """vLLM 0.34 serves its Hadamard-rotated layers through Humming's Hadamard kernel (its own layout): refused by default (the newest) and
     for --vllm 0.34, nothing written; --vllm 0.33 writes the QuTLASS bundle, for 0.33 only."""
     for flags in ([], ["--vllm", "0.34"]):
         code, _, err = cli(capsys, "convert", PRODUCERS / ROTATED_W4A4, "-t", "sm100", "--fuse", "-o", tmp_path / "b",
@@ -104,4 +107,4 @@ def test_inspect_and_targets_show_the_versions(tmp_path, capsys):
     rows = json.loads(cli(capsys, "targets", "--json")[1])
     assert all(layout["engines"] == BOTH for row in rows for layout in row["layouts"].values())
     code, text, _ = cli(capsys, "targets")
-    assert code == 0 and "refuses rotated-w4a4" in " ".join(text.split())
+    assert code == 0 and "refuses hadamard-w4a4" in " ".join(text.split())

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from ..errors import RepackError
 
 # A bundle feature a version may not serve (found by the plan; the reason names what to do instead):
-ROTATED_W4A4 = "rotated-w4a4"  # a W4A4 layer whose online input transforms all have a block of 16..128
+HADAMARD_W4A4 = "hadamard-w4a4"  # a W4A4 layer whose only online transforms are Hadamard input rotations of one
+# block of 16..128 (targets/w4a4.py runs_humming): vLLM 0.33 runs QuTLASS on it, 0.34 Humming's Hadamard kernel
 
 # Every layout this project writes, by id: vLLM 0.33 and 0.34 hold each of them identically (every kernel-read
 # tensor equal in name, dtype, shape, stride and value; tests/test_vllm_conformance.py checks both versions).
@@ -50,7 +51,7 @@ class EngineVersion:
 
 VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS)
 VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS, {
-    ROTATED_W4A4: "vLLM 0.34 serves rotated W4A4 layers through Humming's Hadamard kernel, whose layout is made by "
+    HADAMARD_W4A4: "vLLM 0.34 serves W4A4 layers with Hadamard input rotations through Humming's Hadamard kernel, whose layout is made by "
                   "Humming's CUDA ops at load and is not written by nvfp4-repack: convert with --vllm 0.33 (and serve "
                   "with vLLM 0.33), or with --weight-only",
 })
