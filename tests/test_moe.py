@@ -139,8 +139,11 @@ def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
 
 @pytest.mark.parametrize("intermediate", [48, 96, 8])
 def test_cutlass_moe_layout_refuses_what_vllm_refuses(intermediate):
-    with pytest.raises(RepackError, match="multiple of 128"):
+    with pytest.raises(RepackError, match=rf"\(2 x {intermediate} = {2 * intermediate}\) must be a multiple of 128$"):
         moe_cutlass.check_shape(4, 64, intermediate)
+    with pytest.raises(RepackError, match=r"multiple of 128; hidden size 40 must be a multiple of 16$"):
+        moe_cutlass.check_shape(4, 40, intermediate)
+    moe_cutlass.check_shape(4, 64, 64)
 
 
 @pytest.mark.parametrize("name", MOE_FIXTURES)
