@@ -34,7 +34,8 @@ from .bundle.manifest import (
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
 from .bundle.resume import Journal, find_resumable, source_identity
 from .bundle.writer import (
-    ShardWriter, check_destination, recover_interrupted, remove_stale, staged_folder, write_json, write_output_record,
+    ShardWriter, check_destination, clash_with_input, recover_interrupted, remove_stale, staged_folder, write_json,
+    write_output_record,
 )
 from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
@@ -657,8 +658,9 @@ def _check_root(out: Path, protected: Path) -> None:
     """The folder that holds one bundle per target: never a bundle itself, nor the input."""
     if (out / MANIFEST_NAME).is_file():
         raise RepackError(f"{out}: is a bundle; several targets are written to <out>/<target>, choose another output")
-    if out.resolve() == protected.resolve() or protected.resolve().is_relative_to(out.resolve()):
-        raise RepackError(f"{out}: the output folder would replace the input {protected}; choose another output")
+    clash = clash_with_input(out, protected)
+    if clash:
+        raise RepackError(clash)
     if out.exists() and not out.is_dir():
         raise RepackError(f"{out}: exists and is not a folder")
 

@@ -252,9 +252,10 @@ def test_a_missing_shard_is_reported_once(make_model, tmp_path, capsys):
     assert any(c["status"] == "skipped" for c in report["layers"] + report["passthrough"])
 
 
-def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, capsys):
+def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, tmp_path, capsys):
     model = make_model(seed=fresh_seed())
-    convert(model.path, "sm100", model.path / "sm100")
+    convert(model.path, "sm100", tmp_path / "sm100")  # convert writes nothing inside its source (issue 38): moved there
+    shutil.move(tmp_path / "sm100", model.path / "sm100")
     capsys.readouterr()
     assert main(["inspect", str(model.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantized_layers"] == len(model.layers)

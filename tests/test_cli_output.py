@@ -95,3 +95,39 @@ def test_inspect_counts_activation_scales_apart_from_passthrough_tensors(tmp_pat
     first = " ".join(out.split())
     expected = "14 quantized layers, 7 passthrough tensors (copied as they are)"
     assert expected + (f", {scales} activation input scales (the W4A4 layouts fold them in" if scales else " ") in first
+
+
+# --- where the output goes --------------------------------------------------------------------------------------------
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("targets", [["sm100"], ["all"]])
+def test_an_empty_output_path_is_bad_usage(make_model, tmp_path, capsys, monkeypatch, targets):
+    """Regression (issue 38): ``-o ""`` meant the current folder."""
+    model = make_model(shapes=[(16, 32)])
+    monkeypatch.chdir(tmp_path)
+    before = _tree(tmp_path)
+    code, _, err = _cli(["convert", model.path, *(a for t in targets for a in ("-t", t)), "-o", ""], capsys)
+    assert code == 2 and err.count("\n") == 1 and "'--out': an empty path; name the output folder" in err, err
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("targets", [["sm100"], ["all"]])
+@pytest.mark.parametrize("where", ["bundle", "sub/bundle", "."])
+def test_an_output_inside_the_source_is_bad_usage(make_model, tmp_path, capsys, targets, where):
+    """Regression (issue 38): ``-o SRC/bundle`` wrote the bundle inside its own source without a word."""
+    from repack.convert import convert
+    from repack.errors import RepackError
+
+    model = make_model(shapes=[(16, 32)])
+    before = _tree(model.path)
+    out = model.path / where
+    code, _, err = _cli(["convert", model.path, *(a for t in targets for a in ("-t", t)), "-o", out], capsys)
+    message = "would replace the input" if where == "." else "the output folder is inside the input"
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    with pytest.raises(RepackError, match=message):  # the library refuses it too (a Hub snapshot's folder)
+        convert(model.path, targets[0], out)
+    assert _tree(model.path) == before

@@ -114,13 +114,27 @@ def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Cal
         raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
 
 
+def _check_out(out: str, source: str) -> Path:
+    """``-o``'s folder, refused as bad usage (exit code 2) where it is empty (it would mean the current folder) or a
+    local source's own folder, or lies inside it."""
+    from ..bundle.writer import clash_with_input
+
+    if not out.strip():
+        raise typer.BadParameter("an empty path; name the output folder",
+                                 param_hint="'--out'")
+    clash = clash_with_input(Path(out), Path(source)) if Path(source).expanduser().exists() else None
+    if clash:
+        raise typer.BadParameter(clash, param_hint="'--out'")
+    return Path(out)
+
+
 def convert(
     target: TargetOpt,
     model: Annotated[
         Optional[str], typer.Argument(help="Source model: a folder (config.json + .safetensors) or a Hub repo id.")
     ] = None,
     out: Annotated[
-        Optional[Path],
+        Optional[str],
         typer.Option("--out", "-o", help="Output bundle folder (default: <model>-<target>); with several targets, "
                                          "the folder that receives one <target> bundle each (default: <model>-bundles)."),
     ] = None,
@@ -165,7 +179,7 @@ def convert(
 
     source = _model_or_sample(model, sample, "MODEL")
     _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume)
-    destination = out or _default_out(source, target)
+    destination = _check_out(out, source) if out is not None else _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=stderr, transient=True, disable=as_json or not stderr.is_terminal,
