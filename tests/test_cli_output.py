@@ -131,3 +131,35 @@ def test_an_output_inside_the_source_is_bad_usage(make_model, tmp_path, capsys, 
     with pytest.raises(RepackError, match=message):  # the library refuses it too (a Hub snapshot's folder)
         convert(model.path, targets[0], out)
     assert _tree(model.path) == before
+
+
+def test_an_interrupted_several_target_convert_leaves_no_visible_output(make_model, tmp_path, capsys, monkeypatch):
+    """Regression (issue 38): Ctrl-C during ``-t all`` left a visible, seemingly empty OUT (its targets were staged
+    inside it). The output of several targets is staged whole as a hidden ``.OUT.partial-*`` beside it and renamed
+    into place at the end, as one target's bundle is; ``--resume`` continues from it."""
+    import repack.convert
+
+    model = make_model(shapes=[(64, 128)] * 6)
+    out = tmp_path / "out"
+    argv = ["convert", model.path, "-t", "all", "-o", out, "--max-shard-size", "20KB"]
+    real, seen = repack.convert._Writing.take_layer, []
+
+    def take(self, layer, weight):  # Ctrl-C once a few layers went to the writers
+        if len(seen) == 9:
+            raise KeyboardInterrupt
+        seen.append(layer.prefix)
+        real(self, layer, weight)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(repack.convert._Writing, "take_layer", take)
+        code, _, err = _cli(argv, capsys)
+    assert code == 130 and err.count("\n") == 1 and "--resume" in err, err
+    assert not out.exists()
+    [staged] = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert staged.startswith(".out.partial-")
+    code, stdout, err = _cli([*argv, "--resume"], capsys)
+    assert code == 0 and err == "", err
+    assert "kept from the interrupted run" in " ".join(stdout.split())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in out.iterdir()) == ["nvfp4-repack-output.json", *sorted(f.name for f in FAMILIES)]
+    assert _cli(["verify", out], capsys)[0] == 0

@@ -341,6 +341,11 @@ def in_use(folder: Path) -> bool:
     return fd is None
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (what removing it frees)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 def remove_stale(out: Path, keep: Path | None = None) -> tuple[int, int]:
     """Delete what interrupted converts to ``out`` left beside it: staging folders no process holds (but ``keep``,
     the one a resume continues) and, once OUT is there, retired old bundles. Returns (folders, bytes) removed."""
@@ -353,7 +358,7 @@ def remove_stale(out: Path, keep: Path | None = None) -> tuple[int, int]:
         if fd is None:
             continue
         try:
-            nbytes += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+            nbytes += folder_bytes(folder)
             shutil.rmtree(folder, ignore_errors=True)
             removed += 1
         finally:
