@@ -437,10 +437,11 @@ def convert_bundles(
     notify: Notice | None = None,
 ) -> list[ConvertSummary]:
     """Write every bundle of ``outputs`` in one pass over ``source``; each destination is all-or-nothing on its
-    own (the ``folder``s of one ``out``, a --tp conversion's ranks, are staged and installed together).
+    own (the ``folder``s of one ``out``, a --tp conversion's ranks or several targets, are staged and installed
+    together, with the output's record of them).
 
     ``resume``: reuse the staging folder an interrupted convert to the same destination left, keeping the
-    shards its journal records (when the source and plan are the same and each file still hashes as
+    shards its journals record (when the source and plan are the same and each file still hashes as
     recorded); everything else is written again, so the result is byte-identical to an uninterrupted run.
     ``fsync`` False: publish without waiting for the disk (see ``bundle/writer.py`` for what that gives up).
     What interrupted converts to the destinations left (hidden staging folders) is removed, but for the one a
@@ -567,7 +568,8 @@ def convert(
 
     One target family (a name, or names that are aliases of one family): ``out`` is the bundle, and one summary
     is returned. Several families (``all`` for every one): one pass writes ``out/<target>`` for each, and a list
-    of summaries is returned.
+    of summaries is returned; a new ``out`` is staged whole (it appears with every bundle, or not at all), an
+    existing one gets each bundle beside those it holds.
 
     ``fsync`` False: bundles are published without waiting for the disk: faster where the disk is slow, for
     CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
