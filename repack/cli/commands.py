@@ -135,7 +135,7 @@ def convert(
     ] = None,
     out: Annotated[
         Optional[str],
-        typer.Option("--out", "-o", help="Output bundle folder (default: <model>-<target>); with several targets, "
+        typer.Option("--out", "-o", metavar="<path>", help="Output bundle folder (default: <model>-<target>); with several targets, "
                                          "the folder that receives one <target> bundle each (default: <model>-bundles)."),
     ] = None,
     revision: Annotated[
