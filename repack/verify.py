@@ -48,7 +48,8 @@ from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, kept_s
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, map_chunks, map_tensor, read_rows, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
-from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
+from .nvfp4 import (BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, dequantized_products,
+                    quantize_activations)
 from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
@@ -62,7 +63,6 @@ PARALLEL_WEIGHT_BYTES = 128 << 20  # ... while their weights are at most this to
 # four copies of its weights (source, bundle, decode, temporaries), so two of the largest layers (Llama-405B's MLP:
 # 436 MB each) would take gigabytes; one at a time then
 BATCH_SIZES = (1, 7, 32)
-REFERENCE_ELEMENTS = 1 << 20  # weights the float64 reference dequantizes at a time (8 MB, whatever K is)
 
 
 CHECK_KINDS = ("integrity", "layout", "exactness", "numerics")  # what a failure is about, for the summary
@@ -228,26 +228,22 @@ def _check_exact(decoded: NVFP4Weight, original: NVFP4Weight, prefix: str, check
 
 
 def _reference_products(weight: NVFP4Weight, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``x @ dequant(weight).T`` in float64 for each ``x``, dequantizing ``REFERENCE_ELEMENTS`` weights at a time:
-    memory stays at one block, where the whole float64 matrix of a large layer took gigabytes. All ``xs`` go
-    through each block in one GEMM (one pass over it)."""
-    x = torch.cat(xs)
-    out = torch.empty(x.shape[0], weight.n, dtype=torch.float64)
-    step = max(1, REFERENCE_ELEMENTS // weight.k)
-    for start in range(0, weight.n, step):
-        rows = slice(start, start + step)
-        block = dequantize(NVFP4Weight(weight.codes[rows], weight.block_scales[rows], weight.multiplier), torch.float64)
-        out[:, rows] = x @ block.t()
-    return list(out.split([len(x) for x in xs]))
+    """``x @ dequant(weight).T`` in float64 for each ``x``, all of them through each block of weights in one GEMM
+    (``dequantized_products``: memory stays at one block, whatever the layer's size)."""
+    return list(dequantized_products(torch.cat(xs), weight).split([len(x) for x in xs]))
 
 
-def w4a4_products(x: torch.Tensor, weight: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """float64 ``x @ weight.T`` of bf16 ``x`` quantized as the W4A4 kernels quantize it (``quantize_activations``).
+def w4a4_products(x: torch.Tensor, weight: NVFP4Weight | torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ weight.T`` of bf16 ``x`` quantized as the W4A4 kernels quantize it (``quantize_activations``);
+    ``weight`` dequantized a block at a time (``dequantized_products``), or already a float64 matrix.
 
     Not ``w4a4_reference``'s float64 definition of the quantizer: with calibrated scales (``input_scale =
     amax / 2688`` of a bf16 ``amax``) ``gs * amax / 6`` lands on exact e4m3 ties for many blocks, where the kernel's
     float32 arithmetic and the definition round apart by a whole scale step (a percent of a layer's output)."""
-    return dequantize_activations(*quantize_activations(x, global_scale), global_scale) @ weight.t()
+    activations = dequantize_activations(*quantize_activations(x, global_scale), global_scale)
+    if isinstance(weight, NVFP4Weight):
+        return dequantized_products(activations, weight)
+    return activations @ weight.t()
 
 
 def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
@@ -299,7 +295,6 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
     worst = 0.0
     inputs = [_block64(x.to(torch.float64), input_matrix) for x in xs]
     if activation_scale is not None:
-        weight = dequantize(reference)
         # the kernels quantize bf16 activations rotated by the matrix as the server holds it, the source's rounded to
         # the model dtype: the float64 matrix would round apart from it at e2m1 boundaries, a whole code step each
         # (1-2% of a layer's output for blocks whose sqrt is not exact)
@@ -307,7 +302,7 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
         if held is not None:
             held = held.to(layer.input_transform.dtype).to(torch.float64)
         rotated = [_block64(x.to(torch.float64), held) for x in xs]
-        products = [w4a4_products(r.to(torch.bfloat16), weight, activation_scale) for r in rotated]
+        products = [w4a4_products(r.to(torch.bfloat16), reference, activation_scale) for r in rotated]
     else:
         products = _reference_products(reference, inputs)
     refs = [rows_transform(r, output_parts) for r in products]

@@ -8,6 +8,7 @@ A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Mapping
@@ -17,7 +18,7 @@ import torch
 from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, expert_multipliers
 from .formats import SourceModel
 from .nvfp4 import (BLOCK_SIZE, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations,
-                    quantize_activations)
+                    dequantized_products, quantize_activations)
 from .targets.moe import MADE_FROM
 
 
@@ -27,7 +28,9 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     return ne.reshape(ne.shape[0], -1).any(dim=1).tolist()
 
 
-CHECK_EXPERTS = 8  # experts compared at once: memory holds a few copies of that many, whatever the layer's size
+CHECK_EXPERTS = 8  # experts compared at once, at most: memory holds a few copies of that many (each side's codes,
+CHECK_BYTES = 48 << 20  # decode, layout and comparison) ... and at most this many bytes of held weights (a
+# DeepSeek-R1 expert holds 24.8 MB: two at a time), so that verify's memory stays bounded whatever an expert's size
 
 RowsOf = Callable[[str, int, int], torch.Tensor]  # a held tensor's rows (local experts) [first, last), by its name
 
@@ -72,8 +75,10 @@ def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
     scales = expert_input_scales(source, plan)
     problems, odd = _check_scalars(source, plan, held, layout, scales)
     weights = [name for name in specs if name in MADE_FROM]
-    for start in range(first, last, CHECK_EXPERTS):
-        chunk = (start, min(start + CHECK_EXPERTS, last))
+    per_expert = sum(math.prod(specs[name].shape[1:]) * specs[name].dtype.itemsize for name in weights)
+    step = max(1, min(CHECK_EXPERTS, CHECK_BYTES // max(1, per_expert)))
+    for start in range(first, last, step):
+        chunk = (start, min(start + step, last))
         part = {name: held(name, chunk[0] - first, chunk[1] - first) for name in weights}
         problems += _check_chunk(source, plan, chunk, part, layout, scales)
     return ExpertFindings(problems, odd)
@@ -119,7 +124,6 @@ def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], 
     """Codes, block scales and padding of global experts ``[chunk)``, whose rows of the layer's weight tensors
     are ``held``."""
     source_stack = assemble_experts(source, plan, chunk=chunk, input_scales=scales)
-    expected = layout.to_runtime(source_stack, plan.prefix, list(held))
     group, inter = plan.group, plan.intermediate
     ours = layout.from_runtime(held, group.hidden, inter)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
@@ -136,9 +140,9 @@ def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], 
             problems += [f"{names[proj][e]}: {'codes' if what == 'codes' else 'block scales'} differ"
                          for what, bad in results if bad[e]]
     if not problems:  # the experts' data is exact: anything else that differs is padding
-        problems += [f"{plan.prefix}: {name} differs outside the experts' data (padding)"
-                     for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
-                     if any(_differs(held[name], expected[name]))]
+        del ours, checks
+        problems += [f"{plan.prefix}: {name} differs outside the experts' data (padding)" for name in held
+                     if any(_differs(held[name], layout.to_runtime(source_stack, plan.prefix, [name])[name]))]
     return problems
 
 
@@ -178,28 +182,29 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
             one = {f"{which}_{part}": rows_held(f"{which}_{part}", e, e + 1)
                    for part in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
             codes, scales = layout.decode_expert(one, 0, which, group.hidden, inter)
-            ours = dequantize(NVFP4Weight(codes, scales, torch.ones(1)), torch.float64)
             alpha, a_scale = one[f"{which}_weight_scale_2"][0], one[f"{which}_input_scale"][0]
             ref_codes = getattr(source_stack, f"{which}_codes")[0]
             ref_scales = getattr(source_stack, f"{which}_scales")[0]
             own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)
             source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
             source_gs = 1.0 / source_scale
-            rows = ours.shape[0] // len(projs)
+            rows = codes.shape[0] // len(projs)
             for i, proj in enumerate(projs):
                 part = slice(i * rows, (i + 1) * rows)
-                ref = dequantize(NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1)), torch.float64)
-                x = torch.randn(tokens, ref.shape[1], generator=generator)
+                ours = NVFP4Weight(codes[part], scales[part], torch.ones(1))  # both dequantized a block at a time
+                ref = NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1))
+                x = torch.randn(tokens, ref.k, generator=generator)
                 if w4a4:  # activations in the range the scale was calibrated for (amax = 2688 x input scale)
                     x = (x * (CALIBRATED_STD * E2M1_MAX * E4M3_MAX) * source_scale.double()).to(torch.bfloat16)
                     x_codes, x_scales = quantize_activations(x, (1.0 / a_scale).reshape(1))
                     x_held = dequantize(NVFP4Weight(x_codes, x_scales, torch.ones(1)), torch.float64)
-                    got = (x_held @ ours[part].T) * alpha.double()
-                    want = dequantize_activations(*quantize_activations(x, source_gs.reshape(1)), source_gs) @ ref.T
+                    got = dequantized_products(x_held, ours) * alpha.double()
+                    want = dequantized_products(
+                        dequantize_activations(*quantize_activations(x, source_gs.reshape(1)), source_gs), ref)
                 else:
                     x = x.double()
-                    got = x @ ours[part].T * (alpha.double() / a_scale.double())
-                    want = x @ ref.T
+                    got = dequantized_products(x, ours) * (alpha.double() / a_scale.double())
+                    want = dequantized_products(x, ref)
                 error = (got - want).norm() / want.norm().clamp(min=1e-300)
                 errors[getattr(group, proj)[plan.experts[0] + e]] = float(error)
     return errors
