@@ -402,8 +402,9 @@ def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts
 
     alpha = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"].clone()}
     alpha["w2_weight_scale_2"][3] = torch.nextafter(alpha["w2_weight_scale_2"][3], torch.tensor(1.0))
+    held_alpha, source_alpha = (float(t[3]) for t in (alpha["w2_weight_scale_2"], held["w2_weight_scale_2"]))
     assert check_experts(source, plan, alpha, layout) == [
-        "model.layers.0.mlp.experts: w2_weight_scale_2 differs (expert 3)"]
+        f"model.layers.0.mlp.experts.3: w2_weight_scale_2 is {held_alpha:.9g}, the source gives {source_alpha:.9g}"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)

@@ -481,18 +481,22 @@ def verify(
     device: Annotated[DeviceChoice, typer.Option(help="Where the runtime GEMM runs.")] = DeviceChoice.cpu,
     numerics: Annotated[
         NumericsChoice,
-        typer.Option(help="Layers whose numerics run: all, or a sample (each layer shape once, and one more); "
-                          "auto: all on a GPU, a sample on the CPU (exactness always covers every layer)."),
+        typer.Option(help="Layers whose numerics run: all (every expert of every MoE layer too), or a sample "
+                          "(each layer shape once and one more; per MoE layer shape the first expert, one more and "
+                          "any whose scalars stand out); auto: all on a GPU, a sample on the CPU, experts sampled. "
+                          "Exactness always covers every layer and expert."),
     ] = NumericsChoice.auto,
     as_json: JsonOpt = False,
     report_file: Annotated[
         Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")
     ] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for the random activations (default: fresh each run).")] = None,
+    seed: Annotated[Optional[int], typer.Option(
+        help="Seed for the random activations and the sample (default: derived from the manifest, the same every run)."
+    )] = None,
 ) -> int:
     """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
 
-    An output folder of several targets: every target's bundle, the source hashed once. A ``--tp`` output
+    An output folder of several targets: every target's bundle, the source hashed once. A --tp output
     folder: every rank, and each source layer reassembled from the ranks' outputs.
     Exits 0 only when every check passes. The source must be the checkpoint the bundle was built from (by
     its files' digests); without one, verify fails unless --no-source is given.
@@ -547,14 +551,15 @@ def _print_verify(bundle: Path, report) -> None:
         stdout.print(f"{count(len(departures), 'layer')} rescaled by --rescale: numerics against their rescaled weights, which "
                      f"depart from the unfused source by up to {max(departures):.3g} (relative L2), each bounded by "
                      "the error convert recorded", soft_wrap=True, highlight=False)
+    experts = f" and {report.numerics_experts} of {report.experts} experts" if report.experts else ""
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")
         matrices = f", {count(len(report.transforms), 'transform matrix', 'transform matrices')}" if report.transforms else ""
         stdout.print(f"[green]PASS[/]: {count(len(report.layers), 'layer')}, "
                      f"{count(len(report.passthrough), 'passthrough tensor')}{matrices}, {count(len(report.files), 'file')}; "
-                     f"numerics on {report.numerics_layers} of {count(len(report.layers), 'layer')}, "
-                     f"relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
+                     f"numerics on {report.numerics_layers} of {count(len(report.layers), 'layer')}{experts}, "
+                     f"relative error <= {report.tolerance:g} ({scope}; activation seed {report.seed})", soft_wrap=True)
         return
     summary = report.summary()
     for kind, messages in summary.items():
@@ -564,7 +569,8 @@ def _print_verify(bundle: Path, report) -> None:
         if len(messages) > FAILURES_SHOWN:
             stdout.print(f"  ... and {len(messages) - FAILURES_SHOWN} more (all of them: --report FILE)", highlight=False)
     counts = ", ".join(f"{kind} {len(messages)}" for kind, messages in summary.items())
-    stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed})", soft_wrap=True, highlight=False)
+    stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed}; numerics on {report.numerics_layers} of "
+                 f"{len(report.layers)} layers{experts})", soft_wrap=True, highlight=False)
 
 
 def _interruptible(command: Callable) -> Callable:
