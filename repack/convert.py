@@ -48,7 +48,9 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
+from .targets.engines import HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
+from .targets.w4a4 import runs_humming
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -77,6 +79,7 @@ class OutputBundle:
     plan: BundlePlan
     folder: str = ""  # inside ``out``: rank-R of a --tp conversion, or <target> of several, staged (and installed) together
     rescale_errors: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added
+    engines: dict[str, list[str]] = field(default_factory=dict)  # the manifest's engine versions (targets/engines.py)
 
     @property
     def rank(self) -> bool:
@@ -286,6 +289,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         scheme=plan.target.scheme,
         kernels=list(plan.target.kernels),
         moe=moe,
+        engines=writing.output.engines,
     )
 
 
@@ -560,6 +564,7 @@ def convert(
     rescale: bool = False,
     weight_only: bool = False,
     ep: bool = False,
+    vllm: str | None = None,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -585,8 +590,11 @@ def convert(
     The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
     sm120; sm90 is weight-only for every checkpoint), a weight-only
     one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
-    W4A4 layouts existed.
+    W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
+    supported); the manifest lists every supported version whose state after loading is the bundle's
+    (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
     """
+    engine = resolve_version("vllm", vllm)
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -606,7 +614,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -614,8 +622,8 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, ep: bool, progress: Progress | None, on_plan: Callable | None,
-             notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
+             rescale: bool, weight_only: bool, ep: bool, engine: EngineVersion, progress: Progress | None,
+             on_plan: Callable | None, notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out``'s parent exists. Several targets into a new ``out`` are staged together, as a
     --tp conversion's ranks are (``out`` appears whole, or a hidden staging folder is left); into an existing
     ``out`` (it holds earlier bundles), each is staged and installed inside it on its own."""
@@ -641,6 +649,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out / t.name if inside else out, plan_bundle(source, t, layers, max_shard_size),
                                 "" if single or inside else t.name) for t in targets]
+    outputs = [replace(output, engines=bundle_engines(engine, _layout_ids(output.plan), _features(source, output.plan)))
+               for output in outputs]  # a version's refusal before anything is written
     if on_plan is not None:
         on_plan(source, outputs)
     outputs = [replace(output, rescale_errors=_rescale_errors(source, output.plan)) for output in outputs]
@@ -659,6 +669,24 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _layout_ids(plan: BundlePlan) -> list[str]:
+    """The layouts a bundle holds: its dense layers' and its FusedMoE layers'."""
+    return [plan.target.layout_id] + ([moe_layout(plan.target.name).LAYOUT_ID] if plan.layers.experts else [])
+
+
+def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
+    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer that vLLM 0.34 serves
+    through Humming's Hadamard kernel (its own layout)."""
+    if plan.target.scheme != "W4A4":
+        return []
+    for layer in plan.layers.layers.values():
+        placed = layer_transforms(source.transforms, layer)
+        inputs = [(t.matrix.type, None if t.matrix.whole else t.matrix.size) for t in placed if t.location == "input"]
+        if runs_humming(inputs, sum(t.location == "output" for t in placed)):
+            return [HADAMARD_W4A4]
+    return []
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
