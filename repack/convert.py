@@ -22,10 +22,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
     ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, expert_rescale_error,
-    expert_tensor_reader, layer_transforms, plan_layers, rescale_error, whole_piece,
+    expert_pieces, expert_tensor_reader, layer_transforms, plan_layers, rescale_error, whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -44,7 +46,7 @@ from .formats.hub import hub_sha256
 from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
-from .lane import Lane, one_torch_thread
+from .lane import Lane, one_torch_thread, reuse_freed_blocks
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
@@ -159,6 +161,18 @@ class _Writing:
         transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack,
                                              experts.prefix, [t.part for t in tensors])
         self.transformer.submit(nbytes, self._queue_experts, tensors, transformed, last)
+
+    def take_codes(self, tensor: PlannedTensor, pieces: list[tuple[torch.Tensor, ...]], last: bool) -> None:
+        """Some experts' rows of a FusedMoE layer's codes tensor (``w13_weight`` or ``w2_weight``) from their source
+        pieces (:func:`expert_pieces`), as :meth:`take_experts` takes a stack: the layout copies the pieces once into
+        its order (``codes_from_pieces``; no stack first), on the shared pool."""
+        plan = tensor.experts
+        nbytes = tensor.nbytes * len(pieces) // (plan.experts[1] - plan.experts[0])
+        layout = moe_layout(self.output.plan.target.name)
+        which = tensor.part.partition("_")[0]
+        transformed = self.transforms.submit(lambda: {tensor.part: layout.codes_from_pieces(
+            which, pieces, plan.group.hidden, plan.intermediate)})
+        self.transformer.submit(nbytes, self._queue_experts, [tensor], transformed, last)
 
     def _queue_experts(self, tensors: list[PlannedTensor], transformed: Future, last: bool) -> None:
         values = transformed.result()
@@ -418,9 +432,15 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
             read = functools.cache(fetch)  # the chunk's source tensors, each read once for every bundle
             for writing, plan, scale in zip(takers, plans, scales):
                 first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
-                if first < last:
+                if first >= last:
+                    continue
+                tensor = writing.output.plan.units[module][index]
+                if which == 0:  # codes: copied once, by the layout, from the source's views
+                    pieces = expert_pieces(plan, read, (first, last), field.partition("_")[0], "codes")
+                    writing.take_codes(tensor, pieces, last == plan.experts[1])
+                else:
                     stack = assemble_experts(source, plan, read, (first, last), (field,), scale)
-                    writing.take_experts([writing.output.plan.units[module][index]], stack, last == plan.experts[1])
+                    writing.take_experts([tensor], stack, last == plan.experts[1])
             chunk = per_expert * (min(start + step, group.experts) - start)
             report(chunk, module)
             done += chunk
@@ -453,6 +473,7 @@ def convert_bundles(
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
+    reuse_freed_blocks()
     destinations = list(dict.fromkeys(output.out for output in outputs))
     for out in destinations:
         recover_interrupted(out)  # a replace killed between its two renames left OUT missing

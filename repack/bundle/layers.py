@@ -538,6 +538,20 @@ def expert_tensor_reader(source: SourceModel, read: Callable[[TensorEntry], torc
     return fetch
 
 
+def expert_pieces(plan: ExpertPlan, fetch: Callable[[str, str], torch.Tensor], chunk: tuple[int, int], which: str,
+                  what: str) -> list[tuple[torch.Tensor, ...]]:
+    """Each expert's source pieces of the bundle's ``w13`` (``(gate, up)``: the rank's rows) or ``w2`` (``(down,)``:
+    the rank's columns) ``what`` (``"codes"`` / ``"block_scales"``), for global experts ``chunk``: views of what
+    ``fetch`` (:func:`expert_tensor_reader`) read, no copy. :func:`assemble_experts` stacks them; a layout's
+    ``codes_from_pieces`` copies them once into its own order."""
+    group, (r0, r1), local = plan.group, plan.rows, slice(*chunk)
+    if which == "w13":
+        return [(fetch(gate, what)[r0:r1], fetch(up, what)[r0:r1])
+                for gate, up in zip(group.gate[local], group.up[local])]
+    per_block = 2 if what == "codes" else BLOCK_SIZE
+    return [(fetch(down, what)[:, r0 // per_block: r1 // per_block],) for down in group.down[local]]
+
+
 def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str, str], torch.Tensor] | None = None,
                      chunk: tuple[int, int] | None = None, fields: tuple[str, ...] = STACK_FIELDS,
                      input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertStack:
@@ -562,8 +576,8 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str
     def w13(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # [gate; up] rows of each expert
         if f"w13_{what}" not in fields:
             return _placeholder(dtype, experts, 2 * inter, hidden // per_block)
-        name = "codes" if what == "codes" else "block_scales"
-        pairs = torch.stack([fetch(p, name)[r0:r1] for pair in zip(group.gate[local], group.up[local]) for p in pair])
+        pieces = expert_pieces(plan, fetch, (first, last), "w13", "codes" if what == "codes" else "block_scales")
+        pairs = torch.stack([t for pair in pieces for t in pair])
         if what == "scales" and ratios is not None:  # as _cut folds a dense partition's ratio
             pairs = (pairs.to(torch.float32) * ratios.reshape(-1, 1, 1)).to(torch.float8_e4m3fn)
         return pairs.view(experts, 2 * inter, -1)
@@ -571,8 +585,8 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str
     def w2(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # the rank's columns of each down_proj
         if f"w2_{what}" not in fields:
             return _placeholder(dtype, experts, hidden, inter // per_block)
-        name = "codes" if what == "codes" else "block_scales"
-        return torch.stack([fetch(p, name)[:, r0 // per_block: r1 // per_block] for p in group.down[local]])
+        pieces = expert_pieces(plan, fetch, (first, last), "w2", "codes" if what == "codes" else "block_scales")
+        return torch.stack([down for (down,) in pieces])
 
     ratios = None  # [E, 2]: what --rescale folds into each expert's gate and up block scales (own / max)
     if plan.rescale and {"w13_scales", "multipliers"} & set(fields):

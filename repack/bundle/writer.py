@@ -42,7 +42,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from ..errors import Interrupted, OutputExists, RepackError
-from ..formats.hashing import FILE_DIGEST, TENSOR_DIGEST, BackgroundDigest, bytes_hexdigest, new_digest
+from ..formats.hashing import (
+    FILE_DIGEST, HASH_QUEUE_BYTES, TENSOR_DIGEST, BackgroundDigest, bytes_hexdigest, new_digest,
+)
+from ..lane import Lane
 from .manifest import OUTPUT_KIND, OUTPUT_RECORD
 from .plan import PlannedTensor
 
@@ -86,7 +89,9 @@ class ShardWriter:
     """One shard written front to back as its tensors arrive, in the plan's order.
 
     The file's digest and each tensor's are computed on the bytes on their way to the file, so nothing is read
-    back; the file's on a thread of its own. ``write`` may be called several times per
+    back; each on a thread of its own (the file's, the tensors'), so that the thread calling ``write`` only copies
+    the bytes into the file (a layer's bytes are hashed twice: for its tensor and its file), and the hashing of one
+    chunk overlaps the writing of the next. ``write`` may be called several times per
     tensor (chunks); a tensor ends when the next one starts or at :meth:`close`, and must then hold exactly
     its planned bytes. Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the file to disk, so
     that the fsync before the bundle is published finds little left to write, instead of all of it (neither
@@ -103,6 +108,7 @@ class ShardWriter:
         self._written = 0
         self._handle = open(path, "wb", buffering=0)
         self._file_digest = BackgroundDigest(new_digest(FILE_DIGEST))
+        self._tensor_hashing = Lane(HASH_QUEUE_BYTES)  # the tensors' digests, in order, on a thread of their own
         self._synced = 0  # bytes handed to START_WRITEBACK
         self._offset = 0
         self._put(safetensors_header(tensors, {"format": "pt"}))
@@ -124,7 +130,7 @@ class ShardWriter:
             if self._current is not tensor:
                 raise AssertionError(f"{tensor.name}: written out of the planned order of {self.path.name}")
             self._digest, self._written = new_digest(TENSOR_DIGEST), 0
-        self._digest.update(chunk)
+        self._tensor_hashing.submit(len(chunk), self._digest.update, chunk)
         self._put(chunk)
         self._written += len(chunk)
 
@@ -135,14 +141,20 @@ class ShardWriter:
             raise RepackError(
                 f"{self._current.name}: produced {self._written} bytes, planned {self._current.nbytes} (internal error)"
             )
-        self.tensor_digests[self._current.name] = self._digest.hexdigest()
+        self._tensor_hashing.submit(0, self._record, self._current.name, self._digest)
+
+    def _record(self, name: str, digest: object) -> None:
+        self.tensor_digests[name] = digest.hexdigest()  # type: ignore[attr-defined]
 
     def finish(self) -> str:
-        """Check every planned tensor was written; the file's digest. :meth:`sync` then makes it durable."""
+        """Check every planned tensor was written; the file's digest (and :attr:`tensor_digests` complete).
+        :meth:`sync` then makes it durable."""
         self._end_tensor()
         missing = next(self._order, None)
         if missing is not None:
             raise AssertionError(f"{missing.name}: planned in {self.path.name} but never written")
+        self._tensor_hashing.drain()
+        self._tensor_hashing.close()
         digest = self._file_digest.hexdigest()
         self._file_digest.close()
         return digest
@@ -154,6 +166,7 @@ class ShardWriter:
         self._handle.close()
 
     def abandon(self) -> None:
+        self._tensor_hashing.close()
         self._file_digest.close()
         self._handle.close()
 
