@@ -29,6 +29,21 @@ collect() {  # what comes back: at most 8 files
   grep -vE "^\| .*\| - \| - \| - \|" "$RUN"/bench.log 2>/dev/null | tail -60
 }
 
+guard_cute_dsl_warmup() {  # vLLM 0.34's kernel warmup imports MiniMax-M3's CuTe DSL kernels (`cutlass`) in every
+  # CUDA engine; the kit ships no CuTe DSL: that warmup is skipped where `cutlass` is absent (0.33 has no such import)
+  python3 - "$SITE/vllm/model_executor/warmup/kernel_warmup.py" <<'PY'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+old = "    if current_platform.is_cuda():\n        # The MSA kernels"
+new = ("    import importlib.util\n    if current_platform.is_cuda() and importlib.util.find_spec(\"cutlass\") is not None:"
+       "  # KIT PATCH: no CuTe DSL\n        # The MSA kernels")
+if old in text:
+    open(path, "w").write(text.replace(old, new))
+    print("kernel_warmup.py: MiniMax-M3 warmup skipped without the CuTe DSL")
+PY
+}
+
 finished() { [ -e "$RUN"/tests.done ] && [ -e "$RUN"/bench.done ]; }
 
 case $step in
@@ -40,6 +55,7 @@ case $step in
   go)
     bash "$STAGE"/install.sh || exit 1
     source "$STAGE"/env.sh
+    guard_cute_dsl_warmup
     rm -f "$RUN"/tests.done "$RUN"/bench.done
     # all from $TREE (prep's copy of this checkout), which outlives this call; the models only now: the CLI's
     # typer needs pydantic, which comes with the kit
