@@ -49,6 +49,7 @@ from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
+from .targets.sglang import ENGINE as ENGINE_SGLANG
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -151,7 +152,7 @@ class _Writing:
         than ``transformer``'s bound is in flight."""
         nbytes = weight.codes.nbytes + weight.block_scales.nbytes
         if self.output.plan.target.scheme == "W4A4":
-            weight = replace(weight, input_scale=layer.input_scale)
+            weight = replace(weight, input_scale=layer.input_scale, partition_scales=layer.partition_scales)
         transformed = self.transforms.submit(self.output.plan.target.to_runtime, weight)
         self.transformer.submit(nbytes, self._queue_layer, layer, transformed)
 
@@ -181,7 +182,7 @@ class _Writing:
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
         self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
-        values = runtime.tensors()
+        values = runtime.bundle_tensors()
         for tensor in self.output.plan.units[layer.prefix]:
             value = values[tensor.part]
             if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
@@ -560,6 +561,7 @@ def convert(
     rescale: bool = False,
     weight_only: bool = False,
     ep: bool = False,
+    engine: str = "vllm",
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -586,7 +588,15 @@ def convert(
     sm120; sm90 is weight-only for every checkpoint), a weight-only
     one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
     W4A4 layouts existed.
+
+    ``engine``: the serving engine whose post-load state the bundles hold: ``vllm``, or ``sglang`` (SGLang 0.5.23:
+    its fused modules, always, under its names and scalars; docs/sglang.md).
     """
+    if engine not in ENGINES:
+        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if engine != "vllm":
+        _check_engine_options(engine, weight_only=weight_only, rescale=rescale, ep=ep)
+        fuse = True  # the engine's fused modules
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -606,7 +616,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -614,8 +624,8 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, ep: bool, progress: Progress | None, on_plan: Callable | None,
-             notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
+             rescale: bool, weight_only: bool, ep: bool, engine: str, progress: Progress | None,
+             on_plan: Callable | None, notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out``'s parent exists. Several targets into a new ``out`` are staged together, as a
     --tp conversion's ranks are (``out`` appears whole, or a hidden staging folder is left); into an existing
     ``out`` (it holds earlier bundles), each is staged and installed inside it on its own."""
@@ -626,10 +636,12 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                          "this run does not write that target", notify)
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
-    targets = [t.for_scheme(served_scheme(source, weight_only)) for t in targets]
+    targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine == "vllm"
+               else [engine_target(t, engine, source) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep)
+        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
+                                  partition_scales=engine != "vllm")
         if layer_plans[0].experts and targets[0].scheme != "W4A4":
             moe_layout(targets[0].name)  # sm90's own refusal first
             raise RepackError("--weight-only: NVFP4 MoE experts have no weight-only layout here (vLLM 0.33 serves "
@@ -659,6 +671,37 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+ENGINES = ("vllm", ENGINE_SGLANG)
+
+
+def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: bool) -> None:
+    """One-line refusals of what another engine's bundles cannot hold."""
+    if weight_only:
+        raise RepackError(f"--engine {engine} --weight-only: not written yet (SGLang serves NVFP4 weight-only layers "
+                          "with Marlin or FlashInfer's bf16 x fp4 GEMM); convert W4A4 checkpoints for SGLang")
+    if rescale:
+        raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
+                          "rescaled bundle would not be its state; convert without --rescale")
+    if ep:
+        raise RepackError(f"--engine {engine} --ep: MoE layers are not written for SGLang yet")
+
+
+def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
+    """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
+    if source.activation_scheme != "W4A4":
+        raise RepackError(f"--engine {engine}: {source.quant_algo} (weight-only) checkpoints are not written for "
+                          "SGLang yet (SGLang serves them with Marlin or FlashInfer's bf16 x fp4 GEMM)")
+    if source.transforms.layers:
+        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
+    if expert_groups(source):
+        raise RepackError(f"--engine {engine}: NVFP4 MoE experts are not written for SGLang yet")
+    target = family.for_engine(engine, source.format)
+    if target is None:
+        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves NVFP4 there with Marlin, whose "
+                          "layout is not written for SGLang here; -t sm100 or sm120")
+    return target
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:

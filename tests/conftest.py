@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,19 @@ def require(module: str):
     if IN_CI:
         return __import__(module)
     return pytest.importorskip(module)
+
+
+def oracle_python(venv: Path, make_env: Path, variable: str) -> Path:
+    """An engine oracle's interpreter in ``venv`` (``make_env`` run first, with ``variable`` naming the venv); where
+    the venv is missing, a skip, or in CI a failure."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        message = f"oracle env missing at {venv}: run {make_env.relative_to(Path(__file__).parent.parent)}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    subprocess.run(["bash", str(make_env)], check=True, env={**os.environ, variable: str(venv)})
+    return python
 
 
 def seed_for(nodeid: str) -> int:

@@ -47,6 +47,13 @@ TargetOpt = Annotated[
     typer.Option("--target", "-t", metavar="TARGET",
                  help="Target GPU family (see `nvfp4-repack targets`); repeat it, or `all`, for several in one pass."),
 ]
+class Engine(str, Enum):
+    """The serving engine whose post-load state a bundle holds."""
+
+    vllm = "vllm"
+    sglang = "sglang"
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="Print machine-readable JSON to stdout.")]
 
 
@@ -163,6 +170,9 @@ def convert(
         "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
         "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only).",
         "--weight-only")] = False,
+    engine: Annotated[Engine, typer.Option(
+        "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
+                         "W4A4 checkpoints, its fused modules under its names; docs/sglang.md).")] = Engine.vllm,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert an NVFP4 checkpoint into runtime-layout bundles: one target, or several in one pass.
@@ -173,6 +183,7 @@ def convert(
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
       nvfp4-repack convert ./Qwen3-30B-A3B-NVFP4 --target sm100 --tp 4 --ep -o qwen3-moe-sm100-ep4
       nvfp4-repack convert nvidia/Llama-3.1-8B-Instruct-FP4 -t sm100 -t sm120 -t sm90 -o llama  # llama/sm100, ...
+      nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --engine sglang -o llama-sglang-sm100
     """
     from ..bundle.plan import parse_size
     from ..convert import convert as run_convert
@@ -196,7 +207,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            weight_only=weight_only, ep=ep, on_plan=start_bar,
+            weight_only=weight_only, ep=ep, engine=engine.value, on_plan=start_bar,
             notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..nvfp4 import NVFP4Weight
-from .families import Family
+from .families import W4A4_LAYOUT_ID, Family
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,15 @@ class RuntimeLayer:
     input_global_scale: torch.Tensor | None = None  # W4A4 layouts: float32 [] each, as vLLM computes them
     input_global_scale_inv: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    named: dict[str, torch.Tensor] | None = None  # another engine's tensors of this layer, by its names (SGLang)
+
+    def bundle_tensors(self) -> dict[str, torch.Tensor]:
+        """What a bundle stores for the layer: its tensors by the names its engine holds them under (``named``, else
+        vLLM's: :meth:`tensors`)."""
+        return dict(self.named) if self.named is not None else self.tensors()
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The layout's tensors by vLLM's names (what the runtime's backends read)."""
         out = {
             "weight": self.weight,
             "weight_scale": self.weight_scale,
@@ -84,7 +91,13 @@ class Target(Family):
             fuse q/k/v and gate/up at load (``patch_model``) without running ``to_runtime`` again. ``None``: never.
         scheme: ``W4A16`` (activations stay bf16) or ``W4A4`` (activations quantized to NVFP4 by the kernel).
         variants: the family's other layouts (its W4A4 one), each a Target of the same family: a target family has
-            one layout per activation scheme (and, later, layer kind); :meth:`for_scheme` picks one.
+            one layout per activation scheme (and, later, layer kind) and engine; :meth:`for_scheme` picks one.
+        engine: the serving engine whose post-load state the layout's tensors are (``vllm``, ``sglang``).
+        source_format: the checkpoint format whose parameter names and scalars the engine keeps (None: any).
+        partition_specs: ``(n, k, partitions)`` -> the tensor specs, for an engine that keeps a scalar per partition
+            of a fused layer (else ``runtime_specs``).
+        from_named: ``(tensors by the engine's names, n, k)`` -> the RuntimeLayer of the layout's math (else the
+            names are RuntimeLayer's fields).
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -94,6 +107,10 @@ class Target(Family):
     stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
     scheme: str = "W4A16"
     variants: tuple["Target", ...] = ()
+    engine: str = "vllm"
+    source_format: str | None = None
+    partition_specs: Callable[[int, int, int], dict[str, TensorSpec]] | None = None
+    from_named: Callable[[dict[str, torch.Tensor], int, int], RuntimeLayer] | None = None
 
     @classmethod
     def of(cls, family: Family, **layout: object) -> Target:
@@ -108,12 +125,30 @@ class Target(Family):
     def layout_key(self) -> str:
         """How the runtime (backends, index formulas) names this layout: the family for its W4A16 layout, the
         layout id for the W4A4 one, which the families share."""
-        return self.name if self.scheme == "W4A16" else self.layout_id
+        if self.scheme == "W4A16":
+            return self.name
+        return self.layout_id if self.engine == "vllm" else W4A4_LAYOUT_ID  # another engine's names, vLLM's bytes
 
     def for_scheme(self, scheme: str) -> "Target":
         """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
         for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
-        return next((t for t in self.layouts if t.scheme == scheme), self)
+        return next((t for t in self.layouts if t.scheme == scheme and t.engine == "vllm"), self)
+
+    def for_engine(self, engine: str, source_format: str) -> "Target | None":
+        """The family's layout of ``engine``'s state for a W4A4 checkpoint of ``source_format``, if it has one."""
+        if engine == "vllm":
+            return self.for_scheme("W4A4")
+        return next((t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)), None)
+
+    def layer_specs(self, n: int, k: int, partitions: int = 1) -> dict[str, TensorSpec]:
+        """dtype and shape of each tensor of an ``[n, k]`` layer of ``partitions`` fused partitions."""
+        return self.runtime_specs(n, k) if self.partition_specs is None else self.partition_specs(n, k, partitions)
+
+    def runtime_layer(self, tensors: dict[str, torch.Tensor], n: int, k: int, weights_padding_cols: int) -> RuntimeLayer:
+        """A layer's tensors by this layout's names -> its RuntimeLayer."""
+        if self.from_named is not None:
+            return self.from_named(tensors, n, k)
+        return RuntimeLayer(weights_padding_cols=weights_padding_cols, **tensors)
 
     def with_layout(self, layout_id: str) -> "Target | None":
         """The family's layout ``layout_id``, if it has one."""

@@ -48,7 +48,7 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from ..bundle.manifest import MANIFEST_NAME, LayerRecord
-from ..bundle.reader import Bundle, open_bundle
+from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
 from ..targets import Target
 from .experts import check_kept_scales, check_method, check_placement, moe_modules, preimage, serve_experts
@@ -64,17 +64,6 @@ SCHEME_PARAMS: dict[str, tuple[str, str, str, bool, str]] = {
     "modelopt_fp4": ("weight", "weight_scale", "weight_scale_2", False, "input_scale"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", True, "input_global_scale"),
 }
-
-
-def rank_dir(path: Path, tp_rank: int) -> Path:
-    """This rank's bundle folder: ``path/rank-R`` when ``path`` holds a ``--tp`` conversion, its sibling
-    ``rank-R`` when ``path`` is one of the ranks (vLLM reads config.json from the folder it is given), else
-    ``path`` itself."""
-    for root in (path, path.parent) if path.name.startswith("rank-") else (path,):
-        ranked = root / f"rank-{tp_rank}"
-        if (ranked / MANIFEST_NAME).is_file():
-            return ranked
-    return path
 
 
 def running_capability() -> tuple[int, int] | None:

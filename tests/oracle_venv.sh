@@ -1,0 +1,14 @@
+# Sourced by the engine oracles' make_env.sh: build_venv VENV REQUIREMENTS PACKAGE builds an engine's own virtualenv
+# (the CPU torch, the packages of REQUIREMENTS its CPU load path imports, then PACKAGE without its dependency tree:
+# its torch pin has no CPU build here), unless VENV's stamp matches REQUIREMENTS and PACKAGE.
+build_venv() {
+    local venv=$1 requirements=$2 package=$3 stamp want
+    stamp="$venv/.requirements.sha256"
+    want=$( (cat "$requirements"; echo "$package") | sha256sum | cut -d' ' -f1)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+    rm -rf "$venv"
+    python -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0 -r "$requirements"
+    "$venv/bin/pip" install -q --no-deps "$package"
+    echo "$want" > "$stamp"
+}
