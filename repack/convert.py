@@ -48,8 +48,9 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
+from .targets.engines import ENGINE_NAMES, HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
-from .targets.sglang import ENGINE as ENGINE_SGLANG
+from .targets.w4a4 import runs_humming
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -78,6 +79,7 @@ class OutputBundle:
     plan: BundlePlan
     folder: str = ""  # inside ``out``: rank-R of a --tp conversion, or <target> of several, staged (and installed) together
     rescale_errors: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added
+    engines: dict[str, list[str]] = field(default_factory=dict)  # the manifest's engine versions (targets/engines.py)
 
     @property
     def rank(self) -> bool:
@@ -287,6 +289,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         scheme=plan.target.scheme,
         kernels=list(plan.target.kernels),
         moe=moe,
+        engines=writing.output.engines,
     )
 
 
@@ -561,6 +564,7 @@ def convert(
     rescale: bool = False,
     weight_only: bool = False,
     ep: bool = False,
+    vllm: str | None = None,
     engine: str = "vllm",
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
@@ -587,16 +591,21 @@ def convert(
     The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
     sm120; sm90 is weight-only for every checkpoint), a weight-only
     one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
-    W4A4 layouts existed.
+    W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
+    supported); the manifest lists every supported version whose state after loading is the bundle's
+    (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
 
     ``engine``: the serving engine whose post-load state the bundles hold: ``vllm``, or ``sglang`` (SGLang 0.5.23:
     its fused modules, always, under its names and scalars; docs/sglang.md).
     """
-    if engine not in ENGINES:
-        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINES)}")
+    if engine not in ENGINE_NAMES:
+        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
     if engine != "vllm":
+        if vllm is not None:
+            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
         _check_engine_options(engine, weight_only=weight_only, rescale=rescale, ep=ep)
         fuse = True  # the engine's fused modules
+    version = resolve_version(engine, vllm)
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -616,7 +625,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=version, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -624,7 +633,7 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, ep: bool, engine: str, progress: Progress | None,
+             rescale: bool, weight_only: bool, ep: bool, engine: EngineVersion, progress: Progress | None,
              on_plan: Callable | None, notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out``'s parent exists. Several targets into a new ``out`` are staged together, as a
     --tp conversion's ranks are (``out`` appears whole, or a hidden staging folder is left); into an existing
@@ -636,12 +645,12 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                          "this run does not write that target", notify)
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
-    targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine == "vllm"
-               else [engine_target(t, engine, source) for t in targets])
+    targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine.engine == "vllm"
+               else [engine_target(t, engine.engine, source) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
-                                  partition_scales=engine != "vllm")
+                                  partition_scales=engine.engine != "vllm")
         if layer_plans[0].experts and targets[0].scheme != "W4A4":
             moe_layout(targets[0].name)  # sm90's own refusal first
             raise RepackError("--weight-only: NVFP4 MoE experts have no weight-only layout here (vLLM 0.33 serves "
@@ -653,6 +662,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         layers = plan_layers(source, input_scales=input_scales)[0]
         outputs = [OutputBundle(out / t.name if inside else out, plan_bundle(source, t, layers, max_shard_size),
                                 "" if single or inside else t.name) for t in targets]
+    outputs = [replace(output, engines=bundle_engines(engine, _layout_ids(output.plan), _features(source, output.plan)))
+               for output in outputs]  # a version's refusal before anything is written
     if on_plan is not None:
         on_plan(source, outputs)
     outputs = [replace(output, rescale_errors=_rescale_errors(source, output.plan)) for output in outputs]
@@ -671,9 +682,6 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
-
-
-ENGINES = ("vllm", ENGINE_SGLANG)
 
 
 def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: bool) -> None:
@@ -702,6 +710,24 @@ def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves NVFP4 there with Marlin, whose "
                           "layout is not written for SGLang here; -t sm100 or sm120")
     return target
+
+
+def _layout_ids(plan: BundlePlan) -> list[str]:
+    """The layouts a bundle holds: its dense layers' and its FusedMoE layers'."""
+    return [plan.target.layout_id] + ([moe_layout(plan.target.name).LAYOUT_ID] if plan.layers.experts else [])
+
+
+def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
+    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer that vLLM 0.34 serves
+    through Humming's Hadamard kernel (its own layout)."""
+    if plan.target.scheme != "W4A4":
+        return []
+    for layer in plan.layers.layers.values():
+        placed = layer_transforms(source.transforms, layer)
+        inputs = [(t.matrix.type, None if t.matrix.whole else t.matrix.size) for t in placed if t.location == "input"]
+        if runs_humming(inputs, sum(t.location == "output" for t in placed)):
+            return [HADAMARD_W4A4]
+    return []
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:

@@ -20,13 +20,13 @@ import torch
 Load = Callable[[str, str, int, int, Path], None]  # (checkpoint, arch, tp, rank, job folder) -> None
 
 
-def layer_tensors(layer: torch.nn.Module, aliases: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor a layer holds after its load: parameters, buffers and plain tensor attributes (``aliases``: a
-    parameter registered under two names too, once per name)."""
-    params = layer.named_parameters(recurse=False, remove_duplicate=not aliases)
-    found = {**dict(params), **dict(layer.named_buffers(recurse=False))}
+def layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a layer holds after its load: parameters (each of its names: an engine may register one Parameter
+    under two, vLLM 0.34 ``weight_packed`` and ``weight``, SGLang ``weight_scale`` and ``weight_scale_interleaved``),
+    buffers and plain tensor attributes."""
+    found = {**layer._parameters, **layer._buffers}
     found.update({k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor)})
-    return found
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def storage_bytes(value: torch.Tensor) -> torch.Tensor:
@@ -53,9 +53,9 @@ def run_jobs(jobs: list[str], tp: int, rank: int, out: Path, load: Load) -> None
             (folder / "refused.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
 
 
-def main(script: str, run: Callable[[list[str], int, int, Path], None]) -> int:
-    """Parse the command line; for ``--tp N`` start one process per rank (``--rank R``), as the engines run them;
-    ``run(jobs, tp, rank, out)`` in each."""
+def main(script: str, load: Load, patch: Callable[[], None], cleanup: Callable[[], None]) -> int:
+    """Parse the command line; for ``--tp N`` start one process per rank (``--rank R``), as the engines run them; in
+    each, ``patch()`` the engine, :func:`run_jobs` with ``load``, then ``cleanup()`` (its process groups)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--job", action="append", required=True, help="NAME=CKPT:ARCH")
     ap.add_argument("--tp", type=int, default=1)
@@ -67,5 +67,9 @@ def main(script: str, run: Callable[[list[str], int, int, Path], None]) -> int:
     if args.rank is None and args.tp > 1:
         ranks = [subprocess.Popen([sys.executable, script, *sys.argv[1:], "--rank", str(r)]) for r in range(args.tp)]
         return max(p.wait() for p in ranks)
-    run(args.job, args.tp, args.rank or 0, out)
+    patch()
+    try:
+        run_jobs(args.job, args.tp, args.rank or 0, out, load)
+    finally:
+        cleanup()
     return 0

@@ -50,7 +50,7 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
     layout = LAYOUTS[target]
     for rank in range(tp):
         bundle = open_bundle(out / f"rank-{rank}" if tp > 1 else out)
-        assert bundle.manifest.bundle_format_version == 5 and bundle.moe_layout is layout
+        assert bundle.manifest.bundle_format_version == 6 and bundle.moe_layout is layout
         plans = plan_experts(source, tp, rank, ep)
         records = bundle.moe_layers()
         assert list(records) == [f"model.layers.{i}.mlp.experts.routed_experts" for i in range(2)]

@@ -25,7 +25,7 @@ from repack.sample.synthetic import write_llama
 from repack.targets.sglang import DENSE_BACKENDS, LAYOUTS
 from repack.verify import verify_output
 
-from .conftest import PRODUCERS, oracle_python
+from .conftest import PRODUCERS, assert_held_as, oracle_python, seeded_folder
 
 HERE = Path(__file__).parent / "sglang"
 VENV = Path(os.environ.get("NVFP4_REPACK_SGLANG_VENV", Path(__file__).parent.parent / ".venv-sglang"))
@@ -40,15 +40,12 @@ JOBS = [(name, arch) for name in NAMES for arch in ARCHS]
 
 
 def _sglang_python() -> Path:
-    return oracle_python(VENV, HERE / "make_env.sh", "NVFP4_REPACK_SGLANG_VENV")
+    return oracle_python(VENV, "SGLang 0.5.23", "tests/sglang/make_env.sh")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"synthetic checkpoint seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    root = tmp_path_factory.mktemp("sglang-ckpts")
+    root, gen, _ = seeded_folder(tmp_path_factory, "sglang-ckpts")
     out = {name: PRODUCERS / name for name in FIXTURES}
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt in FORMATS:
@@ -88,10 +85,7 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
         assert set(record.tensors) == {name for name, view in info["tensors"].items() if "alias" not in view}, prefix
         for name, view in info["tensors"].items():
             held = view.get("alias", name)
-            ours = bundle.read(f"{prefix}.{held}")
-            got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
-            assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, name)
-            assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{held}"]), (prefix, name)
+            assert_held_as(bundle.read(f"{prefix}.{held}"), view, theirs[f"{prefix}.{held}"], (prefix, name))
     return len(meta)
 
 

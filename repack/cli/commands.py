@@ -18,6 +18,9 @@ from rich.table import Table
 
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
+from ..targets.engines import ENGINES, engine_versions, resolve_version
+
+VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
 UNCUT = 1 << 16  # columns: a line written to a pipe or a file is as long as it needs
 
@@ -104,10 +107,11 @@ def _default_out(model: Path | str, targets: list[str]) -> Path:
 
 
 def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Callable[[str], int], *, fuse: bool,
-                         tp: int, ep: bool, resume: bool) -> None:
+                         tp: int, ep: bool, resume: bool, vllm: str | None = None) -> None:
     """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything (the
     library refuses the same with RepackError)."""
-    for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size))):
+    for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size)),
+                        ("--vllm", lambda: resolve_version("vllm", vllm))):
         try:
             check()
         except RepackError as exc:
@@ -173,6 +177,10 @@ def convert(
     engine: Annotated[Engine, typer.Option(
         "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
                          "W4A4 checkpoints, its fused modules under its names; docs/sglang.md).")] = Engine.vllm,
+    vllm: Annotated[Optional[str], typer.Option(
+        "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
+        "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
+        "refused.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert an NVFP4 checkpoint into runtime-layout bundles: one target, or several in one pass.
@@ -189,7 +197,7 @@ def convert(
     from ..convert import convert as run_convert
 
     source = _model_or_sample(model, sample, "MODEL")
-    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume)
+    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume, vllm=vllm)
     destination = _check_out(out, source) if out is not None else _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -207,7 +215,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            weight_only=weight_only, ep=ep, engine=engine.value, on_plan=start_bar,
+            weight_only=weight_only, ep=ep, vllm=vllm, engine=engine.value, on_plan=start_bar,
             notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
@@ -245,6 +253,8 @@ def _inspect_bundle(path: Path) -> None:
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
     stdout.print(f"scheme {show(manifest.scheme)}; vLLM kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
+    stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
+                                             for engine, versions in manifest.engines.items())))
     stdout.print(f"tensor parallel: rank {manifest.tp_rank} of {manifest.tp_size}; fusion: "
                  + (show(", ".join(f"{k} = {' + '.join(v)}" for k, v in manifest.fusion.items())) or "none"))
     table = Table(title=f"{count(len(manifest.layers), 'quantized layer')}, "
@@ -443,7 +453,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
             "backend": t.backend,
             "layout_id": t.layout_id,
-            "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels)}
+            "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels), "engines": _holding(layout_id)}
                         for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
             "description": t.description,
         }
@@ -453,13 +463,27 @@ def targets(as_json: JsonOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "GPUs"):
+    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "served by", "GPUs"):
         table.add_column(column)
     for row in rows:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
+        served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
+                  for engine, versions in layout["engines"].items()}
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, row["description"])
+                      row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
     stdout.print(table)
+    for version in ENGINES:  # what a version holds differently from a bundle: convert refuses it for that version
+        for feature, why in version.refuses.items():
+            stdout.print(f"{version.label} ({version.release} checked) refuses {feature}: {why}", highlight=False)
+
+
+def _holding(layout_id: str) -> dict[str, list[str]]:
+    """Per engine, the versions that hold layout ``layout_id`` as the bundle stores it."""
+    out: dict[str, list[str]] = {}
+    for version in ENGINES:
+        if layout_id in version.layouts:
+            out.setdefault(version.engine, []).append(version.version)
+    return out
 
 
 class DeviceChoice(str, Enum):
@@ -562,7 +586,7 @@ def _print_verify(bundle: Path, report) -> None:
         stdout.print(f"{count(len(departures), 'layer')} rescaled by --rescale: numerics against their rescaled weights, which "
                      f"depart from the unfused source by up to {max(departures):.3g} (relative L2), each bounded by "
                      "the error convert recorded", soft_wrap=True, highlight=False)
-    experts = f" and {report.numerics_experts} of {report.experts} experts" if report.experts else ""
+    experts = f" and {report.numerics_experts} of {count(report.experts, 'expert')}" if report.experts else ""
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")
@@ -581,7 +605,7 @@ def _print_verify(bundle: Path, report) -> None:
             stdout.print(f"  ... and {len(messages) - FAILURES_SHOWN} more (all of them: --report FILE)", highlight=False)
     counts = ", ".join(f"{kind} {len(messages)}" for kind, messages in summary.items())
     stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed}; numerics on {report.numerics_layers} of "
-                 f"{len(report.layers)} layers{experts})", soft_wrap=True, highlight=False)
+                 f"{count(len(report.layers), 'layer')}{experts})", soft_wrap=True, highlight=False)
 
 
 def _interruptible(command: Callable) -> Callable:

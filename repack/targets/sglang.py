@@ -29,17 +29,11 @@ from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
 from . import w4a4
 from .base import RuntimeLayer, Target, TensorSpec
+from .engines import SGLANG_0523, SGLANG_DENSE_BACKENDS, SGLANG_LAYOUTS, SGLANG_SAME_STATE_BACKENDS
 from .layout import pad_2d
 
-ENGINE = "sglang"
-VERSION = "0.5.23"  # the release its conformance oracle runs (tests/sglang/)
-# SGLang's auto dense FP4 backend on each family (initialize_fp4_gemm_config)
-DENSE_BACKENDS = {"sm100": "flashinfer_cutedsl", "sm120": "flashinfer_cutlass"}
-# source format -> the layout id of SGLang's dense W4A4 state for it
-LAYOUTS = {"modelopt": "sglang-modelopt-w4a4-v1", "compressed-tensors": "sglang-ct-w4a4-v1"}
-# --fp4-gemm-backend values whose dense W4A4 state is these bytes (pad + swizzle); flashinfer_trtllm shuffles them,
-# marlin repacks them
-SAME_STATE_BACKENDS = ("flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_cudnn")
+ENGINE = SGLANG_0523.engine
+DENSE_BACKENDS, LAYOUTS, SAME_STATE_BACKENDS = SGLANG_DENSE_BACKENDS, SGLANG_LAYOUTS, SGLANG_SAME_STATE_BACKENDS
 # per source format: the names SGLang binds to another's storage (ModelOpt: its swizzled scales written into
 # weight_scale's when they fit), absent from a bundle where SGLang aliases them; and whether it keeps
 # weights_padding_cols on the layer

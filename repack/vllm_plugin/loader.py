@@ -83,6 +83,9 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
         )
     bundle = open_bundle(folder)
     manifest = bundle.manifest
+    if bundle.target.engine != "vllm":
+        raise RepackError(f"{folder}: the bundle holds {bundle.target.engine}'s state ({manifest.layout_id}), not "
+                          f"vLLM's; serve it with {bundle.target.engine}, or re-convert without --engine")
     if (manifest.tp_size, manifest.tp_rank) != (tp_size, tp_rank if manifest.tp_size > 1 else 0):
         raise RepackError(
             f"{folder}: the bundle is rank {manifest.tp_rank} of tensor-parallel size {manifest.tp_size}, but vLLM "

@@ -30,14 +30,14 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: oracle_cli
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: oracle_cli
 import stubs  # noqa: E402
 
 stubs.install()
 
 import sglang  # noqa: E402
 import torch  # noqa: E402
-from oracle_cli import layer_tensors, main, run_jobs, storage_bytes, view_record  # noqa: E402
+from oracle_cli import layer_tensors, main, storage_bytes, view_record  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from sglang.srt.configs.device_config import DeviceConfig  # noqa: E402
 from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
@@ -96,7 +96,7 @@ def patch() -> None:
 def nvfp4_layers(model):
     """``(prefix, layer)`` of every dense NVFP4 linear module (FusedMoE modules hold ``w13_*`` instead)."""
     for prefix, layer in model.named_modules():
-        names = set(layer_tensors(layer, aliases=True))
+        names = set(layer_tensors(layer))
         if names & {"weight_scale", "weight_scale_interleaved"} and "w13_weight" not in names:
             yield prefix, layer
 
@@ -108,7 +108,7 @@ def dump(model, out: Path, rank: int, backend: str) -> None:
         info = {"method": type(scheme or layer.quant_method).__name__, "backend": backend, "tensors": {}}
         info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
         seen: dict[tuple[int, int], str] = {}
-        for name, value in sorted(layer_tensors(layer, aliases=True).items()):
+        for name, value in sorted(layer_tensors(layer).items()):
             key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
             record = view_record(value)
             if key in seen:
@@ -153,16 +153,12 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
         dump(model, out, rank, fp4_utils.get_fp4_gemm_runner_backend().value)
 
 
-def run(jobs: list[str], tp: int, rank: int, out: Path) -> None:
-    patch()
-    try:
-        run_jobs(jobs, tp, rank, out, load)
-    finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+def cleanup() -> None:
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("SGLANG_LOGGING_LEVEL", "ERROR")
     with contextlib.suppress(BrokenPipeError):
-        sys.exit(main(__file__, run))
+        sys.exit(main(__file__, load, patch, cleanup))
