@@ -113,3 +113,11 @@ def test_inspect_and_targets_show_the_versions(tmp_path, capsys):
     assert all(layout["engines"] == BOTH for row in rows for layout in row["layouts"].values())
     code, text, _ = cli(capsys, "targets")
     assert code == 0 and "refuses hadamard-w4a4" in " ".join(text.split())
+
+
+def test_targets_names_sglang_where_it_has_layouts(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = cli(capsys, "targets")
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert code == 0 and set(rows) == {"sm100", "sm120", "sm90"}
+    assert ["sglang 0.5.23" in rows[name] for name in ("sm100", "sm120", "sm90")] == [True, True, False]

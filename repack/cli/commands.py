@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
-from ..targets.engines import ENGINES, engine_versions, resolve_version
+from ..targets.engines import ENGINES, SGLANG_0523, SGLANG_DENSE_BACKENDS, engine_versions, resolve_version
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
@@ -469,6 +469,8 @@ def targets(as_json: JsonOpt = False) -> None:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
         served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
                   for engine, versions in layout["engines"].items()}
+        if row["name"] in SGLANG_DENSE_BACKENDS:  # W4A4 with --engine sglang (docs/sglang.md)
+            served.add(f"sglang {SGLANG_0523.version} (W4A4, --engine sglang)")
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
                       row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
     stdout.print(table)
