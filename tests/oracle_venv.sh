@@ -9,7 +9,7 @@ build_venv() {
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
     rm -rf "$venv"
     python -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 -r "$requirements"
-    "$venv/bin/pip" install -q --no-deps "$package"
+    "$venv/bin/python" -m pip install -q torch==2.13.0 -r "$requirements"
+    "$venv/bin/python" -m pip install -q --no-deps "$package"
     echo "$want" > "$stamp"
 }
