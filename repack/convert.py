@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
     ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, expert_rescale_error,
-    layer_transforms, plan_layers, rescale_error, whole_piece,
+    largest_expert_scales, layer_transforms, plan_layers, rescale_error, whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -156,7 +156,7 @@ class _Writing:
         what this bundle queued before. ``last``: the tensors' last experts."""
         experts = tensors[0].experts
         nbytes = sum(t.nbytes for t in tensors) * stack.experts // (experts.experts[1] - experts.experts[0])
-        transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack,
+        transformed = self.transforms.submit(moe_layout(self.output.plan.target).to_runtime, stack,
                                              experts.prefix, [t.part for t in tensors])
         self.transformer.submit(nbytes, self._queue_experts, tensors, transformed, last)
 
@@ -170,7 +170,8 @@ class _Writing:
 
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
-        self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
+        kept = runtime.weight_multiplier  # Marlin holds the multiplier rescaled; the record keeps the source's
+        self.global_scales[layer.prefix] = float(runtime.weight_global_scale if kept is None else kept)
         values = runtime.tensors()
         for tensor in self.output.plan.units[layer.prefix]:
             value = values[tensor.part]
@@ -281,7 +282,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
 
 def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: dict[str, TensorRecord],
                 rescale_error: float | None) -> MoERecord:
-    layout, local = moe_layout(target.name), slice(*plan.experts)
+    layout, local = moe_layout(target), slice(*plan.experts)
     top_k = source.checkpoint.config.get("num_experts_per_tok")
     return MoERecord(
         module=plan.module, source=plan.prefix, layout_id=layout.LAYOUT_ID, backend=layout.BACKEND,
@@ -396,6 +397,9 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
                      for n in source.layers[names[0]].tensor_names)
     step = max(1, MOE_CHUNK_BYTES // per_expert)
     scales = [expert_input_scales(source, plan) for plan in plans]
+    layout = moe_layout(takers[0].output.plan.target)
+    largest = [largest_expert_scales(source, plan, step) if hasattr(layout, "largest_scales") else None
+               for plan in plans]  # Marlin: one scale factor per layer, from all of the rank's experts
     tensors = takers[0].output.plan.units[module]  # one layout: the same parts, in the same order, in every bundle
     weights = [i for i, t in enumerate(tensors) if t.part in MADE_FROM]  # the layouts list them before the scalars
     scalars = [i for i, t in enumerate(tensors) if t.part not in MADE_FROM]
@@ -404,15 +408,16 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
         for start in range(0, group.experts, step):
             # the chunk's source layers, each read once for every bundle (and dropped with the chunk)
             load = functools.cache(lambda prefix: source.load_layer(source.layers[prefix], reader.read))
-            for writing, plan, scale in zip(takers, plans, scales):
+            for writing, plan, scale, top in zip(takers, plans, scales, largest):
                 first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
                 if first < last:
-                    stack = assemble_experts(source, plan, load, (first, last), (field,), scale)
+                    stack = replace(assemble_experts(source, plan, load, (first, last), (field,), scale),
+                                    largest_scales=top)
                     writing.take_experts([writing.output.plan.units[module][index]], stack, last == plan.experts[1])
             if index == weights[0]:
                 report(per_expert * (min(start + step, group.experts) - start), module)
-    for writing, plan, scale in zip(takers, plans, scales):
-        stack = assemble_experts(source, plan, fields=("multipliers",), input_scales=scale)
+    for writing, plan, scale, top in zip(takers, plans, scales, largest):
+        stack = replace(assemble_experts(source, plan, fields=("multipliers",), input_scales=scale), largest_scales=top)
         writing.take_experts([writing.output.plan.units[module][i] for i in scalars], stack, True)
 
 
@@ -594,10 +599,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep)
-        if layer_plans[0].experts and targets[0].scheme != "W4A4":
-            moe_layout(targets[0].name)  # sm90's own refusal first
-            raise RepackError("--weight-only: NVFP4 MoE experts have no weight-only layout here (vLLM 0.33 serves "
-                              "a W4A4 MoE with FlashInfer's FP4 x FP4 kernels); convert without --weight-only")
+        if layer_plans[0].experts:
+            moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
@@ -631,7 +634,7 @@ def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
     if not groups:
         return
     for target in targets:
-        moe_layout(target.name)
+        moe_layout(target)
     raise RepackError(f"{source.checkpoint.root}: an NVFP4 MoE model ({len(groups)} FusedMoE layers): convert it with "
                       "--fuse or --tp N, which write vLLM's FusedMoE layers; unfused, each expert's gate/up/down would be "
                       "dense layers of their own, which no engine serves")

@@ -51,7 +51,8 @@ from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
-from .verify_moe import EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
+from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
+from .verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -403,10 +404,11 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
             check.fail(problem, "exactness")
             return check
         if layer is not None and planned.pieces == (whole_piece(layer),):
-            reference = src.load_layer(layer, map_tensor)  # the whole source layer (no fusion, no rank)
+            # the whole source layer (no fusion, no rank), as the layout's kernel reads it (Marlin: flushed scales)
+            reference = bundle.target.as_read(src.load_layer(layer, map_tensor))
             _check_exact(decoded, reference, prefix, check)
         else:
-            reference = assemble(src, planned)  # what the layer is meant to compute: with --rescale, rescaled
+            reference = bundle.target.as_read(assemble(src, planned))  # with --rescale, rescaled
             _check_exact(decoded, reference, prefix, check)
             if any(p.scale_ratio != 1.0 for p in planned.pieces):
                 _check_departure(src, planned, reference, record, check)
@@ -423,8 +425,8 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         output_parts = [(start, stop, matrices[t.matrix]) for t in record.transforms if t.location == "output"
                         for start, stop in record.output_rows(t)]
         # what the layer's activation quantizer multiplies by: QuTLASS's fixed scale where vLLM serves it so
-        activation_scale = None if input_scale is None else bundle.vllm_qutlass(prefix).get(
-            "fused_global_scale", input_scale.inverse)
+        activation_scale = None if input_scale is None or bundle.target.layout_key != W4A4_LAYOUT else (
+            bundle.vllm_qutlass(prefix).get("fused_global_scale", input_scale.inverse))  # Marlin: weight-only
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
                         loaded.backend == "reference", input_matrix, output_parts, activation_scale)
     return check
@@ -500,12 +502,13 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
         _bound_departure(check, module, expert_rescale_error(src, plan), record.rescale_error)
     if numerics:
         sampled = sorted({0, int(torch.randint(0, record.local_experts, (), generator=gen))})
-        errors = expert_numerics(src, plan, held, layout, sampled, gen, tokens=16, w4a4=True)
+        w4a4 = "w13_input_scale" in specs  # Marlin: weight-only experts
+        errors = expert_numerics(src, plan, held, layout, sampled, gen, tokens=16, w4a4=w4a4)
         check.max_rel_error = max(errors.values())
+        bound, kind = (EXPERT_W4A4_REL_ERROR, "FP4 x FP4") if w4a4 else (EXPERT_REL_ERROR, "weight-only")
         for name, error in errors.items():
-            if not error <= EXPERT_W4A4_REL_ERROR:
-                check.fail(f"{name}: relative error {error:.3g} of the FP4 x FP4 expert exceeds "
-                           f"{EXPERT_W4A4_REL_ERROR:g}", "numerics")
+            if not error <= bound:
+                check.fail(f"{name}: relative error {error:.3g} of the {kind} expert exceeds {bound:g}", "numerics")
     return check
 
 

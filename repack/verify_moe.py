@@ -8,11 +8,12 @@ A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as 
 
 from __future__ import annotations
 
-import torch
-
+from dataclasses import replace
 from types import ModuleType
 
-from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales
+import torch
+
+from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, largest_expert_scales
 from .formats import SourceModel
 from .nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
 
@@ -39,19 +40,24 @@ def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.T
     if wrong or missing:
         return missing + wrong
     scales = expert_input_scales(source, plan)
+    # Marlin: one scale factor per layer, from all of the rank's experts
+    largest = largest_expert_scales(source, plan, CHECK_EXPERTS) if hasattr(layout, "largest_scales") else None
     problems = []
     for start in range(first, last, CHECK_EXPERTS):
         chunk = (start, min(start + CHECK_EXPERTS, last))
         part = {name: held[name][chunk[0] - first: chunk[1] - first] for name in specs}
-        problems += _check_chunk(source, plan, chunk, part, layout, scales)
+        problems += _check_chunk(source, plan, chunk, part, layout, scales, largest)
     return problems
 
 
 def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], held: dict[str, torch.Tensor],
-                 layout: ModuleType, scales: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+                 layout: ModuleType, scales: tuple[torch.Tensor, torch.Tensor],
+                 largest: tuple[float, float] | None = None) -> list[str]:
     """:func:`check_experts` on global experts ``[chunk)``, whose rows of the layer's tensors are ``held``."""
-    source_stack = assemble_experts(source, plan, chunk=chunk, input_scales=scales)
+    source_stack = replace(assemble_experts(source, plan, chunk=chunk, input_scales=scales), largest_scales=largest)
     expected = layout.to_runtime(source_stack, plan.prefix)
+    if hasattr(layout, "read_as"):  # the experts as the layout's kernel reads them (Marlin: flushed scales)
+        source_stack = layout.read_as(source_stack)
     group, inter, offset = plan.group, plan.intermediate, chunk[0] - plan.experts[0]
     ours = layout.from_runtime(held, group.hidden, inter)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
@@ -111,7 +117,10 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
         for which, projs in (("w13", ("gate", "up")), ("w2", ("down",))):
             codes, scales = layout.decode_expert(held, e, which, group.hidden, inter)
             ours = dequantize(NVFP4Weight(codes, scales, torch.ones(1)), torch.float64)
-            alpha, a_scale = held[f"{which}_weight_scale_2"][e], held[f"{which}_input_scale"][e]
+            if hasattr(layout, "expert_multiplier"):  # weight-only layouts without input scales (Marlin)
+                alpha, a_scale = layout.expert_multiplier(held, e, which), torch.ones((), dtype=torch.float64)
+            else:
+                alpha, a_scale = held[f"{which}_weight_scale_2"][e], held[f"{which}_input_scale"][e]
             ref_codes = getattr(source_stack, f"{which}_codes")[0]
             ref_scales = getattr(source_stack, f"{which}_scales")[0]
             own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)

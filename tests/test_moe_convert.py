@@ -223,9 +223,8 @@ def test_the_ranks_of_one_output_share_each_read_of_an_expert(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("name,args,code,message", [
-    ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there yet"),
-    ("modelopt_moe_nvfp4", ["-t", "sm100", "--fuse", "--weight-only"], 1,
-     "Error: --weight-only: NVFP4 MoE experts have no weight-only layout here"),
+    ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there"),
+    ("ct_moe_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: NVFP4 MoE layers are not supported there"),
     ("ct_moe_nvfp4a16", ["-t", "sm120", "--tp", "2"], 1, "Error: NVFP4A16 MoE (weight-only experts) is not supported"),
     ("ct_moe_i48_nvfp4", ["-t", "sm120", "--fuse"], 1, "needs 2 x intermediate size per rank a multiple of 128"),
     ("ct_moe_nvfp4", ["-t", "sm100", "--fuse", "--ep"], 2, "--ep places whole experts on tensor-parallel ranks"),

@@ -366,7 +366,8 @@ def targets(as_json: JsonOpt = False) -> None:
     """List the target GPU families, their aliases, GPUs, runtime backends and layouts.
 
     A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
-    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint.
+    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint,
+    and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps its activation scalars unused).
     """
     rows = [
         {
@@ -385,12 +386,13 @@ def targets(as_json: JsonOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "GPUs"):
+    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "vLLM kernel", "GPUs"):
         table.add_column(column)
     for row in rows:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
+        kernels = dict.fromkeys(layout["kernels"][0] for layout in row["layouts"].values())  # auto's, per scheme
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, row["description"])
+                      row["backend"], row["layout_id"], w4a4, " / ".join(kernels), row["description"])
     stdout.print(table)
 
 
