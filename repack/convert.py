@@ -32,9 +32,10 @@ from .bundle.manifest import (
     TensorRecord, TransformRecord, read_output_record,
 )
 from .bundle.plan import INDEX_NAME, BundlePlan, PlannedTensor, parse_size, plan_bundle
-from .bundle.resume import Journal, find_resumable, source_identity
+from .bundle.resume import Journal, Resumable, find_resumable, source_identity
 from .bundle.writer import (
-    ShardWriter, check_destination, recover_interrupted, remove_stale, staged_folder, write_json, write_output_record,
+    ShardWriter, check_destination, clash_with_input, folder_bytes, recover_interrupted, remove_stale, staged_folder,
+    write_json, write_output_record,
 )
 from .errors import Interrupted, RepackError
 from .formats import SourceModel, read_source
@@ -47,7 +48,10 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
+from .targets.families import W4A4_LAYOUT_ID
+from .targets.engines import HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
+from .targets.w4a4 import runs_humming
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -74,8 +78,18 @@ class OutputBundle:
 
     out: Path
     plan: BundlePlan
-    folder: str = ""  # inside ``out``: rank-R of a --tp conversion, whose ranks are staged (and installed) together
+    folder: str = ""  # inside ``out``: rank-R of a --tp conversion, or <target> of several, staged (and installed) together
     rescale_errors: dict[str, float] = field(default_factory=dict)  # layer -> relative L2 error --rescale added
+    engines: dict[str, list[str]] = field(default_factory=dict)  # the manifest's engine versions (targets/engines.py)
+
+    @property
+    def rank(self) -> bool:
+        """One rank of a --tp conversion: its ranks are kept or dropped together (--resume does not cover them)."""
+        return self.plan.layers.tp_size > 1
+
+    @property
+    def path(self) -> Path:
+        return self.out / self.folder if self.folder else self.out
 
 
 def bundle_config(config: dict, target: Target, layers: LayerPlan) -> dict:
@@ -277,6 +291,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
         scheme=plan.target.scheme,
         kernels=list(plan.target.kernels),
         moe=moe,
+        engines=writing.output.engines,
     )
 
 
@@ -304,10 +319,10 @@ def _kept(writings: list[_Writing]) -> list[tuple[Path, Path | None, int, int]]:
     kept: dict[Path, tuple[Path, Path | None, int, int]] = {}
     for w in writings:
         out, done, total = w.output.out, len(w.journal.kept_now()), len(w.output.plan.shards)
-        if w.output.folder:
+        if w.output.rank:
             kept[out] = (out, None, 0, total + (kept[out][3] if out in kept else 0))
         else:
-            kept[out] = (out, w.staging, done, total)
+            kept[w.output.path] = (w.output.path, w.staging, done, total)
     return list(kept.values())
 
 
@@ -432,10 +447,11 @@ def convert_bundles(
     notify: Notice | None = None,
 ) -> list[ConvertSummary]:
     """Write every bundle of ``outputs`` in one pass over ``source``; each destination is all-or-nothing on its
-    own (the ``folder``s of one ``out``, a --tp conversion's ranks, are staged and installed together).
+    own (the ``folder``s of one ``out``, a --tp conversion's ranks or several targets, are staged and installed
+    together, with the output's record of them).
 
     ``resume``: reuse the staging folder an interrupted convert to the same destination left, keeping the
-    shards its journal records (when the source and plan are the same and each file still hashes as
+    shards its journals record (when the source and plan are the same and each file still hashes as
     recorded); everything else is written again, so the result is byte-identical to an uninterrupted run.
     ``fsync`` False: publish without waiting for the disk (see ``bundle/writer.py`` for what that gives up).
     What interrupted converts to the destinations left (hidden staging folders) is removed, but for the one a
@@ -443,33 +459,39 @@ def convert_bundles(
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
-    destinations = list(dict.fromkeys(output.out for output in outputs))
-    for out in destinations:
+    groups: dict[Path, list[OutputBundle]] = {}
+    for output in outputs:
+        groups.setdefault(output.out, []).append(output)
+    for out, group in groups.items():
         recover_interrupted(out)  # a replace killed between its two renames left OUT missing
         check_destination(out, overwrite, protected=[source.checkpoint.root])
-        if resume and any(output.folder for output in outputs if output.out == out):
+        if resume and any(output.rank for output in group):
             raise RepackError(f"{out}: --resume is not supported for tensor-parallel (--tp) conversions")
     identity = source_identity(source.checkpoint)
-    reused = {out: find_resumable(out, next(o.plan for o in outputs if o.out == out), identity) if resume else None
-              for out in destinations}
-    remove_leftovers({out: journal and journal.folder for out, journal in reused.items()}, resume, notify)
+    reused = {out: find_resumable(out, {o.folder: o.plan for o in group}, identity) if resume else None
+              for out, group in groups.items()}
+    remove_leftovers({out: resumable and resumable.folder for out, resumable in reused.items()},
+                     "--resume found no finished shard of this run's plan and source in them" if resume else
+                     "a run with --resume would have continued from them", notify)
     with ExitStack() as stack:
         reader = HashingReader(source.checkpoint)
         stack.callback(reader.close)
         transforms = ThreadPoolExecutor(min(os.cpu_count() or 1, 2 * len(outputs)))  # each output has <= 2 in flight
         stack.callback(transforms.shutdown, wait=True, cancel_futures=True)
         writings: list[_Writing] = []
+        roots: dict[Path, Path] = {}
         try:
-            for out in destinations:
-                group = [output for output in outputs if output.out == out]
-                ranked = any(output.folder for output in group)
+            for out, group in groups.items():
                 reuse = reused[out]
-                root = stack.enter_context(staged_folder(out, overwrite, reuse=reuse and reuse.folder,
-                                                         keep_interrupted=not ranked, fsync=fsync))
+                roots[out] = root = stack.enter_context(staged_folder(
+                    out, overwrite, reuse=reuse and reuse.folder, keep_interrupted=not group[0].rank, fsync=fsync))
+                if reuse is not None and group[0].folder:
+                    _drop_members(root, group, reuse, notify)
                 for output in group:
                     staging = root / output.folder
                     staging.mkdir(exist_ok=True)
-                    journal = reuse or Journal.start(staging, output.plan, identity)
+                    journal = ((reuse and reuse.journals.get(output.folder))
+                               or Journal.start(staging, output.plan, identity))
                     writings.append(_Writing(output, staging, journal, transforms, fsync))
                     stack.callback(writings[-1].close)
             with one_torch_thread():
@@ -479,11 +501,11 @@ def convert_bundles(
             source_files = reader.digests()
             for writing in writings:
                 _finish(source, writing, source_files)
-            for writing in writings:
-                if writing.output.folder == rank_folder(0):
-                    _serve_from_root(source, writing.staging)
-                    write_output_record(writing.staging.parent, [w.output.folder for w in writings
-                                                                 if w.output.out == writing.output.out])
+            for out, group in groups.items():
+                if group[0].folder:  # several bundles in one output: --tp ranks, or targets
+                    if group[0].rank:
+                        _serve_from_root(source, roots[out] / rank_folder(0))
+                    write_output_record(roots[out], [output.folder for output in group])
         except KeyboardInterrupt:  # finish the writes already queued (bounded by LANE_BYTES), keep them for a resume
             for writing in writings:
                 writing.drain()
@@ -493,27 +515,39 @@ def convert_bundles(
     bytes_in = sum(e.nbytes for e in source.checkpoint.tensors.values())
     seconds = time.perf_counter() - started
     return [
-        ConvertSummary(out=w.output.out, target=w.output.plan.target.name, layers=len(w.output.plan.layers.layers),
+        ConvertSummary(out=w.output.out if w.output.rank else w.output.path, target=w.output.plan.target.name, layers=len(w.output.plan.layers.layers),
                        moe_layers=len(w.output.plan.layers.experts),
                        passthrough=sum(bool(t.source_name) for parts in w.output.plan.units.values() for t in parts),
                        bytes_in=bytes_in, bytes_out=w.output.plan.total_bytes,
                        seconds=seconds, kept_shards=len(w.journal.kept),
-                       bundles=[str(w.output.out / w.output.folder) if w.output.folder else str(w.output.out)])
+                       bundles=[str(w.output.path)])
         for w in writings
     ]
 
 
-def remove_leftovers(outs: dict[Path, Path | None], resume: bool, notify: Notice | None) -> None:
+def remove_leftovers(outs: dict[Path, Path | None], why: str, notify: Notice | None) -> None:
     """Remove the hidden folders interrupted converts to each ``out`` left (but the one a resume continues, its
-    value), and say so in one line."""
+    value), and say so in one line, with ``why``."""
     removed = {out: remove_stale(out, keep) for out, keep in outs.items()}
     names = [str(out) for out, (folders, _) in removed.items() if folders]
     if names and notify is not None:
         folders, nbytes = (sum(r[i] for r in removed.values()) for i in (0, 1))
-        why = ("nothing in them matches this run's plan and source" if resume else
-               "a run with --resume would have continued from them")
         notify(f"{', '.join(names)}: removed {folders} hidden folder(s) that interrupted converts left "
                f"({nbytes / 1e6:.1f} MB); {why}")
+
+
+def _drop_members(root: Path, group: list[OutputBundle], reuse: Resumable, notify: Notice | None) -> None:
+    """In the staging folder of several targets that a resume continues: remove the bundle folders of targets this
+    run does not write (saying so in one line) and empty those whose journal does not match (written afresh)."""
+    wanted = {output.folder for output in group}
+    others = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and p.name not in wanted)
+    nbytes = sum(folder_bytes(p) for p in others)
+    for folder in others + [root / f for f in sorted(wanted - set(reuse.journals)) if (root / f).is_dir()]:
+        shutil.rmtree(folder)
+    if others and notify is not None:
+        names = ", ".join(p.name for p in others)
+        notify(f"{group[0].out}: removed what the interrupted convert left for {names} ({nbytes / 1e6:.1f} MB); "
+               f"this run does not write {names}")
 
 
 def resolve_targets(names: str | Sequence[str]) -> list[Target]:
@@ -536,6 +570,7 @@ def convert(
     rescale: bool = False,
     weight_only: bool = False,
     ep: bool = False,
+    vllm: str | None = None,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -544,7 +579,8 @@ def convert(
 
     One target family (a name, or names that are aliases of one family): ``out`` is the bundle, and one summary
     is returned. Several families (``all`` for every one): one pass writes ``out/<target>`` for each, and a list
-    of summaries is returned.
+    of summaries is returned; a new ``out`` is staged whole (it appears with every bundle, or not at all), an
+    existing one gets each bundle beside those it holds.
 
     ``fsync`` False: bundles are published without waiting for the disk: faster where the disk is slow, for
     CI jobs that rerun a failed step; a kill still leaves each bundle whole or absent, a machine crash may not.
@@ -560,8 +596,11 @@ def convert(
     The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
     sm120; sm90 is weight-only for every checkpoint), a weight-only
     one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
-    W4A4 layouts existed.
+    W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
+    supported); the manifest lists every supported version whose state after loading is the bundle's
+    (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
     """
+    engine = resolve_version("vllm", vllm)
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -577,11 +616,11 @@ def convert(
     source = read_source(model, revision=revision)
     if not single:
         _check_root(out, protected=source.checkpoint.root)
-    created = _make_folders(out if not single else out.parent)
+    created = _make_folders(out.parent)
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -589,12 +628,18 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, ep: bool, progress: Progress | None, on_plan: Callable | None,
-             notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
-    """:func:`convert` once ``out`` (several targets) or its parent exists."""
+             rescale: bool, weight_only: bool, ep: bool, engine: EngineVersion, progress: Progress | None,
+             on_plan: Callable | None, notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
+    """:func:`convert` once ``out``'s parent exists. Several targets into a new ``out`` are staged together, as a
+    --tp conversion's ranks are (``out`` appears whole, or a hidden staging folder is left); into an existing
+    ``out`` (it holds earlier bundles), each is staged and installed inside it on its own."""
     written = {t.name for t in targets}
-    if not single:  # the targets of an interrupted earlier run that this one does not write
-        remove_leftovers({out / f.name: None for f in FAMILIES if f.name not in written}, False, notify)
+    inside = not single and (out.exists() or out.is_symlink())
+    if inside:  # what interrupted runs left: the targets this one does not write, a staging of OUT while it was new
+        remove_leftovers({out / f.name: None for f in FAMILIES if f.name not in written},
+                         "this run does not write that target", notify)
+        remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
+                         notify)
     targets = [t.for_scheme(served_scheme(source, weight_only)) for t in targets]
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
@@ -606,8 +651,10 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     else:
         _refuse_unfused_moe(source, targets)
         layers = plan_layers(source, input_scales=input_scales)[0]
-        outputs = [OutputBundle(out if single else out / t.name, plan_bundle(source, t, layers, max_shard_size))
-                   for t in targets]
+        outputs = [OutputBundle(out / t.name if inside else out, plan_bundle(source, t, layers, max_shard_size),
+                                "" if single or inside else t.name) for t in targets]
+    outputs = [replace(output, engines=bundle_engines(engine, _layout_ids(output.plan), _features(source, output.plan)))
+               for output in outputs]  # a version's refusal before anything is written
     if on_plan is not None:
         on_plan(source, outputs)
     outputs = [replace(output, rescale_errors=_rescale_errors(source, output.plan)) for output in outputs]
@@ -617,14 +664,33 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
             rescaled[prefix] = max(rescaled.get(prefix, 0.0), error)
     summaries = convert_bundles(source, outputs, overwrite=overwrite, resume=resume, fsync=fsync, progress=progress,
                                 notify=notify)
-    if not single:
+    if inside:  # the record names the earlier bundles still there too
         recorded = read_output_record(out) or []
         write_output_record(out, [f.name for f in FAMILIES if f.name in written or (
             f.name in recorded and (out / f.name / MANIFEST_NAME).is_file())], fsync)
+    if not single:
         return summaries
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _layout_ids(plan: BundlePlan) -> list[str]:
+    """The layouts a bundle holds: its dense layers' and its FusedMoE layers'."""
+    return [plan.target.layout_id] + ([moe_layout(plan.target).LAYOUT_ID] if plan.layers.experts else [])
+
+
+def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
+    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer that vLLM 0.34 serves
+    through Humming's Hadamard kernel (its own layout; Marlin's W4A4 variant is served weight-only)."""
+    if plan.target.layout_id != W4A4_LAYOUT_ID:
+        return []
+    for layer in plan.layers.layers.values():
+        placed = layer_transforms(source.transforms, layer)
+        inputs = [(t.matrix.type, None if t.matrix.whole else t.matrix.size) for t in placed if t.location == "input"]
+        if runs_humming(inputs, sum(t.location == "output" for t in placed)):
+            return [HADAMARD_W4A4]
+    return []
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
@@ -660,8 +726,9 @@ def _check_root(out: Path, protected: Path) -> None:
     """The folder that holds one bundle per target: never a bundle itself, nor the input."""
     if (out / MANIFEST_NAME).is_file():
         raise RepackError(f"{out}: is a bundle; several targets are written to <out>/<target>, choose another output")
-    if out.resolve() == protected.resolve() or protected.resolve().is_relative_to(out.resolve()):
-        raise RepackError(f"{out}: the output folder would replace the input {protected}; choose another output")
+    clash = clash_with_input(out, protected)
+    if clash:
+        raise RepackError(clash)
     if out.exists() and not out.is_dir():
         raise RepackError(f"{out}: exists and is not a folder")
 

@@ -129,6 +129,23 @@ def dequantize(weight: NVFP4Weight, dtype: torch.dtype = torch.float64) -> torch
     return values.view(n, k)
 
 
+REFERENCE_ELEMENTS = 1 << 20  # weights dequantized at a time by dequantized_products (8 MB of float64)
+
+
+def dequantized_products(x: torch.Tensor, weight: NVFP4Weight) -> torch.Tensor:
+    """float64 ``x @ dequantize(weight).T``, dequantizing ``REFERENCE_ELEMENTS`` weights at a time: memory stays at
+    one block of rows plus the output, where the whole float64 matrix of a large layer takes gigabytes (verify
+    checks two at once). Every output element is the same single GEMM's as with the whole matrix."""
+    x = x.to(torch.float64)
+    out = torch.empty(x.shape[0], weight.n, dtype=torch.float64, device=x.device)
+    step = max(1, REFERENCE_ELEMENTS // weight.k)
+    for start in range(0, weight.n, step):
+        rows = slice(start, start + step)
+        block = dequantize(NVFP4Weight(weight.codes[rows], weight.block_scales[rows], weight.multiplier))
+        out[:, rows] = x @ block.t()
+    return out
+
+
 def dequantize_activations(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """float64 ``[M, K]``: ``e2m1(code) * block_scale / global_scale`` of quantized activations, exactly what an
     FP4 x FP4 GEMM with alpha multiplies them as (``global_scale``: the quantizer's, ``input_global_scale_inv``)."""

@@ -23,11 +23,13 @@ weight or scale, or a misplaced tile, gives errors of order 1.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -43,16 +45,17 @@ from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
 from .formats.hashing import file_hexdigest, new_digest
 from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, kept_scales
-from .formats.safetensors_io import DTYPE_NAMES, DTYPES, map_tensor, tensor_bytes
+from .formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, map_chunks, map_tensor, read_rows, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
-from .nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
+from .nvfp4 import (BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_activations, dequantized_products,
+                    quantize_activations)
 from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
 from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
-from .verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
+from .verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, expert_findings, expert_numerics, scalar_names
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -61,7 +64,6 @@ PARALLEL_WEIGHT_BYTES = 128 << 20  # ... while their weights are at most this to
 # four copies of its weights (source, bundle, decode, temporaries), so two of the largest layers (Llama-405B's MLP:
 # 436 MB each) would take gigabytes; one at a time then
 BATCH_SIZES = (1, 7, 32)
-REFERENCE_ELEMENTS = 1 << 20  # weights the float64 reference dequantizes at a time (8 MB, whatever K is)
 
 
 CHECK_KINDS = ("integrity", "layout", "exactness", "numerics")  # what a failure is about, for the summary
@@ -75,6 +77,7 @@ class TensorCheck:
     max_rel_error: float | None = None
     kinds: list[str] = field(default_factory=list)  # the CHECK_KINDS entry of each of ``errors``
     rescale_error: float | None = None  # a --rescale layer: its relative L2 departure from the unfused source
+    numerics_experts: int | None = None  # a FusedMoE layer: how many of its experts' numerics ran
 
     def fail(self, message: str, kind: str = "integrity") -> None:
         self.status = "fail"
@@ -103,6 +106,8 @@ class VerifyReport:
     passthrough: list[TensorCheck]
     transforms: list[TensorCheck] = field(default_factory=list)
     numerics_layers: int = 0  # layers whose numerics were checked (all, or a sample: see numerics_sample)
+    experts: int = 0  # routed experts the FusedMoE layers hold (exactness covers each)
+    numerics_experts: int = 0  # ... of which numerics ran on (all, or a sample: see numerics_experts)
 
     @property
     def passed(self) -> bool:
@@ -134,12 +139,12 @@ def _check_file(folder: Path, name: str, digest: str, algorithm: str) -> TensorC
     return check
 
 
-def _checked_tensor(
+def _checked_entry(
     bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None
-) -> torch.Tensor | None:
-    """Header dtype/shape against the manifest (and the layout, if ``expected``), then the data, read once and
-    hashed in memory; the tensor when everything matches, else None with the failure recorded. A tensor whose
-    file is missing is skipped: the file's own check reports that once, not once per tensor."""
+) -> TensorEntry | None:
+    """Header dtype/shape against the manifest (and the layout, if ``expected``); the tensor's entry when they
+    match, else None with the failure recorded. A tensor whose file is missing is skipped: the file's own check
+    reports that once, not once per tensor."""
     record = bundle.manifest.all_tensors[name]
     if not (bundle.root / record.file).exists():
         check.status = "skipped" if check.status == "ok" else check.status
@@ -155,13 +160,39 @@ def _checked_tensor(
     if expected is not None and (record.dtype, record.shape) != expected:
         check.fail(f"{name}: {record.dtype} {record.shape} is not the {bundle.target.name} layout {expected}", "layout")
         return None
-    tensor = map_tensor(entry)
+    return entry
+
+
+def _digest_matches(bundle: Bundle, name: str, chunks, check: TensorCheck) -> bool:
+    """Whether the tensor's bytes (``chunks``) hash to the manifest's digest; the failure recorded if not."""
     digest = new_digest(bundle.manifest.tensor_digest)
-    digest.update(tensor_bytes(tensor))
-    if digest.hexdigest() != record.digest:
+    for chunk in chunks:
+        digest.update(chunk)
+    if digest.hexdigest() != bundle.manifest.all_tensors[name].digest:
         check.fail(f"{name}: {bundle.manifest.tensor_digest} digest differs from the manifest")
+        return False
+    return True
+
+
+def _checked_tensor(
+    bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None
+) -> torch.Tensor | None:
+    """:func:`_checked_entry`, then the data, read once (mapped) and hashed in memory; the tensor when everything
+    matches, else None with the failure recorded."""
+    entry = _checked_entry(bundle, name, check, expected)
+    if entry is None:
         return None
-    return tensor
+    tensor = map_tensor(entry)
+    return tensor if _digest_matches(bundle, name, [tensor_bytes(tensor)], check) else None
+
+
+def _checked_streamed(
+    bundle: Bundle, name: str, check: TensorCheck, expected: tuple[str, list[int]] | None = None
+) -> TensorEntry | None:
+    """:func:`_checked_entry`, then the data hashed a mapped chunk at a time (memory holds one chunk, whatever the
+    tensor's size: a FusedMoE layer's tensors are gigabytes); the entry, for reading parts of it, when it matches."""
+    entry = _checked_entry(bundle, name, check, expected)
+    return entry if entry is not None and _digest_matches(bundle, name, map_chunks(entry), check) else None
 
 
 def _checked_runtime_layer(bundle: Bundle, prefix: str, check: TensorCheck) -> RuntimeLayer | None:
@@ -198,26 +229,22 @@ def _check_exact(decoded: NVFP4Weight, original: NVFP4Weight, prefix: str, check
 
 
 def _reference_products(weight: NVFP4Weight, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``x @ dequant(weight).T`` in float64 for each ``x``, dequantizing ``REFERENCE_ELEMENTS`` weights at a time:
-    memory stays at one block, where the whole float64 matrix of a large layer took gigabytes. All ``xs`` go
-    through each block in one GEMM (one pass over it)."""
-    x = torch.cat(xs)
-    out = torch.empty(x.shape[0], weight.n, dtype=torch.float64)
-    step = max(1, REFERENCE_ELEMENTS // weight.k)
-    for start in range(0, weight.n, step):
-        rows = slice(start, start + step)
-        block = dequantize(NVFP4Weight(weight.codes[rows], weight.block_scales[rows], weight.multiplier), torch.float64)
-        out[:, rows] = x @ block.t()
-    return list(out.split([len(x) for x in xs]))
+    """``x @ dequant(weight).T`` in float64 for each ``x``, all of them through each block of weights in one GEMM
+    (``dequantized_products``: memory stays at one block, whatever the layer's size)."""
+    return list(dequantized_products(torch.cat(xs), weight).split([len(x) for x in xs]))
 
 
-def w4a4_products(x: torch.Tensor, weight: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """float64 ``x @ weight.T`` of bf16 ``x`` quantized as the W4A4 kernels quantize it (``quantize_activations``).
+def w4a4_products(x: torch.Tensor, weight: NVFP4Weight | torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ weight.T`` of bf16 ``x`` quantized as the W4A4 kernels quantize it (``quantize_activations``);
+    ``weight`` dequantized a block at a time (``dequantized_products``), or already a float64 matrix.
 
     Not ``w4a4_reference``'s float64 definition of the quantizer: with calibrated scales (``input_scale =
     amax / 2688`` of a bf16 ``amax``) ``gs * amax / 6`` lands on exact e4m3 ties for many blocks, where the kernel's
     float32 arithmetic and the definition round apart by a whole scale step (a percent of a layer's output)."""
-    return dequantize_activations(*quantize_activations(x, global_scale), global_scale) @ weight.t()
+    activations = dequantize_activations(*quantize_activations(x, global_scale), global_scale)
+    if isinstance(weight, NVFP4Weight):
+        return dequantized_products(activations, weight)
+    return activations @ weight.t()
 
 
 def _block64(value: torch.Tensor, matrix: torch.Tensor | None) -> torch.Tensor:
@@ -269,7 +296,6 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
     worst = 0.0
     inputs = [_block64(x.to(torch.float64), input_matrix) for x in xs]
     if activation_scale is not None:
-        weight = dequantize(reference)
         # the kernels quantize bf16 activations rotated by the matrix as the server holds it, the source's rounded to
         # the model dtype: the float64 matrix would round apart from it at e2m1 boundaries, a whole code step each
         # (1-2% of a layer's output for blocks whose sqrt is not exact)
@@ -277,7 +303,7 @@ def _check_numerics(layer: torch.nn.Module, device: torch.device, prefix: str, r
         if held is not None:
             held = held.to(layer.input_transform.dtype).to(torch.float64)
         rotated = [_block64(x.to(torch.float64), held) for x in xs]
-        products = [w4a4_products(r.to(torch.bfloat16), weight, activation_scale) for r in rotated]
+        products = [w4a4_products(r.to(torch.bfloat16), reference, activation_scale) for r in rotated]
     else:
         products = _reference_products(reference, inputs)
     refs = [rows_transform(r, output_parts) for r in products]
@@ -393,6 +419,11 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         return check
     decoded = bundle.target.from_runtime(runtime, record.n, record.k)
     reference = decoded
+    kept = runtime.weight_multiplier  # Marlin holds the multiplier folded; the record (and the bundle) keep the source's
+    held_scale = float((runtime.weight_global_scale if kept is None else kept).reshape(()))
+    if record.global_scale != held_scale:  # inspect shows the record's: it must be the tensor's
+        check.fail(f"{prefix}: the manifest's global_scale {record.global_scale:.8g} is not the layer's "
+                   f"weight_global_scale {held_scale:.8g}")
     input_scale = decoded.input_scale
     if input_scale is not None and not _same_bits(runtime.alpha, input_scale.scale * decoded.multiplier.reshape(())):
         check.fail(f"{prefix}: alpha is not input_global_scale * weight_global_scale", "exactness")
@@ -476,17 +507,21 @@ def expert_plan(record: MoERecord, groups: dict[str, ExpertGroup]) -> tuple[Expe
 
 
 def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dict[str, ExpertGroup],
-               numerics: bool, gen: torch.Generator) -> TensorCheck:
-    """One FusedMoE layer: integrity and layout of its tensors; with the source, every expert exact
-    (``check_experts``: codes, block scales, folded scalars, padding) and, if ``numerics``, two sampled experts
-    computed as the FP4 x FP4 MoE GEMMs do against the float64 source (``expert_numerics``)."""
+               numerics: str, gen: torch.Generator) -> TensorCheck:
+    """One FusedMoE layer: integrity and layout of its tensors (hashed a chunk at a time); the record's fields
+    against the layout and the bundle's config; with the source, every expert exact (``expert_findings``: folded
+    scalars and gate against up for every expert, codes, block scales and padding a chunk of experts at a time),
+    then numerics (``expert_numerics``: computed as the FP4 x FP4 MoE GEMMs do against the float64 source) on the
+    experts :func:`numerics_experts` picks for ``numerics`` (``all``, ``sample`` or ``odd``)."""
     record = bundle.manifest.moe[module]
     layout = bundle.moe_layout
     check = TensorCheck(module)
+    for problem in _moe_record_problems(bundle, record, layout):
+        check.fail(problem)
     specs = layout.runtime_specs(record.local_experts, record.hidden, record.intermediate)
-    held = {name: _checked_tensor(bundle, f"{module}.{name}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
-            for name, spec in specs.items()}
-    if any(t is None for t in held.values()) or src is None:
+    entries = {name: _checked_streamed(bundle, f"{module}.{name}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
+               for name, spec in specs.items()}
+    if any(e is None for e in entries.values()) or src is None:
         return check
     plan, problem = expert_plan(record, groups)
     if plan is None:
@@ -496,20 +531,51 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
         check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
     for name in sorted(set(kept_scales(src, plan.group, plan.experts)) - set(bundle.manifest.passthrough)):
         check.fail(f"{name}: missing from the bundle (vLLM keeps it on {module} as loaded)", "exactness")
-    for problem in check_experts(src, plan, held, layout):
+    scalars = {name: read_rows(entries[name], 0, record.local_experts) for name in scalar_names(layout)}
+
+    def rows(name: str, first: int, last: int) -> torch.Tensor:  # the scalars in memory, the weights read as needed
+        return scalars[name][first:last] if name in scalars else read_rows(entries[name], first, last)
+
+    findings = expert_findings(src, plan, rows, layout)
+    for problem in findings.problems:
         check.fail(problem, "exactness")
     if plan.rescale:  # --rescale: exactness and numerics were against the rescaled experts
         _bound_departure(check, module, expert_rescale_error(src, plan), record.rescale_error)
-    if numerics:
-        sampled = sorted({0, int(torch.randint(0, record.local_experts, (), generator=gen))})
+    experts = numerics_experts(record.local_experts, findings.odd, numerics, gen)
+    check.numerics_experts = len(experts)
+    if experts:
         w4a4 = "w13_input_scale" in specs  # Marlin: weight-only experts
-        errors = expert_numerics(src, plan, held, layout, sampled, gen, tokens=16, w4a4=w4a4)
+        errors = expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=w4a4)
         check.max_rel_error = max(errors.values())
         bound, kind = (EXPERT_W4A4_REL_ERROR, "FP4 x FP4") if w4a4 else (EXPERT_REL_ERROR, "weight-only")
         for name, error in errors.items():
             if not error <= bound:
                 check.fail(f"{name}: relative error {error:.3g} of the {kind} expert exceeds {bound:g}", "numerics")
     return check
+
+
+def numerics_experts(experts: int, odd: set[int], numerics: str, gen: torch.Generator) -> list[int]:
+    """The local experts of one FusedMoE layer whose numerics run: ``all`` of them; a ``sample``: the first, one
+    more drawn from ``gen`` and every ``odd`` one (scalars other than the source's, gate and up multipliers that
+    differ); ``odd``: those alone (a layer outside the sample). Exactness covers every expert whatever this says."""
+    if numerics == "all":
+        return list(range(experts))
+    drawn = {0, int(torch.randint(0, experts, (), generator=gen))} if numerics == "sample" else set()
+    return sorted(drawn | odd)
+
+
+def _moe_record_problems(bundle: Bundle, record: MoERecord, layout: ModuleType) -> list[str]:
+    """The record's fields that describe what the layer holds (``inspect`` shows them), against the layout's and
+    the bundle's config.json: a manifest edited after convert must not pass."""
+    problems = []
+    if (record.backend, record.kernels) != (layout.BACKEND, list(layout.KERNELS)):
+        problems.append(f"{record.module}: backend {record.backend} / kernels {record.kernels} are not the "
+                        f"{layout.LAYOUT_ID} layout's {layout.BACKEND} / {list(layout.KERNELS)}")
+    top_k = bundle.config.get("num_experts_per_tok")
+    top_k = top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None
+    if record.top_k != top_k:
+        problems.append(f"{record.module}: top_k {record.top_k} is not config.json's num_experts_per_tok {top_k}")
+    return problems
 
 
 def _check_passthrough(bundle: Bundle, name: str, src: SourceModel | None) -> TensorCheck:
@@ -527,6 +593,15 @@ def layer_seed(seed: int, index: int) -> int:
     """The seed of layer ``index``'s activations: its own generator, so that a run's draws do not depend on which
     layer a thread checked first (``seed`` reproduces a run)."""
     return (seed * 1_000_003 + index) % 2**63
+
+
+def manifest_seed(roots: list[Path]) -> int:
+    """The activation seed when none is given: derived from the bundles' manifest bytes, so that the same bundle
+    gets the same draws, the same sample and the same verdict on every run (a CI gate), and another bundle others."""
+    digest = hashlib.sha256()
+    for root in roots:
+        digest.update((Path(root) / MANIFEST_NAME).read_bytes())
+    return int.from_bytes(digest.digest()[:4], "little") % 2**31
 
 
 def _collect(checking: deque[tuple[str, Future, int]], tick: Callable[[str], None]) -> TensorCheck:
@@ -560,14 +635,15 @@ def verify_bundle(
     src = _given_source(bundle, source, no_source)
     if numerics not in ("auto", "all", "sample"):
         raise RepackError(f"numerics {numerics!r}: expected auto, all or sample")
-    seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
+    seed = seed if seed is not None else manifest_seed([bundle.root])
     gen = torch.Generator().manual_seed(seed)
     sampled = numerics == "sample" or (numerics == "auto" and loaded.backend == "reference")
     chosen = numerics_sample(bundle.manifest.layers, gen) if sampled else set(bundle.manifest.layers)
-    moe = bundle.manifest.moe  # numerics need the source (and sample two experts of each layer checked)
-    moe_chosen = set() if src is None else _first_of_each(
-        {m: (r.local_experts, r.hidden, r.intermediate) for m, r in moe.items()}, gen) if sampled else set(moe)
-    sampled_moe = moe_chosen.__contains__
+    moe = bundle.manifest.moe  # numerics need the source; every expert with all, else a sample (see _check_moe)
+    moe_chosen = _first_of_each({m: (r.local_experts, r.hidden, r.intermediate) for m, r in moe.items()}, gen)
+
+    def moe_numerics(module: str) -> str:
+        return "all" if numerics == "all" else "sample" if module in moe_chosen else "odd"
     tick = progress or (lambda name: None)
     in_flight = LAYERS_IN_FLIGHT if loaded.device.type == "cpu" else 1  # one GPU stream: no gain from threads
     with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool, ThreadPoolExecutor(in_flight) as layers_pool, \
@@ -606,7 +682,7 @@ def verify_bundle(
         groups = expert_groups(src) if src is not None and bundle.manifest.moe else {}
         for module in bundle.manifest.moe:
             check_identity(wait=False)
-            layers.append(_check_moe(bundle, module, src, groups, sampled_moe(module), gen))
+            layers.append(_check_moe(bundle, module, src, groups, moe_numerics(module), gen))
             tick(module)
         for name in bundle.manifest.passthrough:
             passthrough.append(_check_passthrough(bundle, name, src))
@@ -616,7 +692,9 @@ def verify_bundle(
             bundle=str(bundle.root), target=bundle.target.name, device=device, backend=loaded.backend,
             source=str(src.checkpoint.root) if src else None, seed=seed, tolerance=NUMERIC_TOLERANCE,
             files=[f.result() for f in files], layers=layers, passthrough=passthrough,
-            numerics_layers=len(chosen) + sum(map(sampled_moe, bundle.manifest.moe)),
+            numerics_layers=len(chosen) + sum(bool(c.numerics_experts) for c in layers if c.name in moe),
+            experts=sum(r.local_experts for r in moe.values()),
+            numerics_experts=sum(c.numerics_experts or 0 for c in layers if c.name in moe),
             transforms=transform_checks,
         )
     if src is not None and bundle.manifest.tp_size == 1:  # a rank holds part of the model: see verify_output
@@ -680,13 +758,15 @@ def _held_input_scale(ranks: list[Bundle], regions) -> torch.Tensor | None:
     return ranks[r].read(f"{prefix}.input_global_scale_inv") if ranks[r].target.scheme == "W4A4" else None
 
 
-def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator) -> list[TensorCheck]:
+def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator,
+                       numerics: str = "all") -> tuple[list[TensorCheck], int]:
     """Every source layer rebuilt from the ranks' outputs: column pieces placed at their rows, row-parallel
-    partial sums added, each source element covered exactly once (replicated kv heads counted once); then
-    compared with the float64 GEMM of the source layer, whose --rescale regions hold the rescaled weights the
-    ranks are meant to compute (each rank's departure from the source is bounded by its own check); W4A4: of the
-    activations quantized with the input scale the ranks' layers hold, checked against the source's in each rank's
-    own verify."""
+    partial sums added, each source element covered exactly once (replicated kv heads counted once); then, on the
+    layers ``numerics`` picks as a bundle's own verify does (``all``; a ``sample``: each source layer shape once and
+    one more; ``auto``: all on a GPU, a sample on the CPU), compared with the float64 GEMM of the source layer, whose
+    --rescale regions hold the rescaled weights the ranks are meant to compute (each rank's departure from the
+    source is bounded by its own check); W4A4: of the activations quantized with the input scale the ranks' layers
+    hold, checked against the source's in each rank's own verify. Returns the checks and how many ran numerics."""
     loaded = [load_bundle(b, device) for b in ranks]
     pieces: dict[str, list[tuple[int, str, PartitionRecord]]] = {}
     for r, bundle in enumerate(ranks):
@@ -696,9 +776,11 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
     groups = expert_groups(src) if any(b.manifest.moe for b in ranks) else {}
     checks = _check_moe_coverage(ranks, groups)
     experts = {m for group in groups.values() for m in group.members}  # each rank's MoE check covers their values
-    for name, layer in src.layers.items():
-        if name in experts:
-            continue
+    dense = {name: (layer.n, layer.k) for name, layer in src.layers.items() if name not in experts}
+    sampled = numerics == "sample" or (numerics == "auto" and torch.device(device).type == "cpu")
+    chosen = _first_of_each(dense, gen) if sampled else set(dense)
+    for name in dense:
+        layer = src.layers[name]
         check = TensorCheck(f"reassembled/{name}")
         checks.append(check)
         regions = {(tuple(p.source_rows), tuple(p.source_cols)): (r, prefix, p) for r, prefix, p in pieces.get(name, [])}
@@ -707,6 +789,8 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
             cover[rows[0]:rows[1], cols[0]:cols[1]] += 1
         if not bool((cover == 1).all()):
             check.fail(f"{name}: the ranks do not cover the source layer exactly once", "exactness")
+            continue
+        if name not in chosen:
             continue
         weight = dequantize(src.load_layer(layer), torch.float64)
         for (rows, cols), (r, prefix, part) in regions.items():
@@ -728,7 +812,7 @@ def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: 
             ref = x.to(torch.float64) @ weight.t() if scale is None else w4a4_products(x, weight, scale)
             worst = max(worst, _relative_error(y, ref))
         _judge(check, worst, name)
-    return checks
+    return checks, sum(c.max_rel_error is not None for c in checks)
 
 
 def _check_moe_coverage(ranks: list[Bundle], groups: dict[str, ExpertGroup]) -> list[TensorCheck]:
@@ -766,7 +850,7 @@ def verify_output(
     if members == [Path(path)]:
         return verify_bundle(path, source=source, no_source=no_source, device=device, seed=seed, numerics=numerics,
                              progress=progress)
-    seed = seed if seed is not None else int(torch.randint(0, 2**31, ()))
+    seed = seed if seed is not None else manifest_seed(members)
     bundles = [open_bundle(m) for m in members]
     _refuse_other_gpus(members, bundles, device)
     src = _given_source(bundles[0], source, no_source)
@@ -780,7 +864,8 @@ def verify_output(
         bundle=str(path), target=", ".join(dict.fromkeys(r.target for r in reports)), device=device,
         backend=", ".join(dict.fromkeys(r.backend for r in reports)), source=reports[0].source,
         seed=seed, tolerance=NUMERIC_TOLERANCE, files=[], layers=[], passthrough=[],
-        numerics_layers=sum(r.numerics_layers for r in reports),
+        numerics_layers=sum(r.numerics_layers for r in reports), experts=sum(r.experts for r in reports),
+        numerics_experts=sum(r.numerics_experts for r in reports),
     )
     for member, report in zip(members, reports):
         merged.files += _prefixed(report.files, member.name)
@@ -800,7 +885,10 @@ def verify_output(
         return merged
     merged.files += _check_served_root(Path(path), bundles[0])
     if src is not None:
-        merged.layers += _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed))
+        reassembled, numerics_run = _check_reassembled(bundles, src, device, torch.Generator().manual_seed(seed),
+                                                       numerics)
+        merged.layers += reassembled
+        merged.numerics_layers += numerics_run
     return merged
 
 

@@ -8,14 +8,18 @@ A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as 
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 from types import ModuleType
+from typing import Callable, Mapping
 
 import torch
 
-from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, largest_expert_scales
+from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, expert_multipliers, largest_expert_scales
 from .formats import SourceModel
-from .nvfp4 import E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations, quantize_activations
+from .nvfp4 import (BLOCK_SIZE, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations,
+                    dequantized_products, quantize_activations)
+from .targets.moe import MADE_FROM
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
@@ -24,41 +28,109 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     return ne.reshape(ne.shape[0], -1).any(dim=1).tolist()
 
 
-CHECK_EXPERTS = 8  # experts compared at once: memory holds a few copies of that many, whatever the layer's size
+CHECK_EXPERTS = 8  # experts compared at once, at most: memory holds a few copies of that many (each side's codes,
+CHECK_BYTES = 48 << 20  # decode, layout and comparison) ... and at most this many bytes of held weights (a
+# DeepSeek-R1 expert holds 24.8 MB: two at a time), so that verify's memory stays bounded whatever an expert's size
+
+RowsOf = Callable[[str, int, int], torch.Tensor]  # a held tensor's rows (local experts) [first, last), by its name
 
 
-def check_experts(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor],
+def rows_of(held: Mapping[str, torch.Tensor]) -> RowsOf:
+    """Rows of tensors already in memory (a large bundle's are read a chunk of experts at a time instead)."""
+    return lambda name, first, last: held[name][first:last]
+
+
+@dataclass(frozen=True)
+class ExpertFindings:
+    """What :func:`expert_findings` found: one line per problem, and the local experts whose scalars stand out
+    (held scalars other than the source's, or gate and up multipliers that differ in the source), which a
+    sampled numerics check must always include."""
+
+    problems: list[str]
+    odd: set[int]
+
+
+def check_experts(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor] | RowsOf,
                   layout: ModuleType) -> list[str]:
     """Problems found in ``held`` (a FusedMoE layer's tensors by vLLM's names, in ``layout``: a MoE layout module),
-    one line each; ``[]`` if exact. Every layout tensor is expert by expert: compared ``CHECK_EXPERTS`` at a time."""
+    one line each; ``[]`` if exact. See :func:`expert_findings`."""
+    return expert_findings(source, plan, held, layout).problems
+
+
+def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor] | RowsOf,
+                    layout: ModuleType) -> ExpertFindings:
+    """Every expert's scalars (each recomputed from the source, whole layer at once: a few floats per expert), then
+    its codes and block scales, ``CHECK_EXPERTS`` experts at a time. ``held``: the tensors, or (a large layer) a
+    function giving rows of them, whose dtypes and shapes the caller has checked."""
     first, last = plan.experts
     specs = layout.runtime_specs(last - first, plan.group.hidden, plan.intermediate)
-    wrong = [f"{plan.prefix}: {name} is {t.dtype} {list(t.shape)}, expected {specs[name].dtype} "
-             f"{list(specs[name].shape)}" for name, t in held.items()
-             if name in specs and (t.dtype, tuple(t.shape)) != (specs[name].dtype, specs[name].shape)]
-    missing = [f"{plan.prefix}: {name} is missing" for name in specs if name not in held]
-    if wrong or missing:
-        return missing + wrong
+    if not callable(held):
+        wrong = [f"{plan.prefix}: {name} is {t.dtype} {list(t.shape)}, expected {specs[name].dtype} "
+                 f"{list(specs[name].shape)}" for name, t in held.items()
+                 if name in specs and (t.dtype, tuple(t.shape)) != (specs[name].dtype, specs[name].shape)]
+        missing = [f"{plan.prefix}: {name} is missing" for name in specs if name not in held]
+        if wrong or missing:
+            return ExpertFindings(missing + wrong, set())
+        held = rows_of(held)
     scales = expert_input_scales(source, plan)
-    # Marlin: one scale factor per layer, from all of the rank's experts
+    # Marlin: one scale factor per layer, from the largest block scales of all of the rank's experts
     largest = largest_expert_scales(source, plan, CHECK_EXPERTS) if hasattr(layout, "largest_scales") else None
-    problems = []
-    for start in range(first, last, CHECK_EXPERTS):
-        chunk = (start, min(start + CHECK_EXPERTS, last))
-        part = {name: held[name][chunk[0] - first: chunk[1] - first] for name in specs}
+    problems, odd = _check_scalars(source, plan, held, layout, scales, largest)
+    weights = [name for name in specs if name in MADE_FROM]
+    per_expert = sum(math.prod(specs[name].shape[1:]) * specs[name].dtype.itemsize for name in weights)
+    step = max(1, min(CHECK_EXPERTS, CHECK_BYTES // max(1, per_expert)))
+    for start in range(first, last, step):
+        chunk = (start, min(start + step, last))
+        part = {name: held(name, chunk[0] - first, chunk[1] - first) for name in weights}
         problems += _check_chunk(source, plan, chunk, part, layout, scales, largest)
-    return problems
+    return ExpertFindings(problems, odd)
+
+
+def scalar_names(layout: ModuleType) -> list[str]:
+    """The layout's per-expert scalars (float32 ``[E]``): the folded alphas and input scales (sm100: ``g1_scale_c``)."""
+    return [name for name, spec in layout.runtime_specs(1, BLOCK_SIZE, BLOCK_SIZE).items() if len(spec.shape) == 1]
+
+
+def _check_scalars(source: SourceModel, plan: ExpertPlan, held: RowsOf, layout: ModuleType,
+                   scales: tuple[torch.Tensor, torch.Tensor],
+                   largest: tuple[float, float] | None = None) -> tuple[list[str], set[int]]:
+    """Every expert's held scalars against the ones recomputed from the source's multipliers and input scales, and
+    its gate and up multipliers against each other: vLLM keeps gate's (w1's) for both halves, so an expert whose up
+    multiplier differs, not ``--rescale``d, computes another function than the source whatever the bundle holds.
+    Returns the problems, each naming the expert, and the local experts that stood out."""
+    group, (first, last) = plan.group, plan.experts
+    names = scalar_names(layout)
+    stack = assemble_experts(source, plan, fields=("multipliers",), input_scales=scales)
+    expected = layout.to_runtime(replace(stack, largest_scales=largest), plan.prefix, names)
+    local = slice(first, last)
+    own = torch.stack([expert_multipliers(source, p[local]) for p in (group.gate, group.up)], 1)
+    problems, odd = [], set()
+    for e in range(last - first):
+        gate, up = own[e].tolist()
+        if gate != up:
+            odd.add(e)
+            if not plan.rescale:
+                problems.append(f"{group.up[first + e]}: global scale multiplier {up:.9g} differs from "
+                                f"{group.gate[first + e].rpartition('.')[2]}'s {gate:.9g}, which the bundle holds "
+                                "for both halves (vLLM keeps w1's); convert with --rescale")
+    for name in names:
+        values, want = held(name, 0, last - first).reshape(-1), expected[name].reshape(-1)
+        for e in (values.view(torch.int32) != want.view(torch.int32)).nonzero().flatten().tolist():
+            odd.add(e)
+            problems.append(f"{group.prefix}.{first + e}: {name} is {float(values[e]):.9g}, the source gives "
+                            f"{float(want[e]):.9g}")
+    return problems, odd
 
 
 def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], held: dict[str, torch.Tensor],
                  layout: ModuleType, scales: tuple[torch.Tensor, torch.Tensor],
                  largest: tuple[float, float] | None = None) -> list[str]:
-    """:func:`check_experts` on global experts ``[chunk)``, whose rows of the layer's tensors are ``held``."""
-    source_stack = replace(assemble_experts(source, plan, chunk=chunk, input_scales=scales), largest_scales=largest)
-    expected = layout.to_runtime(source_stack, plan.prefix)
-    if hasattr(layout, "read_as"):  # the experts as the layout's kernel reads them (Marlin: flushed scales)
-        source_stack = layout.read_as(source_stack)
-    group, inter, offset = plan.group, plan.intermediate, chunk[0] - plan.experts[0]
+    """Codes, block scales and padding of global experts ``[chunk)``, whose rows of the layer's weight tensors
+    are ``held`` (compared with the source's as the layout's kernel reads them: Marlin flushes its smallest
+    scales)."""
+    stack = replace(assemble_experts(source, plan, chunk=chunk, input_scales=scales), largest_scales=largest)
+    source_stack = layout.read_as(stack) if hasattr(layout, "read_as") else stack
+    group, inter = plan.group, plan.intermediate
     ours = layout.from_runtime(held, group.hidden, inter)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
     checks = {proj: [(what, _differs(getattr(ours, f"w13_{what}")[:, rows],
@@ -74,13 +146,9 @@ def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], 
             problems += [f"{names[proj][e]}: {'codes' if what == 'codes' else 'block scales'} differ"
                          for what, bad in results if bad[e]]
     if not problems:  # the experts' data is exact: anything else that differs is padding
-        problems += [f"{plan.prefix}: {name} differs outside the experts' data (padding)"
-                     for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
-                     if any(_differs(held[name], expected[name]))]
-    scalars = [name for name in expected if held[name].dim() == 1]
-    for name in scalars:
-        bad = _differs(held[name].reshape(-1, 1), expected[name].reshape(-1, 1))
-        problems += [f"{plan.prefix}: {name} differs (expert {offset + e})" for e, b in enumerate(bad) if b]
+        del ours, checks
+        problems += [f"{plan.prefix}: {name} differs outside the experts' data (padding)" for name in held
+                     if any(_differs(held[name], layout.to_runtime(stack, plan.prefix, [name])[name]))]
     return problems
 
 
@@ -94,8 +162,8 @@ EXPERT_W4A4_REL_ERROR = EXPERT_REL_ERROR
 CALIBRATED_STD = 0.25
 
 
-def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch.Tensor], layout: ModuleType,
-                    experts: list[int], generator: torch.Generator, tokens: int = 8,
+def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor] | RowsOf,
+                    layout: ModuleType, experts: list[int], generator: torch.Generator, tokens: int = 8,
                     w4a4: bool = False) -> dict[str, float]:
     """Relative L2 error of ``x @ Wᵀ`` per sampled expert (indices among the plan's) and projection, the held side
     decoded by the layout's index formulas alone (``decode_expert``), against the float64 dequantized source, each
@@ -107,7 +175,9 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
     ``x`` the same way with ``1 / max`` of the source's input scales and multiplies in float64 (as dense verify's
     ``w4a4_products``: the format's float64 definition of the quantizer rounds apart from the kernel's float32 one
     on exact e4m3 ties, which calibrated scales make common, by a whole scale step), so a wrong held input scale
-    (other activation codes) or alpha shows up as it would on the GPU, and nothing else does."""
+    (other activation codes) or alpha shows up as it would on the GPU, and nothing else does. ``held``: the tensors
+    or a function giving rows of them (one expert's are read at a time)."""
+    rows_held = held if callable(held) else rows_of(held)
     group, inter = plan.group, plan.intermediate
     input_scales = expert_input_scales(source, plan)
     errors = {}
@@ -115,32 +185,36 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: dict[str, torch
         at = plan.experts[0] + e
         source_stack = assemble_experts(source, plan, chunk=(at, at + 1), input_scales=input_scales)  # it alone
         for which, projs in (("w13", ("gate", "up")), ("w2", ("down",))):
-            codes, scales = layout.decode_expert(held, e, which, group.hidden, inter)
-            ours = dequantize(NVFP4Weight(codes, scales, torch.ones(1)), torch.float64)
-            if hasattr(layout, "expert_multiplier"):  # weight-only layouts without input scales (Marlin)
-                alpha, a_scale = layout.expert_multiplier(held, e, which), torch.ones((), dtype=torch.float64)
+            weight_only = hasattr(layout, "expert_multiplier")  # Marlin: no input scales, its own multiplier
+            one = {f"{which}_{part}": rows_held(f"{which}_{part}", e, e + 1)
+                   for part in ("weight", "weight_scale", "weight_scale_2", "input_scale")[:3 if weight_only else 4]}
+            codes, scales = layout.decode_expert(one, 0, which, group.hidden, inter)
+            if weight_only:
+                alpha, a_scale = layout.expert_multiplier(one, 0, which), torch.ones((), dtype=torch.float64)
             else:
-                alpha, a_scale = held[f"{which}_weight_scale_2"][e], held[f"{which}_input_scale"][e]
+                alpha, a_scale = one[f"{which}_weight_scale_2"][0], one[f"{which}_input_scale"][0]
             ref_codes = getattr(source_stack, f"{which}_codes")[0]
             ref_scales = getattr(source_stack, f"{which}_scales")[0]
             own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)
             source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
             source_gs = 1.0 / source_scale
-            rows = ours.shape[0] // len(projs)
+            rows = codes.shape[0] // len(projs)
             for i, proj in enumerate(projs):
                 part = slice(i * rows, (i + 1) * rows)
-                ref = dequantize(NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1)), torch.float64)
-                x = torch.randn(tokens, ref.shape[1], generator=generator)
+                ours = NVFP4Weight(codes[part], scales[part], torch.ones(1))  # both dequantized a block at a time
+                ref = NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1))
+                x = torch.randn(tokens, ref.k, generator=generator)
                 if w4a4:  # activations in the range the scale was calibrated for (amax = 2688 x input scale)
                     x = (x * (CALIBRATED_STD * E2M1_MAX * E4M3_MAX) * source_scale.double()).to(torch.bfloat16)
                     x_codes, x_scales = quantize_activations(x, (1.0 / a_scale).reshape(1))
                     x_held = dequantize(NVFP4Weight(x_codes, x_scales, torch.ones(1)), torch.float64)
-                    got = (x_held @ ours[part].T) * alpha.double()
-                    want = dequantize_activations(*quantize_activations(x, source_gs.reshape(1)), source_gs) @ ref.T
+                    got = dequantized_products(x_held, ours) * alpha.double()
+                    want = dequantized_products(
+                        dequantize_activations(*quantize_activations(x, source_gs.reshape(1)), source_gs), ref)
                 else:
                     x = x.double()
-                    got = x @ ours[part].T * (alpha.double() / a_scale.double())
-                    want = x @ ref.T
+                    got = dequantized_products(x, ours) * (alpha.double() / a_scale.double())
+                    want = dequantized_products(x, ref)
                 error = (got - want).norm() / want.norm().clamp(min=1e-300)
                 errors[getattr(group, proj)[plan.experts[0] + e]] = float(error)
     return errors

@@ -40,7 +40,7 @@ from repack.nvfp4 import (
 )
 
 from .conftest import SEED_ENV, require
-from .test_vllm_conformance import HERE, VENV, _vllm_python
+from .test_vllm_conformance import HERE, _vllm_python
 
 TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)  # E2M1 rounding boundaries
 NEAR = 2.0**-20  # relative band around a boundary where float32 steps and float64 math may round apart
@@ -138,7 +138,6 @@ def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def vllm_emulation(cases, tmp_path_factory) -> dict[str, torch.Tensor]:
     """vLLM's ``ref_nvfp4_quant`` of every case, and its reading of our codes, from the vLLM venv."""
     python = _vllm_python()
-    subprocess.run(["bash", str(HERE / "make_env.sh")], check=True, env={**os.environ, "NVFP4_REPACK_VLLM_VENV": str(VENV)})
     folder = tmp_path_factory.mktemp("vllm-emulation")
     tensors = {}
     for name, (x, gs) in cases.items():

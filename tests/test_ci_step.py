@@ -96,8 +96,9 @@ def test_no_fsync_writes_the_same_bundles_without_waiting_for_the_disk(make_mode
         runs[name] = (files, published, list(writebacks), [tree_bytes(b) for b in bundles])
     files, published, writebacks_made, durable_bytes = runs["durable"]
     assert len(files) > 6 and writebacks_made
-    staged = {f.name.split(".partial-")[0] for f in published if ".partial-" in f.name}  # the bundles' folders
-    assert {f.name for f in published} >= {f.name for f in files} | {"durable"} and staged == {".sm100", ".sm90"}
+    staged = {f.name.split(".partial-")[0] for f in published if ".partial-" in f.name}  # the output, staged whole
+    assert {f.name for f in published} >= {f.name for f in files} | {"sm100", "sm90", tmp_path.name}
+    assert staged == {".durable"}
     files, published, writebacks_made, fast_bytes = runs["fast"]
     assert not published and not writebacks_made
     assert fast_bytes == durable_bytes
@@ -252,9 +253,10 @@ def test_a_missing_shard_is_reported_once(make_model, tmp_path, capsys):
     assert any(c["status"] == "skipped" for c in report["layers"] + report["passthrough"])
 
 
-def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, capsys):
+def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, tmp_path, capsys):
     model = make_model(seed=fresh_seed())
-    convert(model.path, "sm100", model.path / "sm100")
+    convert(model.path, "sm100", tmp_path / "sm100")  # convert writes nothing inside its source (issue 38): moved there
+    shutil.move(tmp_path / "sm100", model.path / "sm100")
     capsys.readouterr()
     assert main(["inspect", str(model.path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantized_layers"] == len(model.layers)

@@ -51,7 +51,8 @@ def test_targets_lists_the_capability_table_without_the_layouts():
     expected = [{"name": t.name, "aliases": list(t.aliases),
                  "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
                  "backend": t.backend, "layout_id": t.layout_id,
-                 "layouts": {layout.scheme: {"layout_id": layout.layout_id, "kernels": list(layout.kernels)}
+                 "layouts": {layout.scheme: {"layout_id": layout.layout_id, "kernels": list(layout.kernels),
+                                             "engines": {"vllm": ["0.33", "0.34"]}}
                              for layout in t.layouts},
                  "description": t.description} for t in TARGETS]
     assert json.loads(run.stdout) == expected

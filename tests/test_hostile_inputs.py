@@ -344,6 +344,15 @@ def missing_packed_weight(make_model, tmp_path):
     return root
 
 
+@case("model.layers.1.mlp.proj.weight: packed NVFP4 weight must be U8 (two E2M1 codes a byte), got F32 [32, 64], "
+      "though the layer has NVFP4 scales (model.layers.1.mlp.proj.weight_scale_2)")
+def weight_stored_as_f32(make_model, tmp_path):
+    """Regression (issue 38): reported as "global scale without a packed NVFP4 weight", naming the weight that is there."""
+    root = small(make_model, "modelopt")
+    edit_tensors(root, lambda t: t.update({f"{LAYER}.weight": torch.zeros(32, 64)}))
+    return root
+
+
 @case("model.layers.1.mlp.proj.weight_scale: block scales must be F8_E4M3, got F16")
 def wrong_scale_dtype(make_model, tmp_path):
     root = small(make_model)

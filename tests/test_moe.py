@@ -143,8 +143,11 @@ def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
 
 @pytest.mark.parametrize("intermediate", [48, 96, 8])
 def test_cutlass_moe_layout_refuses_what_vllm_refuses(intermediate):
-    with pytest.raises(RepackError, match="multiple of 128"):
+    with pytest.raises(RepackError, match=rf"\(2 x {intermediate} = {2 * intermediate}\) must be a multiple of 128$"):
         moe_cutlass.check_shape(4, 64, intermediate)
+    with pytest.raises(RepackError, match=r"multiple of 128; hidden size 40 must be a multiple of 16$"):
+        moe_cutlass.check_shape(4, 40, intermediate)
+    moe_cutlass.check_shape(4, 64, 64)
 
 
 @pytest.mark.parametrize("name", MOE_FIXTURES)
@@ -403,8 +406,9 @@ def test_check_experts_passes_the_layout_and_catches_corrupt_and_swapped_experts
 
     alpha = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"].clone()}
     alpha["w2_weight_scale_2"][3] = torch.nextafter(alpha["w2_weight_scale_2"][3], torch.tensor(1.0))
+    held_alpha, source_alpha = (float(t[3]) for t in (alpha["w2_weight_scale_2"], held["w2_weight_scale_2"]))
     assert check_experts(source, plan, alpha, layout) == [
-        "model.layers.0.mlp.experts: w2_weight_scale_2 differs (expert 3)"]
+        f"model.layers.0.mlp.experts.3: w2_weight_scale_2 is {held_alpha:.9g}, the source gives {source_alpha:.9g}"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda m: m.LAYOUT_ID)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,13 +72,15 @@ def test_ctrl_c_then_resume_keeps_finished_shards_and_matches_a_clean_run(source
     kept = [done for _, _, done, _ in caught.value.kept]
     assert all(done >= 1 for done in kept), caught.value.kept
     bundles = [out] if isinstance(targets, str) else [out / t for t in targets]
-    assert all(not b.exists() and len(staging(b)) == 1 for b in bundles), "no OUT yet, one staging folder each"
+    assert not out.exists() and len(staging(out)) == 1, "no OUT yet (issue 38: not even an empty one), one staging folder"
+    folders = [staging(out)[0] / b.relative_to(out) for b in bundles]  # several targets: <target> inside it
     monkeypatch.undo()
-    finished = {p: p.stat().st_mtime_ns for b in bundles for p in staging(b)[0].glob("*.safetensors")}
-    for folder in (staging(b)[0] for b in bundles):  # the journal records each finished shard's BLAKE3
+    finished = {}  # a kept shard's place in OUT -> its time in the staging folder
+    for bundle, folder in zip(bundles, folders):  # the journal records each finished shard's BLAKE3
         journal = json.loads((folder / ".nvfp4-repack-resume.json").read_text())
         assert journal["shards"] and {name: shard["digest"] for name, shard in journal["shards"].items()} == \
             {name: blake3.blake3((folder / name).read_bytes()).hexdigest() for name in journal["shards"]}
+        finished.update({bundle / name: (folder / name).stat().st_mtime_ns for name in journal["shards"]})
     reads = []
     real = SourceModel.load_layer
     monkeypatch.setattr(SourceModel, "load_layer",
@@ -88,9 +91,9 @@ def test_ctrl_c_then_resume_keeps_finished_shards_and_matches_a_clean_run(source
     assert len(reads) < len(SHAPES), "layers of kept shards are not read again"
     for bundle in bundles:
         assert tree_digest(bundle) == tree_digest(reference / bundle.name if bundle != out else reference)
-        assert staging(bundle) == []
-    assert sum(1 for b in bundles for p in b.glob("*.safetensors")
-               if finished.get(next(iter(staging(b)), b) / p.name) is not None) == 0  # staging renamed into place
+    assert staging(out) == [] and hidden(tmp_path) == []
+    assert {path: path.stat().st_mtime_ns for path in finished} == finished  # kept, not written again
+    assert tree_digest(out) == tree_digest(reference)  # the output record too
 
 
 def test_resume_keeps_nothing_when_the_source_changed(tmp_path, monkeypatch):
@@ -147,34 +150,69 @@ def test_a_resume_whose_plan_changed_discards_the_old_staging(source, tmp_path, 
     notices = []
     summary = convert(source, "sm100", out, max_shard_size="300KB", resume=True, notify=notices.append)
     assert summary.kept_shards == 0 and hidden(tmp_path) == []
-    assert len(notices) == 1 and "nothing in them matches this run's plan and source" in notices[0]
+    assert len(notices) == 1 and "--resume found no finished shard of this run's plan and source in them" in notices[0]
 
 
+@pytest.mark.parametrize("layers", [1, 5], ids=["nothing finished", "shards finished"])
 @pytest.mark.parametrize("again", [["sm100", "sm120", "sm90"], ["sm100", "sm90"]], ids=["same targets", "fewer targets"])
-def test_interrupted_several_targets_leave_nothing_after_the_next_run(source, tmp_path, monkeypatch, again):
-    """Regression (issue 26): ``-t all``, Ctrl-C before some targets finished a shard (no journal: nothing to
-    resume), then ``--resume``: those targets' staging folders stayed inside OUT. The next run, with the same
-    or fewer targets, reuses or removes every one; a staging folder a running convert holds is left alone."""
+def test_interrupted_several_targets_leave_nothing_after_the_next_run(source, tmp_path, monkeypatch, again, layers):
+    """Regression (issues 26, 38): ``-t all``, Ctrl-C (before any target finished a shard, or after), then
+    ``--resume`` with the same or fewer targets: the interrupted run left no OUT (it left a visible, seemingly empty
+    one) but one hidden staging folder, which the next run reuses or removes, saying so in words that fit a
+    --resume run (it said "a run with --resume would have continued"); a staging folder a running convert holds
+    is left alone."""
+    from repack.bundle.manifest import OUTPUT_RECORD
     from repack.bundle.writer import _lock
 
     out = tmp_path / "out"
     with monkeypatch.context() as patch:
-        interrupt_after(patch, layers=1)
+        interrupt_after(patch, layers=layers)
         with pytest.raises(Interrupted):
             convert(source, ["sm100", "sm120", "sm90"], out, max_shard_size="200KB")
-    assert len(hidden(out)) == 3
-    busy = out / ".sm120.partial-0123abcd"  # as if another convert were writing it right now
+    assert not out.exists() and len(staging(out)) == 1
+    assert sorted(p.name for p in staging(out)[0].iterdir()) == ["sm100", "sm120", "sm90"]
+    busy = tmp_path / ".out.partial-0123abcd"  # as if another convert were writing it right now
     busy.mkdir()
     lock = _lock(busy)
+    notices = []
     try:
-        convert(source, again, out, max_shard_size="200KB", resume=True)
-        assert hidden(out) == [busy.name]
+        convert(source, again, out, max_shard_size="200KB", resume=True, notify=notices.append)
+        assert hidden(tmp_path) == [busy.name]
     finally:
         os.close(lock)
-    notices = []
+    assert sorted(p.name for p in out.iterdir()) == sorted([*again, OUTPUT_RECORD])
+    if layers == 1:  # no journal: nothing to resume
+        assert len(notices) == 1 and notices[0].startswith(f"{out}: removed 1 hidden folder(s)"), notices
+        assert notices[0].endswith("; --resume found no finished shard of this run's plan and source in them"), notices
+    elif again != ["sm100", "sm120", "sm90"]:
+        assert len(notices) == 1 and notices[0].startswith(f"{out}: removed what the interrupted convert left for "
+                                                            "sm120 ("), notices
+        assert notices[0].endswith("); this run does not write sm120"), notices
+    else:
+        assert notices == []
+    notices.clear()
     convert(source, again, out, max_shard_size="200KB", overwrite=True, notify=notices.append)
     assert hidden(tmp_path) == []
-    assert len(notices) == 1 and notices[0].startswith(f"{out / 'sm120'}: removed 1 hidden folder(s)"), notices
+    assert len(notices) == 1 and notices[0].startswith(f"{out}: removed 1 hidden folder(s)"), notices
+    assert notices[0].endswith(f"; a run with --resume would have continued from them while {out} did not exist")
+
+
+def test_several_targets_into_an_existing_output_are_staged_inside_it(source, tmp_path, monkeypatch):
+    """An output that already holds bundles gets new ones beside them, each staged inside it; the next run removes
+    the staging folder of a target it does not write, in words that say why."""
+    out = tmp_path / "out"
+    convert(source, ["sm100", "sm120"], out, max_shard_size="200KB")
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, layers=5)
+        with pytest.raises(Interrupted):
+            convert(source, ["sm90", "sm100"], out, max_shard_size="200KB", overwrite=True)
+    assert [len(staging(out / t)) for t in ("sm90", "sm100")] == [1, 1]
+    notices = []
+    convert(source, ["sm90", "sm120"], out, max_shard_size="200KB", resume=True, overwrite=True, notify=notices.append)
+    assert sorted(p.name for p in out.iterdir()) == ["nvfp4-repack-output.json", "sm100", "sm120", "sm90"]
+    assert hidden(tmp_path) == []
+    assert len(notices) == 1 and notices[0].startswith(f"{out / 'sm100'}: removed 1 hidden folder(s)"), notices
+    assert notices[0].endswith("; this run does not write that target"), notices
 
 
 def test_a_damaged_kept_shard_is_written_again(source, tmp_path, monkeypatch):
@@ -234,7 +272,7 @@ def test_real_interrupt_then_resume_on_the_cli(tmp_path, how, flags, capsys):
     assert not (tmp_path / "out").exists()
     capsys.readouterr()
     assert main([str(a) for a in argv + ["--resume"]]) == 0
-    assert "shards kept from the interrupted run" in " ".join(capsys.readouterr().out.split())  # rich may wrap
+    assert re.search(r"\d+ shards? kept from the interrupted run", " ".join(capsys.readouterr().out.split()))  # wrapped
     convert(source, "sm120", tmp_path / "reference", max_shard_size="1MB")
     assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "reference")
 

@@ -193,7 +193,7 @@ def test_output_transforms_per_partition_of_a_fused_module(tmp_path, monkeypatch
     own matrix, which verify's float64 reference (the source's function) holds it to: skipping them fails."""
     source = output_variant(tmp_path / "source", variant)
     out = tmp_path / "bundle"
-    convert(source, "sm120", out, fuse=True, weight_only=weight_only)
+    convert(source, "sm120", out, fuse=True, weight_only=weight_only, vllm="0.33")
     record = open_bundle(out).manifest.layers["model.layers.0.self_attn.qkv_proj"]
     assert [t.partitions for t in record.transforms if t.location == "output"] == parts
     seed = int(torch.randint(0, 2**31, ()))
@@ -229,7 +229,7 @@ def test_manifest_says_which_transforms_have_no_block_size(tmp_path):
 
 def test_overlapping_output_transforms_are_refused(tmp_path):
     out = tmp_path / "bundle"
-    convert(output_variant(tmp_path / "source", "whole-n-output"), "sm100", out, fuse=True)
+    convert(output_variant(tmp_path / "source", "whole-n-output"), "sm100", out, fuse=True, vllm="0.33")
     manifest = json.loads((out / "manifest.json").read_text())
     outputs = [t for t in manifest["layers"]["model.layers.0.self_attn.qkv_proj"]["transforms"]
                if t["location"] == "output"]
@@ -260,7 +260,7 @@ def test_dense_weight_folds_the_online_transforms(fixture):
 def test_stored_matrix_is_the_normalized_source_matrix(tmp_path):
     """Hadamard scale fusion: the bundle holds bf16(H / sqrt(b)), H read back with the real safetensors library."""
     fixture = "ct_quip_vu_had32_nvfp4"
-    convert(PRODUCERS / fixture, "sm100", tmp_path / "b")
+    convert(PRODUCERS / fixture, "sm100", tmp_path / "b", vllm="0.33")
     bundle = load_file(tmp_path / "b" / "model.safetensors")
     source = load_file(PRODUCERS / fixture / "model.safetensors")
     v = "model.layers.0.self_attn.q_proj.v_input.weight"
@@ -440,7 +440,7 @@ def test_weight_side_transforms_need_nothing_at_run_time(make_model, tmp_path):
 @pytest.fixture
 def transformed_bundle(tmp_path):
     out = tmp_path / "bundle"
-    convert(PRODUCERS / "ct_quip_vu_had32_nvfp4", "sm100", out)
+    convert(PRODUCERS / "ct_quip_vu_had32_nvfp4", "sm100", out, vllm="0.33")
     return out
 
 

@@ -252,7 +252,7 @@ def rewrite_as_old_format(out, source_dir, version: int) -> None:
 
     path = out / "manifest.json"
     manifest = json.loads(path.read_text())
-    assert (manifest["bundle_format_version"], manifest["file_digest"], manifest["tensor_digest"]) == (5, "blake3", "blake3")
+    assert (manifest["bundle_format_version"], manifest["file_digest"], manifest["tensor_digest"]) == (6, "blake3", "blake3")
     config = json.loads((out / "config.json").read_text())
     config["nvfp4_repack"]["bundle_format_version"] = version
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -272,7 +272,7 @@ def rewrite_as_old_format(out, source_dir, version: int) -> None:
     sha256 = lambda file: hashlib.sha256(file.read_bytes()).hexdigest()  # noqa: E731
     manifest["files"] = {name: sha256(out / name) for name in manifest["files"]}
     manifest["source"]["files"] = {name: sha256(source_dir / name) for name in manifest["source"]["files"]}
-    del manifest["file_digest"], manifest["source"]["hub_sha256"]
+    del manifest["file_digest"], manifest["source"]["hub_sha256"], manifest["engines"]
     manifest["bundle_format_version"] = version
     if version == 3:
         manifest["tensor_digest"] = "xxh3_128"

@@ -24,13 +24,25 @@ from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import write_llama
+from repack.targets.engines import engine_versions
 from repack.verify import verify_output
 
 from .conftest import IN_CI, PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES
 from .vllm.variants import OUTPUT_VARIANTS, output_variant
 
 HERE = Path(__file__).parent / "vllm"
-VENV = Path(os.environ.get("NVFP4_REPACK_VLLM_VENV", Path(__file__).parent.parent / ".venv-vllm"))
+VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]  # one oracle venv each (tests/vllm/make_env.sh)
+
+
+def vllm_venv(version: str) -> Path:
+    """The oracle venv of vLLM ``version``: make_env.sh's $NVFP4_REPACK_VLLM_VENV (0.33) or
+    $NVFP4_REPACK_VLLM_VENV_0_34, else .venv-vllm / .venv-vllm-0.34 in the repository."""
+    suffix = "" if version == "0.33" else "_" + version.replace(".", "_")
+    default = Path(__file__).parent.parent / (".venv-vllm" if version == "0.33" else f".venv-vllm-{version}")
+    return Path(os.environ.get(f"NVFP4_REPACK_VLLM_VENV{suffix}", default))
+
+
+VENV = vllm_venv("0.33")
 ARCHS = {"sm100": "sm100", "sm120": "sm120"}  # our target -> the FlashInfer layout the harness emulates
 PRODUCER_FIXTURES = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
 # (hidden, heads, kv_heads, intermediate): "odd" has K, N not multiples of 64, N = 16 (one kv head of 16),
@@ -94,10 +106,19 @@ def whole_k_w4a4(root: Path) -> Path:
     return root
 
 
-def _vllm_python() -> Path:
-    python = VENV / "bin" / "python"
+def seeded_folder(tmp_path_factory, name: str) -> tuple[torch.Generator, Path]:
+    """A generator of a fresh random seed (printed, to reproduce a failure) and a temporary folder ``name`` for a
+    module's synthetic checkpoints."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"{name} seed {seed}")
+    return torch.Generator().manual_seed(seed), tmp_path_factory.mktemp(name)
+
+
+def _vllm_python(version: str = "0.33") -> Path:
+    """The oracle's interpreter (make_env.sh builds it: the README's test command runs it before pytest)."""
+    python = vllm_venv(version) / "bin" / "python"
     if not python.exists():
-        message = f"vLLM oracle env missing at {VENV}: run tests/vllm/make_env.sh"
+        message = f"vLLM {version} oracle env missing at {vllm_venv(version)}: run tests/vllm/make_env.sh {version}"
         if IN_CI:
             pytest.fail(message)
         pytest.skip(message)
@@ -151,7 +172,6 @@ W4A4_TP2 = [(name, f"{arch}-w4a4")
 def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """vLLM's load-time result for every job, per TP size: ``{tp: folder}``."""
     python = _vllm_python()
-    subprocess.run(["bash", str(HERE / "make_env.sh")], check=True, env={**os.environ, "NVFP4_REPACK_VLLM_VENV": str(VENV)})
     out = {}
     for tp, jobs in ((1, TP1 + W4A4_TP1 + TRANSFORMED_TP1 + TRANSFORMED_W4A4_TP1),
                      (2, TP2 + W4A4_TP2 + TRANSFORMED_TP2)):
@@ -350,7 +370,7 @@ def test_w4a4_transform_bundle_holds_vllms_qutlass_state(name, arch, checkpoints
     transform method around the W4A4 kernel elsewhere (whole-K R4), byte for byte from convert --fuse."""
     dumped, out = oracle[1] / f"{name}-{arch}", tmp_path / "bundle"
     assert not _refused(name, dumped), _refused(name, dumped)
-    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, fuse=True)
+    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, fuse=True, vllm="0.33")
     assert _assert_w4a4_rank_identical(out, dumped, 0) == 8
     bundle = open_bundle(out)
     methods = json.loads((dumped / "rank-0.json").read_text())

@@ -31,6 +31,12 @@ FILE_DIGESTS = ("blake3", "sha256")  # of files: cryptographic only (a source's 
 # convert wrote, so that verify fails on one that went missing.
 OUTPUT_RECORD = "nvfp4-repack-output.json"
 OUTPUT_KIND = "nvfp4-repack-output"
+# A bundle written before format 6 lists no engine versions: vLLM 0.33 is the one its state was checked against
+LEGACY_ENGINES = {"vllm": ["0.33"]}
+
+
+def legacy_engines() -> dict[str, list[str]]:
+    return {engine: list(versions) for engine, versions in LEGACY_ENGINES.items()}
 # Per-tensor digests name the damaged tensor; every byte is also covered by the files' digests. Neither stops
 # someone who rewrites the manifest too: only verify's comparison with the source does.
 
@@ -180,6 +186,9 @@ class Manifest:
     scheme: str = "W4A16"  # W4A4: the kernels quantize activations with each layer's input_global_scale_inv
     kernels: list[str] = field(default_factory=list)  # the vLLM 0.33 kernel classes that read this layout, auto's first
     moe: dict[str, MoERecord] = field(default_factory=dict)  # vLLM's FusedMoE module -> its record (format 5)
+    # engine -> the versions whose state after loading the bundle is (format 6; older bundles: vLLM 0.33, the one
+    # version checked when they were written); rows in repack/targets/engines.py
+    engines: dict[str, list[str]] = field(default_factory=legacy_engines)
 
     @cached_property
     def all_tensors(self) -> dict[str, TensorRecord]:
@@ -391,6 +400,13 @@ def _kernels(value: Any) -> list[str]:
     return list(value)
 
 
+def _engines(value: Any) -> dict[str, list[str]]:
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(x, str) for x in v) for k, v in value.items()):
+        raise _fail("engines must map engine names to lists of version strings")
+    return {k: list(v) for k, v in value.items()}
+
+
 def parse_manifest(data: Any) -> Manifest:
     """Validate a decoded manifest.json."""
     if not isinstance(data, dict):
@@ -439,6 +455,7 @@ def parse_manifest(data: Any) -> Manifest:
         scheme=_optional_str(data, "scheme", "manifest") or "W4A16",  # bundles written before W4A4 layouts
         kernels=_kernels(data.get("kernels", [])),
         moe={m: _moe(rec, m, algorithm) for m, rec in _get(data, "moe", dict, "manifest").items()} if version >= 5 else {},
+        engines=_engines(_get(data, "engines", dict, "manifest")) if version >= 6 else legacy_engines(),
     )
     if manifest.scheme not in ("W4A16", "W4A4"):
         raise _fail(f"scheme must be W4A16 or W4A4, got {short_repr(manifest.scheme)}")

@@ -128,13 +128,27 @@ def source_identity(checkpoint: Checkpoint) -> dict[str, list]:
     return identity
 
 
-def find_resumable(out: Path, plan: BundlePlan, source: dict[str, list]) -> Journal | None:
-    """The newest staging folder of ``out`` whose journal matches ``plan`` and the source, with the shards it
-    can keep; None when there is none (the convert then starts afresh)."""
-    fingerprint = plan_fingerprint(plan)
+@dataclass(frozen=True)
+class Resumable:
+    """The staging folder a resume continues, and the journal of each of its bundles that matches this run's plan
+    (by folder inside it: "" for a one-bundle output, ``<target>`` for one of several targets)."""
+
+    folder: Path
+    journals: dict[str, Journal]
+
+
+def find_resumable(out: Path, plans: dict[str, BundlePlan], source: dict[str, list]) -> Resumable | None:
+    """The newest staging folder of ``out`` where some bundle of ``plans`` (by its folder inside it) has a journal
+    that matches its plan and the source, with the shards each can keep; None when there is none (the convert then
+    starts afresh)."""
     for folder in staging_folders(out):
-        data = _read(folder)
-        if data is None or data.get("plan") != fingerprint or data.get("source") != source:
-            continue
-        return Journal(folder, fingerprint, source, kept=_kept_shards(folder, data, plan))
+        journals = {}
+        for member, plan in plans.items():
+            fingerprint = plan_fingerprint(plan)
+            data = _read(folder / member)
+            if data is not None and data.get("plan") == fingerprint and data.get("source") == source:
+                journals[member] = Journal(folder / member, fingerprint, source,
+                                           kept=_kept_shards(folder / member, data, plan))
+        if journals:
+            return Resumable(folder, journals)
     return None

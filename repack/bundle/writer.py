@@ -182,14 +182,25 @@ def holds_bundles(folder: Path) -> bool:
     return (folder / "manifest.json").is_file() or any((p / "manifest.json").is_file() for p in folder.glob("rank-*"))
 
 
+def clash_with_input(out: Path, source: Path) -> str | None:
+    """Why ``out`` may not be written from the input folder ``source`` (None: it may): it would replace it (the same
+    folder, or one that holds it), or it lies inside it, where a bundle would become part of its own source."""
+    resolved, keep = out.expanduser().resolve(), source.expanduser().resolve()
+    if resolved == keep or keep.is_relative_to(resolved):
+        return f"{out}: the output folder would replace the input {source}; choose another output"
+    if resolved.is_relative_to(keep):
+        return f"{out}: the output folder is inside the input {source}; write it elsewhere (-o)"
+    return None
+
+
 def check_destination(out: Path, overwrite: bool, protected: Iterable[Path] = ()) -> None:
     """Refuse to replace an existing ``out`` unless ``overwrite`` and it is a bundle (or an empty folder), and
-    never replace an input folder. Only a refusal that ``overwrite`` would lift is an :class:`OutputExists`."""
-    resolved = out.resolve()
+    never replace an input folder nor write inside one. Only a refusal that ``overwrite`` would lift is an
+    :class:`OutputExists`."""
     for path in protected:
-        keep = path.resolve()
-        if resolved == keep or keep.is_relative_to(resolved):
-            raise RepackError(f"{out}: the output folder would replace the input {path}; choose another output")
+        clash = clash_with_input(out, path)
+        if clash:
+            raise RepackError(clash)
     if out.exists() or out.is_symlink():
         if not out.is_dir() or out.is_symlink():
             raise RepackError(f"{out}: exists and is not a folder; refusing to replace it")
@@ -330,6 +341,11 @@ def in_use(folder: Path) -> bool:
     return fd is None
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (what removing it frees)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 def remove_stale(out: Path, keep: Path | None = None) -> tuple[int, int]:
     """Delete what interrupted converts to ``out`` left beside it: staging folders no process holds (but ``keep``,
     the one a resume continues) and, once OUT is there, retired old bundles. Returns (folders, bytes) removed."""
@@ -342,7 +358,7 @@ def remove_stale(out: Path, keep: Path | None = None) -> tuple[int, int]:
         if fd is None:
             continue
         try:
-            nbytes += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+            nbytes += folder_bytes(folder)
             shutil.rmtree(folder, ignore_errors=True)
             removed += 1
         finally:

@@ -2,7 +2,8 @@
 
 Errors the user can cause are :class:`~repack.errors.RepackError`: printed as one ``Error: ...`` line on
 stderr, exit code 1. Usage errors exit 2. Anything else is a bug: one line too, with the traceback shown
-only when ``NVFP4_REPACK_DEBUG=1``.
+only when ``NVFP4_REPACK_DEBUG=1``. Output whose reader went away (``| head``) ends quietly with exit code 141, as
+a shell reports a tool that SIGPIPE ended (Typer and rich would exit 1 without a word).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import typer
 
 from .. import __version__
 from ..errors import Interrupted, OutputExists, RepackError
-from . import INTERRUPTED, INTERRUPTED_EXIT, commands
-from .commands import printable
+from . import INTERRUPTED, INTERRUPTED_EXIT, PIPE_CLOSED_EXIT, closed_output, commands
+from .commands import count, printable
 
 ERROR_LIMIT = 2000  # characters: an error is one line, whatever a hostile name holds
 
@@ -71,7 +72,7 @@ def _report_interrupt(exc: BaseException) -> int:
     """One line on stderr; for a convert, what it kept and how to resume; exit code 130."""
     line = INTERRUPTED
     if isinstance(exc, Interrupted) and exc.kept:
-        parts = [f"{done} of {total} shards of {out} kept" if staging else
+        parts = [f"{done} of {count(total, 'shard')} of {out} kept" if staging else
                  f"nothing of {out} kept (--resume does not cover --tp conversions: run the command again)"
                  for out, staging, done, total in exc.kept]
         resume = ("; run the same command with --resume to continue (without it, the next convert removes them)"
@@ -98,7 +99,13 @@ def run_app(argv: list[str] | None = None) -> int:
         return _report_interrupt(KeyboardInterrupt()) if exc.exit_code == INTERRUPTED_EXIT else exc.exit_code
     except (Interrupted, typer.Abort, KeyboardInterrupt) as exc:
         return _report_interrupt(exc)
+    except SystemExit as exc:  # Typer's answer to a BrokenPipeError anywhere below it: exit 1, not a word
+        if closed_output():
+            return PIPE_CLOSED_EXIT
+        raise
     except OSError as exc:  # files, permissions, disk space: the environment, reported like bad input
+        if isinstance(exc, BrokenPipeError) and closed_output():
+            return PIPE_CLOSED_EXIT
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"Error: {printable(where + (exc.strerror or str(exc)), ERROR_LIMIT)}", file=sys.stderr)
         return 1

@@ -4,22 +4,46 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
+from ..targets.engines import ENGINES, engine_versions, resolve_version
 
-stdout = Console()
-stderr = Console(stderr=True)
+VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
+
+UNCUT = 1 << 16  # columns: a line written to a pipe or a file is as long as it needs
+
+
+class _Console(Console):
+    """rich's Console for a pipe or a file as for a terminal: rich would cut tables at 80 columns when its stream is
+    not a terminal (``targets | grep sm100`` read "flashin…"), so there the lines are as long as they need (``COLUMNS``
+    still sets a width); and a reader that went away (``| head``) is the CLI's to report (rich would exit 1)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self.is_terminal or self._width is not None or "COLUMNS" in os.environ:
+            return size
+        return ConsoleDimensions(UNCUT, size.height)
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise  # the BrokenPipeError rich caught: run_app ends quietly with the pipe's exit code
+
+
+stdout = _Console()
+stderr = _Console(stderr=True)
 
 TargetOpt = Annotated[
     list[str],
@@ -39,6 +63,11 @@ def printable(text: object, limit: int | None = None) -> str:
 def show(text: object) -> str:
     """``text`` safe to embed in rich markup: printable, and brackets that look like tags escaped."""
     return escape(printable(text))
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun, singular for one ("1 transform matrix", "2 transform matrices")."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _human(nbytes: float) -> str:
@@ -71,10 +100,11 @@ def _default_out(model: Path | str, targets: list[str]) -> Path:
 
 
 def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Callable[[str], int], *, fuse: bool,
-                         tp: int, ep: bool, resume: bool) -> None:
+                         tp: int, ep: bool, resume: bool, vllm: str | None = None) -> None:
     """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything (the
     library refuses the same with RepackError)."""
-    for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size))):
+    for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size)),
+                        ("--vllm", lambda: resolve_version("vllm", vllm))):
         try:
             check()
         except RepackError as exc:
@@ -88,14 +118,28 @@ def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Cal
         raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
 
 
+def _check_out(out: str, source: str) -> Path:
+    """``-o``'s folder, refused as bad usage (exit code 2) where it is empty (it would mean the current folder) or a
+    local source's own folder, or lies inside it."""
+    from ..bundle.writer import clash_with_input
+
+    if not out.strip():
+        raise typer.BadParameter("an empty path; name the output folder",
+                                 param_hint="'--out'")
+    clash = clash_with_input(Path(out), Path(source)) if Path(source).expanduser().exists() else None
+    if clash:
+        raise typer.BadParameter(clash, param_hint="'--out'")
+    return Path(out)
+
+
 def convert(
     target: TargetOpt,
     model: Annotated[
         Optional[str], typer.Argument(help="Source model: a folder (config.json + .safetensors) or a Hub repo id.")
     ] = None,
     out: Annotated[
-        Optional[Path],
-        typer.Option("--out", "-o", help="Output bundle folder (default: <model>-<target>); with several targets, "
+        Optional[str],
+        typer.Option("--out", "-o", metavar="<path>", help="Output bundle folder (default: <model>-<target>); with several targets, "
                                          "the folder that receives one <target> bundle each (default: <model>-bundles)."),
     ] = None,
     revision: Annotated[
@@ -123,6 +167,10 @@ def convert(
         "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
         "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only).",
         "--weight-only")] = False,
+    vllm: Annotated[Optional[str], typer.Option(
+        "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
+        "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
+        "refused.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert an NVFP4 checkpoint into runtime-layout bundles: one target, or several in one pass.
@@ -138,8 +186,8 @@ def convert(
     from ..convert import convert as run_convert
 
     source = _model_or_sample(model, sample, "MODEL")
-    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume)
-    destination = out or _default_out(source, target)
+    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume, vllm=vllm)
+    destination = _check_out(out, source) if out is not None else _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         TimeRemainingColumn(), console=stderr, transient=True, disable=as_json or not stderr.is_terminal,
@@ -156,7 +204,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            weight_only=weight_only, ep=ep, on_plan=start_bar,
+            weight_only=weight_only, ep=ep, vllm=vllm, on_plan=start_bar,
             notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
@@ -171,8 +219,8 @@ def convert(
         for prefix, error in summary.rescaled.items():
             stdout.print(f"rescaled {show(prefix)}: unequal global scales folded into block scales, "
                          f"added relative L2 weight error {error:.3g}", highlight=False)
-        ranks = f" ({len(summary.bundles)} tensor-parallel ranks)" if len(summary.bundles) > 1 else ""
-        kept = f", {summary.kept_shards} shards kept from the interrupted run" if summary.kept_shards else ""
+        ranks = f" ({count(len(summary.bundles), 'tensor-parallel rank')})" if len(summary.bundles) > 1 else ""
+        kept = f", {count(summary.kept_shards, 'shard')} kept from the interrupted run" if summary.kept_shards else ""
         table = Table(title=f"bundle for {summary.target} written to {show(summary.out)}{ranks}{kept}")
         moe = ("FusedMoE layers",) if summary.moe_layers else ()
         for column in ("quantized layers", *moe, "passthrough tensors", "bytes in", "bytes out", "time"):
@@ -194,9 +242,12 @@ def _inspect_bundle(path: Path) -> None:
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
     stdout.print(f"scheme {show(manifest.scheme)}; vLLM kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
+    stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
+                                             for engine, versions in manifest.engines.items())))
     stdout.print(f"tensor parallel: rank {manifest.tp_rank} of {manifest.tp_size}; fusion: "
                  + (show(", ".join(f"{k} = {' + '.join(v)}" for k, v in manifest.fusion.items())) or "none"))
-    table = Table(title=f"{len(manifest.layers)} quantized layers, {len(manifest.passthrough)} passthrough tensors")
+    table = Table(title=f"{count(len(manifest.layers), 'quantized layer')}, "
+                        f"{count(len(manifest.passthrough), 'passthrough tensor')}")
     sliced = bool(manifest.fusion) or manifest.tp_size > 1  # otherwise every layer is its whole source layer
     columns = ("layer", "N x K", "padded", "K pad (bytes)", "global scale") + (("source rows x cols",) * sliced)
     for column in columns + (("online transforms",) if manifest.transforms else ()):
@@ -217,7 +268,8 @@ def _inspect_bundle(path: Path) -> None:
     if manifest.moe:
         stdout.print(_moe_table(manifest))
     if manifest.transforms:
-        stdout.print(f"{len(manifest.transforms)} online-transform matrices, each stored once: "
+        stdout.print(f"{count(len(manifest.transforms), 'online-transform matrix', 'online-transform matrices')}, "
+                     f"each stored once: "
                      + ", ".join(f"{show(name)} ({rec.tensor.dtype} [{rec.block_size}]^2, /{rec.scale:g})"
                                  for name, rec in manifest.transforms.items()), soft_wrap=True)
 
@@ -225,7 +277,7 @@ def _inspect_bundle(path: Path) -> None:
 def _moe_table(manifest) -> Table:
     """A bundle's FusedMoE layers: vLLM's module, the experts it holds, top-k, sizes, layout and vLLM backend."""
     first = next(iter(manifest.moe.values()))
-    table = Table(title=f"{len(manifest.moe)} FusedMoE layers, layout {show(first.layout_id)} (vLLM backend "
+    table = Table(title=f"{count(len(manifest.moe), 'FusedMoE layer')}, layout {show(first.layout_id)} (vLLM backend "
                         f"{show(first.backend)}, {show(' or '.join(first.kernels))})")
     for column in ("module", "experts held", "top-k", "hidden", "intermediate (rows)", "input scale of"):
         table.add_column(column)
@@ -256,12 +308,14 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
     shapes: dict[tuple[int, int], int] = {}
     for layer in source.layers.values():
         shapes[(layer.n, layer.k)] = shapes.get((layer.n, layer.k), 0) + 1
+    activation = _activation_scales(source)
     info = {
         "path": path,
         "format": source.format,
         "quant_algo": source.quant_algo,
         "quantized_layers": len(source.layers),
-        "passthrough_tensors": len(source.passthrough),
+        "passthrough_tensors": len(source.passthrough) - len(activation),
+        "activation_scales": len(activation),
         "layer_shapes": [{"n": n, "k": k, "count": c} for (n, k), c in sorted(shapes.items())],
         "transforms": _transform_summary(source),
         "moe": _moe_summary(source),
@@ -272,11 +326,15 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
         print(json.dumps(info, indent=2))
         return
     stdout.print(f"[bold]{show(source.format)}[/] {show(source.quant_algo)} checkpoint at {show(path)}")
-    table = Table(title=f"{len(source.layers)} quantized layers, {len(source.passthrough)} passthrough tensors")
+    folded = (f", {count(len(activation), 'activation input scale')} (the W4A4 layouts fold them in; "
+              "--weight-only and sm90 copy them)") if activation else ""
+    stdout.print(f"{count(len(source.layers), 'quantized layer')}, {count(info['passthrough_tensors'], 'passthrough tensor')} "
+                 f"(copied as they are){folded}", soft_wrap=True, highlight=False)
+    table = Table(title="quantized layers by shape")
     for column in ("N (out)", "K (in)", "layers"):
         table.add_column(column, justify="right")
-    for (n, k), count in sorted(shapes.items()):
-        table.add_row(str(n), str(k), str(count))
+    for (n, k), layers in sorted(shapes.items()):
+        table.add_row(str(n), str(k), str(layers))
     stdout.print(table)
     if info["transforms"]:
         table = Table(title="online transforms (weight_input / weight_output ones are already in the weights)")
@@ -299,6 +357,15 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
     stdout.print(f"possible targets: {', '.join(info['targets']) or 'none'}{moe}")
 
 
+def _activation_scales(source) -> list[str]:
+    """A W4A4 checkpoint's activation input scales, one per quantized layer: among the source's other tensors, but
+    a W4A4 bundle folds them into its layers (convert's count of passthrough tensors leaves them out)."""
+    if source.activation_scheme != "W4A4":
+        return []
+    names = {source.input_scale_name(prefix) for prefix in source.layers}
+    return [name for name in source.passthrough if name in names]
+
+
 def _moe_summary(source) -> dict | None:
     """formats' MoE summary plus the layout each target family's vLLM ``auto`` uses for it (``None``: refused)."""
     from ..bundle.layers import check_moe_scheme
@@ -316,7 +383,7 @@ def _moe_summary(source) -> dict | None:
     layouts = {}
     for family in FAMILIES:
         try:
-            layouts[family.name] = moe_layout(family.name).LAYOUT_ID
+            layouts[family.name] = moe_layout(family.name, source.activation_scheme).LAYOUT_ID
         except RepackError:
             layouts[family.name] = None
     return {**summary, "layouts": layouts}
@@ -376,7 +443,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
             "backend": t.backend,
             "layout_id": t.layout_id,
-            "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels)}
+            "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels), "engines": _holding(layout_id)}
                         for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
             "description": t.description,
         }
@@ -386,14 +453,27 @@ def targets(as_json: JsonOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "vLLM kernel", "GPUs"):
+    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "served by", "GPUs"):
         table.add_column(column)
     for row in rows:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
-        kernels = dict.fromkeys(layout["kernels"][0] for layout in row["layouts"].values())  # auto's, per scheme
+        served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
+                  for engine, versions in layout["engines"].items()}
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, " / ".join(kernels), row["description"])
+                      row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
     stdout.print(table)
+    for version in ENGINES:  # what a version holds differently from a bundle: convert refuses it for that version
+        for feature, why in version.refuses.items():
+            stdout.print(f"{version.label} ({version.release} checked) refuses {feature}: {why}", highlight=False)
+
+
+def _holding(layout_id: str) -> dict[str, list[str]]:
+    """Per engine, the versions that hold layout ``layout_id`` as the bundle stores it."""
+    out: dict[str, list[str]] = {}
+    for version in ENGINES:
+        if layout_id in version.layouts:
+            out.setdefault(version.engine, []).append(version.version)
+    return out
 
 
 class DeviceChoice(str, Enum):
@@ -426,18 +506,22 @@ def verify(
     device: Annotated[DeviceChoice, typer.Option(help="Where the runtime GEMM runs.")] = DeviceChoice.cpu,
     numerics: Annotated[
         NumericsChoice,
-        typer.Option(help="Layers whose numerics run: all, or a sample (each layer shape once, and one more); "
-                          "auto: all on a GPU, a sample on the CPU (exactness always covers every layer)."),
+        typer.Option(help="Layers whose numerics run: all (every expert of every MoE layer too), or a sample "
+                          "(each layer shape once and one more; per MoE layer shape the first expert, one more and "
+                          "any whose scalars stand out); auto: all on a GPU, a sample on the CPU, experts sampled. "
+                          "Exactness always covers every layer and expert."),
     ] = NumericsChoice.auto,
     as_json: JsonOpt = False,
     report_file: Annotated[
         Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")
     ] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for the random activations (default: fresh each run).")] = None,
+    seed: Annotated[Optional[int], typer.Option(
+        help="Seed for the random activations and the sample (default: derived from the manifest, the same every run)."
+    )] = None,
 ) -> int:
     """Prove a bundle computes the same function as its source: integrity, exactness, numerics.
 
-    An output folder of several targets: every target's bundle, the source hashed once. A ``--tp`` output
+    An output folder of several targets: every target's bundle, the source hashed once. A --tp output
     folder: every rank, and each source layer reassembled from the ranks' outputs.
     Exits 0 only when every check passes. The source must be the checkpoint the bundle was built from (by
     its files' digests); without one, verify fails unless --no-source is given.
@@ -489,26 +573,29 @@ def _print_verify(bundle: Path, report) -> None:
     stdout.print(table)
     departures = [c.rescale_error for c in report.layers if c.rescale_error is not None]
     if departures:
-        stdout.print(f"{len(departures)} layers rescaled by --rescale: numerics against their rescaled weights, which "
+        stdout.print(f"{count(len(departures), 'layer')} rescaled by --rescale: numerics against their rescaled weights, which "
                      f"depart from the unfused source by up to {max(departures):.3g} (relative L2), each bounded by "
                      "the error convert recorded", soft_wrap=True, highlight=False)
+    experts = f" and {report.numerics_experts} of {report.experts} experts" if report.experts else ""
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")
-        matrices = f", {len(report.transforms)} transform matrices" if report.transforms else ""
-        stdout.print(f"[green]PASS[/]: {len(report.layers)} layers, {len(report.passthrough)} passthrough tensors"
-                     f"{matrices}, {len(report.files)} files; numerics on {report.numerics_layers} of {len(report.layers)} layers, "
-                     f"relative error <= {report.tolerance:g} ({scope})", soft_wrap=True)
+        matrices = f", {count(len(report.transforms), 'transform matrix', 'transform matrices')}" if report.transforms else ""
+        stdout.print(f"[green]PASS[/]: {count(len(report.layers), 'layer')}, "
+                     f"{count(len(report.passthrough), 'passthrough tensor')}{matrices}, {count(len(report.files), 'file')}; "
+                     f"numerics on {report.numerics_layers} of {count(len(report.layers), 'layer')}{experts}, "
+                     f"relative error <= {report.tolerance:g} ({scope}; activation seed {report.seed})", soft_wrap=True)
         return
     summary = report.summary()
     for kind, messages in summary.items():
-        stdout.print(f"[red]FAIL[/] {kind}: {len(messages)} problem(s)", highlight=False)
+        stdout.print(f"[red]FAIL[/] {kind}: {count(len(messages), 'problem')}", highlight=False)
         for message in messages[:FAILURES_SHOWN]:
             stdout.print(f"  {show(message)}", soft_wrap=True, highlight=False)
         if len(messages) > FAILURES_SHOWN:
             stdout.print(f"  ... and {len(messages) - FAILURES_SHOWN} more (all of them: --report FILE)", highlight=False)
     counts = ", ".join(f"{kind} {len(messages)}" for kind, messages in summary.items())
-    stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed})", soft_wrap=True, highlight=False)
+    stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed}; numerics on {report.numerics_layers} of "
+                 f"{len(report.layers)} layers{experts})", soft_wrap=True, highlight=False)
 
 
 def _interruptible(command: Callable) -> Callable:

@@ -197,6 +197,21 @@ def read_tensor(entry: TensorEntry) -> torch.Tensor:
     return flat.view(entry.dtype).reshape(entry.shape)
 
 
+def read_rows(entry: TensorEntry, first: int, last: int) -> torch.Tensor:
+    """Rows ``[first, last)`` of the tensor's first dimension, read into fresh memory: a slice of a large tensor
+    (a chunk of a FusedMoE layer's experts) without mapping, or holding, the rest of it."""
+    rows = entry.shape[0] if entry.shape else 0
+    if not 0 <= first <= last <= rows:
+        raise RepackError(f"{entry.file.name}: rows [{first}, {last}) of tensor {entry.name!r} are outside its {rows}")
+    row = entry.nbytes // rows if rows else 0
+    flat = torch.empty((last - first) * row, dtype=torch.uint8)
+    with open(entry.file, "rb") as handle:
+        handle.seek(entry.begin + first * row)
+        if flat.numel() and handle.readinto(flat.numpy()) != flat.numel():
+            raise RepackError(f"{entry.file.name}: tensor {entry.name!r} is truncated")
+    return flat.view(entry.dtype).reshape(last - first, *entry.shape[1:])
+
+
 def iter_raw_chunks(entry: TensorEntry) -> Iterator[bytes]:
     """The tensor's bytes in bounded chunks, for byte-identical copies and hashing."""
     with open(entry.file, "rb") as handle:

@@ -146,6 +146,10 @@ def collect_layers(
     known = set(prefixes)
     for name in checkpoint.tensors:
         if name.endswith(global_suffix) and name[: -len(global_suffix)] not in known:
+            codes = checkpoint.tensors.get(name[: -len(global_suffix)] + suffix)
+            if codes is not None:  # there, but not packed codes (an F32 ``weight`` beside ModelOpt's scales)
+                raise RepackError(f"{codes.name}: packed NVFP4 weight must be U8 (two E2M1 codes a byte), got "
+                                  f"{codes.dtype_name} {list(codes.shape)}, though the layer has NVFP4 scales ({name})")
             raise RepackError(f"{name}: global scale without a packed NVFP4 weight {name[: -len(global_suffix)]}{suffix}")
     layers = {p: _layer_from_headers(checkpoint, scheme, p) for p in prefixes}
     consumed = {name for layer in layers.values() for name in layer.tensor_names}

@@ -40,13 +40,16 @@ TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SC
 
 
 def check_shape(experts: int, hidden: int, intermediate: int, name: str = "MoE layer") -> None:
-    """vLLM's refusal, in one line: a gated layer's 2I must be a multiple of 128 (it pads no w1/w3 halves)."""
-    if (2 * intermediate) % 128 or hidden % BLOCK_SIZE or intermediate % BLOCK_SIZE:
-        raise RepackError(
-            f"{name}: the sm120 MoE layout ({BACKEND}) needs 2 x intermediate size per rank a multiple of 128 "
-            f"(got {intermediate}) and hidden size a multiple of 16 (got {hidden}), as vLLM 0.33 does; "
-            "vLLM refuses this layer there"
-        )
+    """vLLM's refusal, in one line naming only what fails: a gated layer's 2I per rank must be a multiple of 128 (it
+    pads no w1/w3 halves; I is then a multiple of 64, so of the block size), the hidden size one of 16."""
+    problems = []
+    if (2 * intermediate) % 128:
+        problems.append(f"2 x intermediate size per rank (2 x {intermediate} = {2 * intermediate}) must be a multiple of 128")
+    if hidden % BLOCK_SIZE:
+        problems.append(f"hidden size {hidden} must be a multiple of {BLOCK_SIZE}")
+    if problems:
+        raise RepackError(f"{name}: the sm120 MoE layout ({BACKEND}) refuses this layer, as vLLM 0.33 does: "
+                          + "; ".join(problems))
 
 
 def to_runtime(stack: ExpertStack, name: str = "MoE layer",

@@ -140,8 +140,9 @@ def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: in
 
 
 def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
-    """dtype and shape of every tensor :func:`to_runtime` makes, from sizes alone (for shard planning)."""
-    padded = padded_intermediate(hidden, intermediate)
+    """dtype and shape of every tensor :func:`to_runtime` makes, from sizes alone (for shard planning; the shape
+    check is :func:`check_shape`'s)."""
+    padded = round_up(intermediate, 64 if hidden % 128 == 0 else 128)
     scalar = TensorSpec(torch.float32, (experts,))
     return {
         "w13_weight": TensorSpec(torch.int32, (experts, hidden // 16, 4 * padded)),

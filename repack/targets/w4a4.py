@@ -56,6 +56,18 @@ def runs_qutlass(input_blocks: list[int | None]) -> bool:
     return bool(input_blocks) and all(block in QUTLASS_BLOCKS for block in input_blocks)
 
 
+HUMMING_BLOCKS = (16, 32, 64, 128)  # vLLM 0.34's HADAMARD_BLOCK_SIZES (linear_humming_nvfp4.py)
+
+
+def runs_humming(inputs: list[tuple[str, int | None]], outputs: int) -> bool:
+    """Whether vLLM 0.34 serves a W4A4 layer through Humming's Hadamard kernel on sm100 / sm120
+    (``is_humming_hadamard_fp4_scheme``): input transforms ``(type, block)`` (``None``: whole-K, no head_dim) all
+    deterministic ``hadamard`` of one block it fuses, and no output transform (``outputs``: their number); every other
+    rotated W4A4 layer gets its generic transform method around the W4A4 kernel, as 0.33 does outside QuTLASS."""
+    return (bool(inputs) and not outputs and len({block for _, block in inputs}) == 1
+            and all(kind == "hadamard" and block in HUMMING_BLOCKS for kind, block in inputs))
+
+
 def qutlass_scales(weight_global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fused_alpha, fused_global_scale)`` as QutlassNvFP4LinearMethod computes them after loading: the float32
     ``[]`` ``weight_global_scale / 6`` and the float32 ``[1]`` ``[6]``."""

@@ -80,7 +80,8 @@ from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.utils import flashinfer as vutils_fi  # noqa: E402
 
-assert vllm.__version__ == "0.33.0", vllm.__version__
+assert vllm.__version__ in ("0.33.0", "0.34.0"), vllm.__version__  # one oracle venv per version (make_env.sh)
+V034 = vllm.__version__ == "0.34.0"
 assert flashinfer.__version__ == "0.7.2.post1", flashinfer.__version__
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 
@@ -116,7 +117,7 @@ assert isinstance(HadamardTransform.scaled_data_ptrs, set)
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
 
-_current = {"arch": "sm100", "w4a4": False}  # the job being loaded: which capability and FlashInfer layout to emulate
+_current: dict = {"arch": "sm100", "w4a4": False, "methods": []}  # the job being loaded: which capability and FlashInfer layout to emulate
 
 
 def is_w4a4(arch: str) -> bool:
@@ -168,15 +169,26 @@ def patch() -> None:
     def from_schemes_emulated(cls, *args, **kwargs):
         if not _current["w4a4"]:
             return from_schemes(cls, *args, **kwargs)
-        saved = CpuPlatform.__dict__.get("get_device_capability")
+        names = ("get_device_capability", "is_cuda")
+        saved = {n: CpuPlatform.__dict__[n] for n in names if n in CpuPlatform.__dict__}
         CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(cc() // 10, 0))
+        if V034:  # Humming's Hadamard kernel's is_supported: a CUDA platform with the humming package (a GPU's answer)
+            from vllm.model_executor.kernels.linear.nvfp4 import humming as vhumming
+
+            CpuPlatform.is_cuda = lambda self: True
+            has_humming, vhumming.has_humming = vhumming.has_humming, lambda: True
         try:
-            return from_schemes(cls, *args, **kwargs)
+            method = from_schemes(cls, *args, **kwargs)
+            _current["methods"].append(type(method).__name__)  # vLLM's choice, kept even where its load then fails
+            return method
         finally:
-            if saved is None:
-                del CpuPlatform.get_device_capability
-            else:
-                CpuPlatform.get_device_capability = saved
+            for n in names:
+                if n in saved:
+                    setattr(CpuPlatform, n, saved[n])
+                elif n in CpuPlatform.__dict__:
+                    delattr(CpuPlatform, n)
+            if V034:
+                vhumming.has_humming = has_humming
 
     CompressedTensorsLinearTransformMethod.from_schemes = classmethod(from_schemes_emulated)
 
@@ -225,6 +237,22 @@ def patch() -> None:
         return ARCH[_current["arch"]][1](b, b_descale, alpha, block_size)
 
     vfi.flashinfer_prepare_bf16_fp4_weights = prepare_on_cpu
+
+    # PATCH 0.34: its CPU platform refuses an x86 host without Triton-CPU while it checks the config (its model runner
+    # would need it; the harness runs none): the check sees Triton present, for that one call.
+    if V034:
+        import vllm.triton_utils as triton_utils
+
+        check = CpuPlatform.check_and_update_config.__func__
+
+        def check_with_triton(cls, vllm_config):
+            saved, triton_utils.HAS_TRITON = triton_utils.HAS_TRITON, True
+            try:
+                return check(cls, vllm_config)
+            finally:
+                triton_utils.HAS_TRITON = saved
+
+        CpuPlatform.check_and_update_config = classmethod(check_with_triton)
 
     # PATCH 4: torch.accelerator.empty_cache raises without an accelerator.
     torch.accelerator.empty_cache = lambda: None
@@ -284,10 +312,27 @@ NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_p
 
 
 def layer_tensors(layer) -> dict[str, torch.Tensor]:
-    """Every tensor a layer holds after its load: parameters, buffers and plain tensor attributes."""
-    found = {**dict(layer.named_parameters(recurse=False)), **dict(layer.named_buffers(recurse=False))}
+    """Every tensor a layer holds after its load: parameters (each of its names: vLLM 0.34 registers one Parameter
+    under two, ``weight_packed`` and ``weight``), buffers and plain tensor attributes."""
+    found = {**layer._parameters, **layer._buffers}
     found.update({k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor)})
-    return found
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def tensor_info(layer, name: str, value: torch.Tensor) -> dict:
+    """A tensor's class, dtype, view (shape, stride, offset) and storage size, and vLLM 0.34's bookkeeping: ``retired``
+    (a loaded parameter no kernel reads, left registered), ``runtime_name`` (the kernel's name of a Parameter held under
+    two names) and ``aliases`` (the layer's other names for the same object)."""
+    return {"class": type(value).__name__, "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape),
+            "stride": list(value.stride()), "offset": value.storage_offset(),
+            "storage_nbytes": value.untyped_storage().nbytes(), "retired": bool(getattr(value, "retired", False)),
+            "runtime_name": getattr(value, "runtime_name", None),
+            "aliases": sorted(n for n, p in layer._parameters.items() if p is value and n != name)}
+
+
+def logical_bytes(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's value, in its logical order, as bytes (a view into a larger loaded storage: its elements only)."""
+    return value.detach().reshape(-1).contiguous().view(torch.uint8).clone()
 
 
 def fused_layers(model):
@@ -299,18 +344,16 @@ def fused_layers(model):
 
 
 def dump_w4a4(model, out: Path, rank: int) -> None:
-    """Every tensor of every fused NVFP4 layer as its whole storage's bytes, with its view in the json."""
+    """Every tensor of every fused NVFP4 layer as its logical value's bytes, with its view, storage size and vLLM's
+    bookkeeping in the json (:func:`tensor_info`)."""
     tensors, meta = {}, {}
     for prefix, layer, kernel in fused_layers(model):
         info = {"kernel": type(kernel).__name__, "method": type(layer.quant_method).__name__, "tensors": {}}
         info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
         tensors.update(transform_state(layer, prefix))
         for name, value in sorted(layer_tensors(layer).items()):
-            storage = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
-            tensors[f"{prefix}.{name}"] = storage.clone()
-            info["tensors"][name] = {"class": type(value).__name__, "dtype": str(value.dtype).replace("torch.", ""),
-                                     "shape": list(value.shape), "stride": list(value.stride()),
-                                     "offset": value.storage_offset()}
+            tensors[f"{prefix}.{name}"] = logical_bytes(value)
+            info["tensors"][name] = tensor_info(layer, name, value)
         meta[prefix] = info
     save_file(tensors, out / f"rank-{rank}.safetensors")
     (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
@@ -350,8 +393,7 @@ def dump_moe(model, out: Path, rank: int) -> None:
                 "tensors": {}}
         for name, value in sorted(found.items()):
             tensors[f"{prefix}.{name}"] = value.detach().contiguous().clone()
-            info["tensors"][name] = {"dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape),
-                                     "stride": list(value.stride()), "offset": value.storage_offset()}
+            info["tensors"][name] = tensor_info(module, name, value)
         meta[prefix] = info
     save_file(tensors, out / f"moe-rank-{rank}.safetensors")
     (out / f"moe-rank-{rank}.json").write_text(json.dumps(meta, indent=2))
@@ -374,6 +416,9 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
             init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")
             initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        else:  # vLLM makes the expert-parallel group for MoE models only: each job gets its own model's groups
+            destroy_model_parallel()
+            initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
         if moe:
             dump_moe(model, out, rank)
@@ -389,10 +434,13 @@ def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:
             ckpt, _, arch = rest.rpartition(":")
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
+            _current["methods"] = []
             try:
                 load(ckpt, arch, tp, rank, folder)
             except Exception as exc:  # vLLM refused the checkpoint: the test compares with our refusal
                 (folder / "refused.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            # the transform methods vLLM chose (Humming's on 0.34 cannot load on CPU: its choice is the record)
+            (folder / "methods.json").write_text(json.dumps(_current["methods"]))
     finally:
         destroy_model_parallel()
         destroy_distributed_environment()

@@ -24,6 +24,7 @@ from typing import Iterator
 import harness  # noqa: I001  (first: fixes vLLM's platform before anything imports vLLM)
 import pytest
 import torch
+import vllm
 from safetensors.torch import load_file, save_file
 from torch import nn
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -55,6 +56,7 @@ from variants import OUTPUT_VARIANTS, output_variant
 harness.patch()
 register()  # what vLLM's plugin loader does through the vllm.general_plugins entry point
 PRODUCERS = Path(__file__).resolve().parents[1] / "data" / "producers"
+RUNNING = ".".join(vllm.__version__.split(".")[:2])  # the vLLM series this env runs: convert --vllm writes for it
 # What a layer's NVFP4 kernel reads besides its three tensors.
 KERNEL_ATTRS = ("weights_padding_cols", "output_size_per_partition", "input_size_per_partition", "logical_widths",
                 "flashinfer_gemm_backend")  # QuTLASS's: its GEMM's FlashInfer backend
@@ -209,7 +211,7 @@ def _w4a4_states(source: Path, target: str, rescale: bool = False) -> tuple[dict
     the plugin loads) and vLLM's auto load of the source (``rescale``: a ``--rescale`` bundle, against vLLM's load of
     the checkpoint that --rescale means, ``_fold_gate_up``)."""
     bundle = source.parent / "bundle"
-    convert(source, target, bundle, fuse=True, rescale=rescale)
+    convert(source, target, bundle, fuse=True, rescale=rescale, vllm=RUNNING)
     if rescale:
         _fold_gate_up(source)
     expected = layer_state(load(source, "safetensors", target, w4a4=True))

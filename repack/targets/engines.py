@@ -1,0 +1,109 @@
+"""Serving engines and their versions as planning data: which layouts each version holds byte for byte after its own
+post-load (so which versions one bundle serves), and what a version cannot serve from a bundle.
+
+Torch-free, like :mod:`.families` (``nvfp4-repack targets`` reads it). A version row is one engine release series
+(``vllm`` ``0.34``: the running release's ``major.minor``), checked against the release named in ``release`` by the
+conformance oracle of that version (tests/vllm/). A bundle's manifest lists, per engine, the versions whose rows hold
+all of its layouts and refuse none of its features (``engines``: ``{"vllm": ["0.33", "0.34"]}``); another engine
+(SGLang) adds its rows here under its own key. Differences in bookkeeping only (names, retired parameters, views)
+are not layout differences: the plugin reproduces each version's own (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..errors import RepackError
+
+# A bundle feature a version may not serve (found by the plan; the reason names what to do instead):
+HADAMARD_W4A4 = "hadamard-w4a4"  # a W4A4 layer whose only online transforms are Hadamard input rotations of one
+# block of 16..128 (targets/w4a4.py runs_humming): vLLM 0.33 runs QuTLASS on it, 0.34 Humming's Hadamard kernel
+
+# Every layout this project writes, by id: vLLM 0.33 and 0.34 hold each of them identically (every kernel-read
+# tensor equal in name, dtype, shape, stride and value; tests/test_vllm_conformance.py checks both versions).
+VLLM_LAYOUTS = ("sm100-cute-dsl-v1", "sm120-cute-dsl-v1", "sm90-triton-v2", "w4a4-cutlass-v1",
+                "moe-flashinfer-trtllm-v1", "moe-flashinfer-cutlass-v1")
+
+
+@dataclass(frozen=True)
+class EngineVersion:
+    """One release series of a serving engine.
+
+    Attributes:
+        engine: the engine's key in a manifest's ``engines`` (``vllm``).
+        version: the release series (``0.34``): a running ``0.34.x`` is this version.
+        release: the release its conformance oracle runs (``0.34.0``).
+        layouts: the layout ids it holds byte for byte after its own post-load.
+        refuses: bundle feature -> why this version cannot serve it from a bundle, and what to run instead.
+    """
+
+    engine: str
+    version: str
+    release: str
+    layouts: tuple[str, ...]
+    refuses: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.version}"
+
+
+# Marlin's (targets/marlin.py, moe_marlin.py): every kernel-read tensor checked against each version's own load
+# (tests/test_vllm_marlin_conformance.py; 0.34 keeps more bookkeeping names beside them, as for the other layouts)
+MARLIN_LAYOUTS = ("marlin-v1", "marlin-v1-w4a4", "marlin-fp16-v1", "marlin-fp16-v1-w4a4", "moe-marlin-v1")
+
+VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS + MARLIN_LAYOUTS)
+VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS, {
+    HADAMARD_W4A4: "vLLM 0.34 serves W4A4 layers with Hadamard input rotations through Humming's Hadamard kernel, whose layout is made by "
+                  "Humming's CUDA ops at load and is not written by nvfp4-repack: convert with --vllm 0.33 (and serve "
+                  "with vLLM 0.33), or with --weight-only",
+})
+
+ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034)  # per engine, oldest first
+
+
+def engine_versions(engine: str) -> list[EngineVersion]:
+    """The supported versions of ``engine``, oldest first."""
+    return [v for v in ENGINES if v.engine == engine]
+
+
+def newest(engine: str) -> EngineVersion:
+    return engine_versions(engine)[-1]
+
+
+def resolve_version(engine: str, version: str | None) -> EngineVersion:
+    """The row of ``engine`` ``version`` (``0.34`` or a release ``0.34.0``; None: the newest), or a one-line refusal
+    listing the supported ones."""
+    if version is None:
+        return newest(engine)
+    wanted = ".".join(version.strip().split(".")[:2])
+    found = next((v for v in engine_versions(engine) if v.version == wanted), None)
+    if found is None:
+        supported = ", ".join(v.version for v in engine_versions(engine))
+        raise RepackError(f"{engine} {version} is not supported; supported versions: {supported}")
+    return found
+
+
+def serves(row: EngineVersion, layout_ids: Iterable[str], features: Iterable[str]) -> bool:
+    """Whether ``row`` holds every layout of a bundle and refuses none of its features."""
+    return set(layout_ids) <= set(row.layouts) and not set(features) & set(row.refuses)
+
+
+def bundle_engines(chosen: EngineVersion, layout_ids: Iterable[str], features: Iterable[str]) -> dict[str, list[str]]:
+    """A bundle's manifest ``engines``: the versions of ``chosen``'s engine whose state is the bundle's, or a one-line
+    refusal when ``chosen`` itself cannot serve it (naming why and what to run instead)."""
+    layouts, wanted = list(layout_ids), list(features)
+    refused = [f for f in wanted if f in chosen.refuses]
+    if refused:
+        raise RepackError(chosen.refuses[refused[0]])
+    missing = sorted(set(layouts) - set(chosen.layouts))
+    if missing:
+        raise RepackError(f"{chosen.label} does not hold layout {', '.join(missing)}")
+    return {chosen.engine: [v.version for v in engine_versions(chosen.engine) if serves(v, layouts, wanted)]}
+
+
+def running_row(engine: str, running: str) -> EngineVersion | None:
+    """The row of the running release ``running`` (``0.34.0``, ``0.34.1.dev3``), if supported."""
+    series = ".".join(running.split(".")[:2])
+    return next((v for v in engine_versions(engine) if v.version == series), None)

@@ -1,0 +1,165 @@
+"""What the CLI prints, where nobody watches a terminal: pipes, files, and the words of its messages (issue 38's
+frictions: tables cut at 80 columns when piped, ``| head`` ending in a silent exit 1, "1 transform matrices",
+``inspect`` counting a W4A4 source's activation scales as passthrough tensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from repack.cli import PIPE_CLOSED_EXIT, main
+from repack.targets import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCERS = ROOT / "tests" / "data" / "producers"
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --- pipes and files ------------------------------------------------------------------------------------------------
+
+
+def test_tables_are_not_cut_when_stdout_is_not_a_terminal(capsys, monkeypatch):
+    """Regression (issue 38): ``targets | grep`` read "flashin…": rich cut tables at 80 columns off a terminal."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    code, out, _ = _cli(["targets"], capsys)
+    assert code == 0 and "…" not in out
+    for family in FAMILIES:
+        row = next(line for line in out.splitlines() if f" {family.name} " in line)
+        assert family.backend in row and family.layout_id in row and family.description in row, row
+
+
+def test_columns_still_sets_the_width(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    code, out, _ = _cli(["targets"], capsys)
+    assert code == 0 and max(map(len, out.splitlines())) <= 60
+
+
+@pytest.mark.parametrize("argv", [["targets"], ["targets", "--json"], ["--help"], ["convert", "--help"],
+                                  ["--version"], ["inspect", "--sample"], ["inspect", "--sample", "--json"]],
+                         ids=" ".join)
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv):
+    """Regression (issue 38): ``nvfp4-repack targets | head -1`` ended in a silent exit 1 (rich's and Typer's answer
+    to a closed pipe). Now nothing on stderr and exit code 141, what a shell reports for a tool SIGPIPE ended.
+    The pipe's read end is closed before the child writes, so the child always meets it closed."""
+    child = subprocess.Popen([sys.executable, "-m", "repack.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    child.stdout.close()
+    err = child.stderr.read()
+    assert child.wait(timeout=120) == PIPE_CLOSED_EXIT and err == b"", err[-2000:]
+
+
+def test_head_in_a_shell_pipeline(tmp_path):
+    """``| head -1`` as typed: the first line, no word on stderr, a status of 0 (all written) or 141 (pipe closed)."""
+    script = (f"PYTHONPATH={ROOT} {sys.executable} -m repack.cli targets | head -1; "
+              'echo "status ${PIPESTATUS[0]} ${PIPESTATUS[1]}" >&2')
+    run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.stdout.strip() == "targets"
+    status = run.stderr.strip().splitlines()
+    assert len(status) == 1 and status[0] in ("status 0 0", f"status {PIPE_CLOSED_EXIT} 0"), run.stderr
+
+
+# --- words ------------------------------------------------------------------------------------------------------------
+
+
+def test_one_of_a_thing_is_singular(tmp_path, capsys):
+    """Regression (issue 38): "1 transform matrices"."""
+    out = tmp_path / "b"
+    assert _cli(["convert", PRODUCERS / "ct_quip_v_had16_nvfp4a16", "-t", "sm100", "-o", out], capsys)[0] == 0
+    code, text, _ = _cli(["verify", out], capsys)
+    text = " ".join(text.split())
+    assert code == 0 and ", 1 transform matrix, " in text and "14 layers, 7 passthrough tensors" in text, text
+    code, text, _ = _cli(["inspect", out], capsys)
+    assert code == 0 and "1 online-transform matrix, each stored once" in " ".join(text.split())
+
+
+@pytest.mark.parametrize("name,scales", [("ct_nvfp4", 14), ("modelopt_nvfp4", 14), ("ct_nvfp4a16", 0)])
+def test_inspect_counts_activation_scales_apart_from_passthrough_tensors(tmp_path, capsys, name, scales):
+    """Regression (issue 38): ``inspect`` of a W4A4 source counted 21 passthrough tensors where convert writes 7:
+    its 14 activation input scales, which the W4A4 layouts fold into the layers, are counted on their own."""
+    code, out, _ = _cli(["inspect", PRODUCERS / name, "--json"], capsys)
+    info = json.loads(out)
+    assert code == 0 and (info["passthrough_tensors"], info["activation_scales"]) == (7, scales)
+    code, out, _ = _cli(["convert", PRODUCERS / name, "-t", "sm100", "-o", tmp_path / "b", "--json"], capsys)
+    assert code == 0 and json.loads(out)[0]["passthrough"] == info["passthrough_tensors"]
+    code, out, _ = _cli(["inspect", PRODUCERS / name], capsys)
+    first = " ".join(out.split())
+    expected = "14 quantized layers, 7 passthrough tensors (copied as they are)"
+    assert expected + (f", {scales} activation input scales (the W4A4 layouts fold them in" if scales else " ") in first
+
+
+# --- where the output goes --------------------------------------------------------------------------------------------
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("targets", [["sm100"], ["all"]])
+def test_an_empty_output_path_is_bad_usage(make_model, tmp_path, capsys, monkeypatch, targets):
+    """Regression (issue 38): ``-o ""`` meant the current folder."""
+    model = make_model(shapes=[(16, 32)])
+    monkeypatch.chdir(tmp_path)
+    before = _tree(tmp_path)
+    code, _, err = _cli(["convert", model.path, *(a for t in targets for a in ("-t", t)), "-o", ""], capsys)
+    assert code == 2 and err.count("\n") == 1 and "'--out': an empty path; name the output folder" in err, err
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("targets", [["sm100"], ["all"]])
+@pytest.mark.parametrize("where", ["bundle", "sub/bundle", "."])
+def test_an_output_inside_the_source_is_bad_usage(make_model, tmp_path, capsys, targets, where):
+    """Regression (issue 38): ``-o SRC/bundle`` wrote the bundle inside its own source without a word."""
+    from repack.convert import convert
+    from repack.errors import RepackError
+
+    model = make_model(shapes=[(16, 32)])
+    before = _tree(model.path)
+    out = model.path / where
+    code, _, err = _cli(["convert", model.path, *(a for t in targets for a in ("-t", t)), "-o", out], capsys)
+    message = "would replace the input" if where == "." else "the output folder is inside the input"
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    with pytest.raises(RepackError, match=message):  # the library refuses it too (a Hub snapshot's folder)
+        convert(model.path, targets[0], out)
+    assert _tree(model.path) == before
+
+
+def test_an_interrupted_several_target_convert_leaves_no_visible_output(make_model, tmp_path, capsys, monkeypatch):
+    """Regression (issue 38): Ctrl-C during ``-t all`` left a visible, seemingly empty OUT (its targets were staged
+    inside it). The output of several targets is staged whole as a hidden ``.OUT.partial-*`` beside it and renamed
+    into place at the end, as one target's bundle is; ``--resume`` continues from it."""
+    import repack.convert
+
+    model = make_model(shapes=[(64, 128)] * 6)
+    out = tmp_path / "out"
+    argv = ["convert", model.path, "-t", "all", "-o", out, "--max-shard-size", "20KB"]
+    real, seen = repack.convert._Writing.take_layer, []
+
+    def take(self, layer, weight):  # Ctrl-C once a few layers went to the writers
+        if len(seen) == 9:
+            raise KeyboardInterrupt
+        seen.append(layer.prefix)
+        real(self, layer, weight)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(repack.convert._Writing, "take_layer", take)
+        code, _, err = _cli(argv, capsys)
+    assert code == 130 and err.count("\n") == 1 and "--resume" in err, err
+    assert not out.exists()
+    [staged] = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert staged.startswith(".out.partial-")
+    code, stdout, err = _cli([*argv, "--resume"], capsys)
+    assert code == 0 and err == "", err
+    assert "kept from the interrupted run" in " ".join(stdout.split())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in out.iterdir()) == ["nvfp4-repack-output.json", *sorted(f.name for f in FAMILIES)]
+    assert _cli(["verify", out], capsys)[0] == 0

@@ -1,0 +1,110 @@
+"""Engine versions as data (repack/targets/engines.py): the manifest's ``engines``, ``convert --vllm``, the refusal
+of what a version cannot serve, and ``inspect`` / ``targets`` showing them. Whether each version's state really is the
+bundle's is tests/test_vllm_conformance.py's work (one oracle per version)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from repack.bundle.reader import open_bundle
+from repack.cli import main
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.targets import TARGETS, engines
+from repack.targets.moe import moe_layout
+
+from .conftest import PRODUCERS
+
+ROTATED_W4A4 = "ct_quip_vu_had32_nvfp4"  # W4A4, Hadamard input rotations of block 32: QuTLASS in 0.33, Humming in 0.34
+BOTH = {"vllm": ["0.33", "0.34"]}
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_every_layout_written_is_held_by_every_vllm_version():
+    """Every layout convert can write (dense per scheme, MoE) is a row's; a layout missing from the table would make
+    every bundle of it unservable, silently."""
+    written = {t.layout_id for target in TARGETS for t in target.layouts}
+    for target in TARGETS:
+        try:
+            written.add(moe_layout(target.name).LAYOUT_ID)
+        except RepackError:  # sm90, sm75: no MoE layout
+            pass
+    for version in engines.engine_versions("vllm"):
+        assert written <= set(version.layouts), (version.label, written - set(version.layouts))
+
+
+@pytest.mark.parametrize("fixture,options", [
+    ("ct_nvfp4a16", {}), ("modelopt_nvfp4", {"fuse": True}), (ROTATED_W4A4, {"weight_only": True}),
+    # random-hadamard input rotations: QuTLASS in 0.33, vLLM 0.34's transform method around the W4A4 kernel (no
+    # Humming), which reads the W4A4 layout as it is
+    ("ct_quip_vu_rhad16_nvfp4", {"fuse": True})])
+def test_a_bundle_both_versions_hold_lists_both(fixture, options, tmp_path):
+    for vllm in (None, "0.33", "0.34"):
+        out = tmp_path / str(vllm)
+        convert(PRODUCERS / fixture, "sm100", out, vllm=vllm, **options)
+        manifest = open_bundle(out).manifest
+        assert (manifest.bundle_format_version, manifest.engines) == (6, BOTH)
+
+
+def test_rotated_w4a4_is_refused_for_034_in_one_line_naming_033(tmp_path, capsys):
+    """vLLM 0.34 serves its Hadamard-rotated layers through Humming's Hadamard kernel (its own layout): refused by default (the newest) and
+    for --vllm 0.34, nothing written; --vllm 0.33 writes the QuTLASS bundle, for 0.33 only."""
+    for flags in ([], ["--vllm", "0.34"]):
+        code, _, err = cli(capsys, "convert", PRODUCERS / ROTATED_W4A4, "-t", "sm100", "--fuse", "-o", tmp_path / "b",
+                           *flags)
+        assert code == 1 and err.count("\n") == 1 and "--vllm 0.33" in err and "Humming" in err, err
+        assert not (tmp_path / "b").exists()
+    convert(PRODUCERS / ROTATED_W4A4, "sm100", tmp_path / "b", fuse=True, vllm="0.33")
+    bundle = open_bundle(tmp_path / "b")
+    assert bundle.manifest.engines == {"vllm": ["0.33"]}
+    assert any(bundle.runs_qutlass(p) for p in bundle.manifest.layers)
+    code, text, _ = cli(capsys, "inspect", tmp_path / "b")
+    assert code == 0 and "serves: vllm 0.33\n" in text
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.35", "abc"])
+def test_an_unsupported_version_is_a_usage_error(version, tmp_path, capsys):
+    code, _, err = cli(capsys, "convert", "--sample", "-t", "sm100", "-o", tmp_path / "b", "--vllm", version)
+    assert code == 2 and err.count("\n") == 1 and "supported versions: 0.33, 0.34" in err, err
+    with pytest.raises(RepackError, match="supported versions: 0.33, 0.34"):
+        convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "b", vllm=version)
+
+
+def test_a_release_names_its_series():
+    assert engines.resolve_version("vllm", "0.34.0") is engines.VLLM_034
+    assert engines.resolve_version("vllm", None) is engines.newest("vllm") is engines.VLLM_034
+    assert engines.running_row("vllm", "0.34.1.dev3+g1234") is engines.VLLM_034
+    assert engines.running_row("vllm", "0.35.0") is None
+
+
+def test_bundles_before_format_6_are_vllm_033s(tmp_path):
+    """A format 5 manifest has no ``engines``: it was checked against vLLM 0.33 only."""
+    convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "b")
+    path = tmp_path / "b" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["engines"]
+    manifest["bundle_format_version"] = 5
+    path.write_text(json.dumps(manifest))
+    assert open_bundle(tmp_path / "b").manifest.engines == {"vllm": ["0.33"]}
+    manifest["bundle_format_version"] = 6
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(RepackError, match="missing 'engines'"):
+        open_bundle(tmp_path / "b")
+
+
+def test_inspect_and_targets_show_the_versions(tmp_path, capsys):
+    convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "b")
+    code, text, _ = cli(capsys, "inspect", tmp_path / "b")
+    assert code == 0 and "serves: vllm 0.33, 0.34" in text
+    assert json.loads(cli(capsys, "inspect", tmp_path / "b", "--json")[1])[0]["engines"] == BOTH
+    rows = json.loads(cli(capsys, "targets", "--json")[1])
+    assert all(layout["engines"] == BOTH for row in rows for layout in row["layouts"].values())
+    code, text, _ = cli(capsys, "targets")
+    assert code == 0 and "refuses hadamard-w4a4" in " ".join(text.split())
