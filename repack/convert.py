@@ -22,10 +22,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
     ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, expert_rescale_error,
-    largest_expert_scales, layer_transforms, plan_layers, rescale_error, whole_piece,
+    expert_pieces, expert_tensor_reader, largest_expert_scales, layer_transforms, plan_layers, rescale_error,
+    whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -45,7 +48,7 @@ from .formats.hub import hub_sha256
 from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
-from .lane import Lane, one_torch_thread
+from .lane import Lane, one_torch_thread, reuse_freed_blocks
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.families import W4A4_LAYOUT_ID
@@ -173,6 +176,18 @@ class _Writing:
         transformed = self.transforms.submit(moe_layout(self.output.plan.target).to_runtime, stack,
                                              experts.prefix, [t.part for t in tensors])
         self.transformer.submit(nbytes, self._queue_experts, tensors, transformed, last)
+
+    def take_codes(self, tensor: PlannedTensor, pieces: list[tuple[torch.Tensor, ...]], last: bool) -> None:
+        """Some experts' rows of a FusedMoE layer's codes tensor (``w13_weight`` or ``w2_weight``) from their source
+        pieces (:func:`expert_pieces`), as :meth:`take_experts` takes a stack: the layout copies the pieces once into
+        its order (``codes_from_pieces``; no stack first), on the shared pool."""
+        plan = tensor.experts
+        nbytes = tensor.nbytes * len(pieces) // (plan.experts[1] - plan.experts[0])
+        layout = moe_layout(self.output.plan.target)
+        which = tensor.part.partition("_")[0]
+        transformed = self.transforms.submit(lambda: {tensor.part: layout.codes_from_pieces(
+            which, pieces, plan.group.hidden, plan.intermediate)})
+        self.transformer.submit(nbytes, self._queue_experts, [tensor], transformed, last)
 
     def _queue_experts(self, tensors: list[PlannedTensor], transformed: Future, last: bool) -> None:
         values = transformed.result()
@@ -396,44 +411,66 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
             report(len(chunk), unit)
 
 
-MOE_CHUNK_BYTES = 128 << 20  # source bytes of a FusedMoE layer's experts transformed at once (bounds memory)
+MARLIN_SCALE_CHUNK = 32  # experts whose block scales Marlin's largest-scale pass reads at once
+MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: bounds memory, and small
+# enough that glibc reuses freed blocks (it maps blocks above 32 MB afresh, each page then faulted and zeroed)
+
+
+def moe_chunk_experts(per_expert: int, share: float) -> int:
+    """Experts per chunk of a layout tensor made from ``per_expert`` source bytes of each expert, of which one
+    bundle holds ``share`` (1 / TP of each expert's rows, or whole experts): about ``MOE_CHUNK_BYTES`` per bundle, so
+    that a --tp 8 pass hands each rank pieces as large as --fuse's."""
+    return max(1, int(MOE_CHUNK_BYTES / (per_expert * share)))
 
 
 def _pass_experts(source: SourceModel, reader: HashingReader, module: str, takers: list[_Writing],
                   report: Progress) -> None:
     """One FusedMoE layer for every bundle that needs it (a --tp output's ranks: each source expert read once for
     all of them). Tensor by tensor, in the shards' order, each a chunk of experts at a time (every layout tensor
-    is expert by expert), so memory holds one chunk of experts whatever the layer's size: each chunk reads only
-    the source tensors its layout tensor is made from; the small scalar tensors come from the experts' 4-byte
-    scales at once."""
+    is expert by expert), so memory holds one chunk of experts whatever the layer's size: each layout tensor is
+    made from one source tensor of each expert layer (codes or block scales), which its chunks alone read, so
+    every source tensor is read once; the small scalar tensors come from the experts' 4-byte scales at once."""
     plans = [w.output.plan.layers.experts[module] for w in takers]
     group = plans[0].group
-    per_expert = sum(source.checkpoint.tensors[n].nbytes for names in (group.gate, group.up, group.down)
-                     for n in source.layers[names[0]].tensor_names)
-    step = max(1, MOE_CHUNK_BYTES // per_expert)
     scales = [expert_input_scales(source, plan) for plan in plans]
     layout = moe_layout(takers[0].output.plan.target)
-    largest = [largest_expert_scales(source, plan, step) if hasattr(layout, "largest_scales") else None
-               for plan in plans]  # Marlin: one scale factor per layer, from all of the rank's experts
+    largest = [largest_expert_scales(source, plan, MARLIN_SCALE_CHUNK) if hasattr(layout, "largest_scales") else None
+               for plan in plans]  # Marlin: one scale factor per layer, from the block scales of all the rank's experts
     tensors = takers[0].output.plan.units[module]  # one layout: the same parts, in the same order, in every bundle
     weights = [i for i, t in enumerate(tensors) if t.part in MADE_FROM]  # the layouts list them before the scalars
     scalars = [i for i, t in enumerate(tensors) if t.part not in MADE_FROM]
+    share = max((p.rows[1] - p.rows[0]) / group.intermediate for p in plans)  # of each expert, in one bundle
+    fetch = expert_tensor_reader(source, reader.read)
+    done = 0
     for index in weights:
         field = MADE_FROM[tensors[index].part]
+        projections = (group.gate, group.up) if field.startswith("w13") else (group.down,)
+        which = 0 if field.endswith("codes") else 1
+        per_expert = sum(source.checkpoint.tensors[source.layers[names[0]].tensor_names[which]].nbytes
+                         for names in projections)
+        step = moe_chunk_experts(per_expert, share)
         for start in range(0, group.experts, step):
-            # the chunk's source layers, each read once for every bundle (and dropped with the chunk)
-            load = functools.cache(lambda prefix: source.load_layer(source.layers[prefix], reader.read))
+            read = functools.cache(fetch)  # the chunk's source tensors, each read once for every bundle
             for writing, plan, scale, top in zip(takers, plans, scales, largest):
                 first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
-                if first < last:
-                    stack = replace(assemble_experts(source, plan, load, (first, last), (field,), scale),
+                if first >= last:
+                    continue
+                tensor = writing.output.plan.units[module][index]
+                if which == 0:  # codes: copied once, by the layout, from the source's views
+                    pieces = expert_pieces(plan, read, (first, last), field.partition("_")[0], "codes")
+                    writing.take_codes(tensor, pieces, last == plan.experts[1])
+                else:
+                    stack = replace(assemble_experts(source, plan, read, (first, last), (field,), scale),
                                     largest_scales=top)
-                    writing.take_experts([writing.output.plan.units[module][index]], stack, last == plan.experts[1])
-            if index == weights[0]:
-                report(per_expert * (min(start + step, group.experts) - start), module)
+                    writing.take_experts([tensor], stack, last == plan.experts[1])
+            chunk = per_expert * (min(start + step, group.experts) - start)
+            report(chunk, module)
+            done += chunk
     for writing, plan, scale, top in zip(takers, plans, scales, largest):
         stack = replace(assemble_experts(source, plan, fields=("multipliers",), input_scales=scale), largest_scales=top)
         writing.take_experts([writing.output.plan.units[module][i] for i in scalars], stack, True)
+    layers = [source.layers[names[e]] for names in (group.gate, group.up, group.down) for e in range(group.experts)]
+    report(sum(source.checkpoint.tensors[n].nbytes for layer in layers for n in layer.tensor_names) - done, module)
 
 
 def convert_bundles(
@@ -459,6 +496,7 @@ def convert_bundles(
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
+    reuse_freed_blocks()
     groups: dict[Path, list[OutputBundle]] = {}
     for output in outputs:
         groups.setdefault(output.out, []).append(output)
@@ -681,9 +719,10 @@ def _layout_ids(plan: BundlePlan) -> list[str]:
 
 
 def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
-    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer that vLLM 0.34 serves
-    through Humming's Hadamard kernel (its own layout; Marlin's W4A4 variant is served weight-only)."""
-    if plan.target.layout_id != W4A4_LAYOUT_ID:
+    """What of a bundle an engine version may not serve (targets/engines.py): on Blackwell (capability 10.0 and up), a
+    W4A4 checkpoint's layer that vLLM 0.34 serves through Humming's Hadamard kernel, whatever the bundle's layout
+    (vLLM picks it from the checkpoint's scheme)."""
+    if source.activation_scheme != "W4A4" or min(plan.target.compute_capabilities) < (10, 0):
         return []
     for layer in plan.layers.layers.values():
         placed = layer_transforms(source.transforms, layer)

@@ -36,6 +36,17 @@ class InputScale:
     inverse: torch.Tensor
 
 
+def check_block_scales(scales: torch.Tensor, name: str) -> None:
+    """Refuse block scales that are NaN or negative, naming ``name`` (a reader that loads them apart from their codes,
+    as convert's MoE pass does, checks them with this)."""
+    scale_bits = scales.view(torch.uint8)
+    # One pass: every finite non-negative e4m3 byte is below 0x7F (NaN); only then look for which it is.
+    if scale_bits.numel() and int(scale_bits.max()) >= 0x7F:
+        if bool(((scale_bits & 0x7F) == 0x7F).any()):
+            raise RepackError(f"{name}: block scales contain NaN")
+        raise RepackError(f"{name}: block scales contain negative values")
+
+
 @dataclass(frozen=True)
 class NVFP4Weight:
     """One quantized linear layer in canonical form.
@@ -77,12 +88,7 @@ class NVFP4Weight:
                 f"{name}: block scales {list(scales.shape)} do not match weight [N={n}, K={k}] "
                 f"(expected [{n}, {k // BLOCK_SIZE}])"
             )
-        scale_bits = scales.view(torch.uint8)
-        # One pass: every finite non-negative e4m3 byte is below 0x7F (NaN); only then look for which it is.
-        if scale_bits.numel() and int(scale_bits.max()) >= 0x7F:
-            if bool(((scale_bits & 0x7F) == 0x7F).any()):
-                raise RepackError(f"{name}: block scales contain NaN")
-            raise RepackError(f"{name}: block scales contain negative values")
+        check_block_scales(scales, name)
         if mult.dtype != torch.float32 or mult.numel() != 1:
             raise RepackError(f"{name}: global scale must be one float32, got {mult.dtype} {list(mult.shape)}")
         value = float(mult.reshape(()))

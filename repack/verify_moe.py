@@ -81,7 +81,8 @@ def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
     step = max(1, min(CHECK_EXPERTS, CHECK_BYTES // max(1, per_expert)))
     for start in range(first, last, step):
         chunk = (start, min(start + step, last))
-        part = {name: held(name, chunk[0] - first, chunk[1] - first) for name in weights}
+        part = {name: held(name, chunk[0] - first, chunk[1] - first)
+                for name in (*weights, *getattr(layout, "INVERSE_READS", ()))}  # Marlin: what gives its factor
         problems += _check_chunk(source, plan, chunk, part, layout, scales, largest)
     return ExpertFindings(problems, odd)
 

@@ -31,6 +31,16 @@ def test_repack_is_the_cuda_kernels_index_arithmetic(n, k, random_seed):
     assert torch.equal(marlin.unrepack_codes(packed, n, k), codes)
 
 
+def test_repack_in_slabs_is_the_whole_repack(monkeypatch, random_seed):
+    """Large layers are repacked a slab of k tiles at a time (bounded temporaries): the same bytes."""
+    codes = torch.randint(0, 256, (192, 200), dtype=torch.uint8, generator=torch.Generator().manual_seed(random_seed))
+    whole = marlin.repack_codes(codes, 256, 448)
+    monkeypatch.setattr(marlin, "SLAB_NIBBLES", 3 * 16 * 256)  # 3 k tiles a slab: 28 tiles in 10 slabs
+    assert torch.equal(marlin.repack_codes(codes, 256, 448), whole)
+    assert torch.equal(whole, gptq_marlin_repack(torch.nn.functional.pad(codes, (0, 24, 0, 64)).view(torch.int32).T
+                                                 .contiguous(), 448, 256, 4))
+
+
 @pytest.mark.parametrize("n,k", ODD_SHAPES)
 def test_padding_is_vllms_cheaper_tile_family(n, k):
     n_padded, k_padded = marlin.padded_nk(n, k)

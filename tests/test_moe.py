@@ -81,6 +81,23 @@ def test_moe_layout_round_trips_and_matches_its_index_formulas(layout, experts, 
             assert torch.equal(scales.view(torch.uint8), getattr(stack, f"{which}_scales")[e].view(torch.uint8))
 
 
+@pytest.mark.parametrize("layout,experts,hidden,intermediate",
+                         [(m, *s) for m in LAYOUTS for s in SHAPES] + [(moe_trtllm, *s) for s in TRTLLM_SHAPES]
+                         + [(m, 2, 512, 128) for m in LAYOUTS]  # no padding: TRT-LLM-gen's permutations as reshapes
+                         + [(moe_marlin, 2, 128, 48), (moe_marlin, 3, 192, 64)],  # Marlin: I padded to 64, to 128
+                         ids=lambda v: getattr(v, "LAYOUT_ID", str(v)))
+def test_codes_from_pieces_are_to_runtimes_codes(layout, experts, hidden, intermediate, random_seed):
+    """convert copies each expert's source codes once into the layout (``codes_from_pieces``, from non-contiguous
+    views as a --tp rank's columns are): the same bytes as ``to_runtime`` of the stacked experts."""
+    stack = random_stack(experts, hidden, intermediate, torch.Generator().manual_seed(random_seed))
+    held = layout.to_runtime(stack)
+    wide = torch.cat([stack.w2_codes, stack.w2_codes], dim=2)  # a rank's columns of a wider down_proj
+    pieces = {"w13": [(e[:intermediate], e[intermediate:]) for e in stack.w13_codes],
+              "w2": [(e[:, : intermediate // 2],) for e in wide]}
+    for which, parts in pieces.items():
+        assert torch.equal(layout.codes_from_pieces(which, parts, hidden, intermediate), held[f"{which}_weight"]), which
+
+
 def test_cutlass_moe_layout_is_w3_w1_each_expert_swizzled_and_scalars_folded(random_seed):
     """Against the definitions one by one: w3 (up) rows first, the dense 128x4 swizzle per expert, and the
     alphas = own multiplier (w1's) x the largest input scale of all experts, in float32."""

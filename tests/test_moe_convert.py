@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import repack.convert
+import repack.formats.hashing
 from repack.bundle.layers import assemble_experts, expert_multipliers, plan_experts
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.convert import convert
 from repack.errors import Interrupted, RepackError
 from repack.formats import read_source
-from repack.formats.source import SourceModel
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe_cutlass, moe_trtllm
 from repack.targets.moe import w3w1
@@ -41,8 +41,7 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
     from the source (the whole stack, independently planned here), and the record says which experts, rows and
     layout. ``chunk``: experts convert transforms at once (1; 3, which straddles the --ep ranks' 2 + 2), else all."""
     if chunk is not None:
-        expert_bytes = 3 * (128 * 64 // 2 + 128 * 64 // 16 + 4)  # gate, up, down: codes, block and global scales
-        monkeypatch.setattr("repack.convert.MOE_CHUNK_BYTES", chunk * expert_bytes)
+        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share: chunk)
     out = tmp_path / "out"
     args = ["convert", str(PRODUCERS / name), "-t", target, "--fuse", "-o", str(out), "--tp", str(tp)]
     assert main(args + (["--ep"] if ep else [])) == 0
@@ -203,23 +202,30 @@ def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypat
     assert {r["moe"][MODULE]["layout_id"] for r in ranks} == {moe_trtllm.LAYOUT_ID}
 
 
-def test_the_ranks_of_one_output_share_each_read_of_an_expert(tmp_path, monkeypatch):
-    """One pass for every rank: each expert layer is loaded as often at --tp 4 (4 bundles) as at --fuse (one): once
-    per layout tensor made from it (codes, then block scales), whatever the number of ranks."""
-    counts: dict[str, list[str]] = {}
-    original = SourceModel.load_layer
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeypatch, chunk):
+    """One pass for every rank, one read of each source expert tensor: every expert's codes and block scales are
+    read (mapped or copied) exactly once by a convert, at --fuse (one bundle) as at --tp 2 and --tp 4 --ep (several),
+    in one chunk of experts or one expert at a time. (Each layout weight tensor is made from one of them.)"""
+    counts: dict[str, dict[str, int]] = {}
+    real = repack.formats.hashing.map_tensor
 
-    def counted(self, layer, read=None):
-        counts.setdefault(mode, []).append(layer.prefix)
-        return original(self, layer, read) if read is not None else original(self, layer)
+    def counted(entry):
+        reads = counts.setdefault(mode, {})
+        reads[entry.name] = reads.get(entry.name, 0) + 1
+        return real(entry)
 
-    monkeypatch.setattr(SourceModel, "load_layer", counted)
+    monkeypatch.setattr(repack.formats.hashing, "map_tensor", counted)
+    if chunk is not None:
+        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share: chunk)
+    source = read_source(PRODUCERS / "modelopt_moe_nvfp4")
+    expert_tensors = sorted(n for prefix, layer in source.layers.items() if ".experts." in prefix
+                            for n in layer.tensor_names[:2])
+    assert len(expert_tensors) == 2 * 4 * 3 * 2  # layers x experts x projections x (codes, block scales)
     for mode, args in (("fuse", ["--fuse"]), ("tp4", ["--tp", "4", "--ep"]), ("tp2", ["--tp", "2"])):
         assert main(["convert", str(PRODUCERS / "modelopt_moe_nvfp4"), "-t", "sm100", "-o", str(tmp_path / mode),
                      *args]) == 0
-    experts = {mode: sorted(p for p in loaded if ".experts." in p) for mode, loaded in counts.items()}
-    assert len(experts["fuse"]) == 2 * 2 * 4 * 3  # layers x (codes, scales) x experts x projections
-    assert experts["tp4"] == experts["tp2"] == experts["fuse"]
+        assert {n: counts[mode].get(n, 0) for n in expert_tensors} == dict.fromkeys(expert_tensors, 1), mode
 
 
 @pytest.mark.parametrize("name,args,code,message", [

@@ -24,6 +24,7 @@ from repack.cli import main
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
+from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_llama
 from repack.targets import moe_marlin
 from repack.verify import verify_output
@@ -85,9 +86,12 @@ def _assert_marlin_rank_identical(bundle_dir, dumped, rank: int) -> int:
         record = bundle.manifest.layers[prefix]
         assert info["kernel"] == "MarlinNvFp4LinearKernel" == bundle.manifest.kernels[0], (prefix, info["kernel"])
         assert "weights_padding_cols" not in info, prefix  # Marlin pads activations inside its apply
-        assert set(info["tensors"]) == set(record.tensors) - KEPT, prefix
+        # besides the layout's tensors vLLM holds a layer's bias (Qwen2's q/k/v), passthrough in the bundle
+        assert set(info["tensors"]) - {"bias"} == set(record.tensors) - KEPT, prefix
         assert (info["input_size_per_partition"], info["output_size_per_partition"]) == (record.k, record.n), prefix
         for part, view in info["tensors"].items():
+            if part == "bias":
+                continue
             ours = bundle.read(f"{prefix}.{part}")
             got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
             assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, part)
@@ -125,12 +129,16 @@ def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, tp, checkpoint
     dumped, out = oracle["moe", tp] / f"{name}-sm80-moe", tmp_path / "out"
     code = main(["convert", str(checkpoints[name]), "-t", "sm80", "--fuse", "--tp", str(tp), "-o", str(out)])
     err = capsys.readouterr().err
+    source = read_source(checkpoints[name])
+    group = next(iter(expert_groups(source).values()))
+    if (group.intermediate // tp) % 16:  # per-rank 24: vLLM 0.33 cuts block scales misaligned; refused, as for dense
+        assert code == 1 and "not a multiple of 16" in err and err.count("\n") == 1, err
+        return
     if (dumped / "refused.txt").exists():
         assert code == 1 and err.startswith("Error: ") and err.count("\n") == 1, err
         assert not out.exists()
         return
     assert code == 0, err
-    source = read_source(checkpoints[name])
     for rank in range(tp):
         folder = out / f"rank-{rank}" if tp > 1 else out
         bundle = open_bundle(folder)

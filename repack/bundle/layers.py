@@ -24,8 +24,9 @@ from ..formats.moe import (
     expert_groups,
     read_input_scales,
 )
+from ..formats.safetensors_io import TensorEntry, read_tensor
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceMatrix, SourceTransforms
-from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, dequantize
+from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, check_block_scales, dequantize
 from ..targets.moe import ExpertStack
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
@@ -331,7 +332,8 @@ def layer_transforms(transforms: SourceTransforms, layer: OutputLayer) -> tuple[
     return tuple(placed)
 
 
-def _cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:
+def cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:
+    """``piece``'s rows and columns of ``weight`` (views, no copy), its ``scale_ratio`` folded into the block scales."""
     (r0, r1), (c0, c1) = piece.rows, piece.cols
     scales = weight.block_scales[r0:r1, c0 // BLOCK_SIZE : c1 // BLOCK_SIZE]
     if piece.scale_ratio != 1.0:
@@ -350,7 +352,7 @@ def assemble(source: SourceModel, layer: OutputLayer,
         if piece.source not in loaded:
             loaded[piece.source] = (load(piece.source) if load is not None
                                     else source.load_layer(source.layers[piece.source]))
-        cuts.append(_cut(loaded[piece.source], piece))
+        cuts.append(cut(loaded[piece.source], piece))
     multiplier = max((c.multiplier for c in cuts), key=float)
     return NVFP4Weight(torch.cat([c.codes for c in cuts]), torch.cat([c.block_scales for c in cuts]), multiplier)
 
@@ -358,7 +360,7 @@ def assemble(source: SourceModel, layer: OutputLayer,
 def source_function(source: SourceModel, layer: OutputLayer) -> torch.Tensor:
     """float64 ``[n, k]``: what the unfused source computes for this layer, each piece with its own scales."""
     return torch.cat([
-        dequantize(_cut(source.load_layer(source.layers[p.source]), Piece(p.source, p.rows, p.cols)))
+        dequantize(cut(source.load_layer(source.layers[p.source]), Piece(p.source, p.rows, p.cols)))
         for p in layer.pieces
     ])
 
@@ -532,43 +534,72 @@ def _placeholder(dtype: torch.dtype, *shape: int) -> torch.Tensor:
     return torch.zeros((), dtype=dtype).expand(*shape)
 
 
-def assemble_experts(source: SourceModel, plan: ExpertPlan, load: Callable[[str], NVFP4Weight] | None = None,
+def expert_tensor_reader(source: SourceModel, read: Callable[[TensorEntry], torch.Tensor] = read_tensor
+                         ) -> Callable[[str, str], torch.Tensor]:
+    """``(prefix, what) -> tensor``: an expert layer's ``"codes"`` or ``"block_scales"`` alone, read with ``read``
+    (block scales checked as :meth:`SourceModel.load_layer` checks them; shapes were checked from the headers when
+    the source was opened). Each layout weight tensor is made from one of the two, so a pass that makes them one
+    after the other reads each source tensor once (``load_layer`` reads both)."""
+
+    def fetch(prefix: str, what: str) -> torch.Tensor:
+        name = source.layers[prefix].tensor_names[0 if what == "codes" else 1]
+        tensor = read(source.checkpoint.entry(name))
+        if what == "block_scales":
+            check_block_scales(tensor, prefix)
+        return tensor
+
+    return fetch
+
+
+def expert_pieces(plan: ExpertPlan, fetch: Callable[[str, str], torch.Tensor], chunk: tuple[int, int], which: str,
+                  what: str) -> list[tuple[torch.Tensor, ...]]:
+    """Each expert's source pieces of the bundle's ``w13`` (``(gate, up)``: the rank's rows) or ``w2`` (``(down,)``:
+    the rank's columns) ``what`` (``"codes"`` / ``"block_scales"``), for global experts ``chunk``: views of what
+    ``fetch`` (:func:`expert_tensor_reader`) read, no copy. :func:`assemble_experts` stacks them; a layout's
+    ``codes_from_pieces`` copies them once into its own order."""
+    group, (r0, r1), local = plan.group, plan.rows, slice(*chunk)
+    if which == "w13":
+        return [(fetch(gate, what)[r0:r1], fetch(up, what)[r0:r1])
+                for gate, up in zip(group.gate[local], group.up[local])]
+    per_block = 2 if what == "codes" else BLOCK_SIZE
+    return [(fetch(down, what)[:, r0 // per_block: r1 // per_block],) for down in group.down[local]]
+
+
+def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str, str], torch.Tensor] | None = None,
                      chunk: tuple[int, int] | None = None, fields: tuple[str, ...] = STACK_FIELDS,
                      input_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertStack:
     """The canonical expert stack of one bundle's FusedMoE layer: the rank's experts read once, cut to its rows and
     stacked in one copy per field (no per-expert work beyond the reads).
 
     Args:
-        load: a source layer's weight by prefix (a pass shares one read among its bundles); by default each is
-            read here.
+        fetch: :func:`expert_tensor_reader`'s ``(prefix, what) -> tensor`` (a pass shares one read among its
+            bundles); by default each is read here.
         chunk: global experts ``[first, last)`` (within the plan's) instead of all of the plan's: convert writes a
             large layer's tensors a chunk of experts at a time.
-        fields: the :data:`STACK_FIELDS` to read; the others are zero-stride placeholders of their shape (for a
-            layout asked for the tensors made from these only, ``targets.moe.MADE_FROM``).
+        fields: the :data:`STACK_FIELDS` to read (only the source tensors they are made from are read); the others
+            are zero-stride placeholders of their shape (for a layout asked for the tensors made from these only,
+            ``targets.moe.MADE_FROM``).
         input_scales: :func:`expert_input_scales`, if already read.
     """
-    load = load or (lambda prefix: source.load_layer(source.layers[prefix]))
+    fetch = fetch or expert_tensor_reader(source)
     group, (r0, r1) = plan.group, plan.rows
     first, last = chunk or plan.experts
     experts, inter, hidden, local = last - first, r1 - r0, group.hidden, slice(first, last)
-    gate, up = ([load(p) for p in names[local]] if {"w13_codes", "w13_scales"} & set(fields) else []
-                for names in (group.gate, group.up))
-    down = [load(p) for p in group.down[local]] if {"w2_codes", "w2_scales"} & set(fields) else []
 
     def w13(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # [gate; up] rows of each expert
         if f"w13_{what}" not in fields:
             return _placeholder(dtype, experts, 2 * inter, hidden // per_block)
-        name = "codes" if what == "codes" else "block_scales"
-        pairs = torch.stack([getattr(w, name)[r0:r1] for pair in zip(gate, up) for w in pair])  # [2E, I, K']
-        if what == "scales" and ratios is not None:  # as _cut folds a dense partition's ratio
+        pieces = expert_pieces(plan, fetch, (first, last), "w13", "codes" if what == "codes" else "block_scales")
+        pairs = torch.stack([t for pair in pieces for t in pair])
+        if what == "scales" and ratios is not None:  # as cut folds a dense partition's ratio
             pairs = (pairs.to(torch.float32) * ratios.reshape(-1, 1, 1)).to(torch.float8_e4m3fn)
         return pairs.view(experts, 2 * inter, -1)
 
     def w2(what: str, dtype: torch.dtype, per_block: int) -> torch.Tensor:  # the rank's columns of each down_proj
         if f"w2_{what}" not in fields:
             return _placeholder(dtype, experts, hidden, inter // per_block)
-        name = "codes" if what == "codes" else "block_scales"
-        return torch.stack([getattr(w, name)[:, r0 // per_block: r1 // per_block] for w in down])
+        pieces = expert_pieces(plan, fetch, (first, last), "w2", "codes" if what == "codes" else "block_scales")
+        return torch.stack([down for (down,) in pieces])
 
     ratios = None  # [E, 2]: what --rescale folds into each expert's gate and up block scales (own / max)
     if plan.rescale and {"w13_scales", "multipliers"} & set(fields):

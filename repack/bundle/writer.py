@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from ..errors import Interrupted, OutputExists, RepackError
-from ..formats.hashing import FILE_DIGEST, TENSOR_DIGEST, BackgroundDigest, bytes_hexdigest, new_digest
+from ..formats.hashing import FILE_DIGEST, TENSOR_DIGEST, bytes_hexdigest, new_digest
 from .manifest import OUTPUT_KIND, OUTPUT_RECORD
 from .plan import PlannedTensor
 
@@ -64,6 +64,7 @@ def safetensors_header(tensors: list[PlannedTensor], metadata: dict[str, str]) -
 
 
 WRITEBACK_BYTES = 32 << 20  # written bytes after which the disk is asked to start writing them
+WRITE_PIECE = 256 << 10  # bytes hashed twice and written while in the core's cache (ShardWriter)
 
 
 def _start_writeback() -> Callable[[int, int, int], object] | None:
@@ -86,7 +87,11 @@ class ShardWriter:
     """One shard written front to back as its tensors arrive, in the plan's order.
 
     The file's digest and each tensor's are computed on the bytes on their way to the file, so nothing is read
-    back; the file's on a thread of its own. ``write`` may be called several times per
+    back: each ``WRITE_PIECE`` of a chunk is hashed for its tensor, hashed for its file and written, one after the
+    other on the calling thread, while the piece is in that core's cache. Only the first of the three reads it from
+    memory: the kernel's copy into the page cache then costs a third of what it costs from memory, and hashing on
+    other threads (each reading from memory) cost 0.4-0.5 CPU seconds more per 4 GB (docs/benchmarks.md); a
+    bundle's writes run on a thread of its own anyway (convert's lanes). ``write`` may be called several times per
     tensor (chunks); a tensor ends when the next one starts or at :meth:`close`, and must then hold exactly
     its planned bytes. Every ``WRITEBACK_BYTES`` the kernel is asked to start writing the file to disk, so
     that the fsync before the bundle is published finds little left to write, instead of all of it (neither
@@ -102,17 +107,17 @@ class ShardWriter:
         self._digest = new_digest(TENSOR_DIGEST)
         self._written = 0
         self._handle = open(path, "wb", buffering=0)
-        self._file_digest = BackgroundDigest(new_digest(FILE_DIGEST))
+        self._file_digest = new_digest(FILE_DIGEST)
         self._synced = 0  # bytes handed to START_WRITEBACK
         self._offset = 0
-        self._put(safetensors_header(tensors, {"format": "pt"}))
+        self._put(memoryview(safetensors_header(tensors, {"format": "pt"})))
 
-    def _put(self, data: bytes | memoryview) -> None:
-        self._file_digest.update(data)
-        view = memoryview(data).cast("B")
+    def _put(self, piece: memoryview) -> None:
+        self._file_digest.update(piece)
+        view = piece
         while view:  # a raw write may take fewer bytes than asked
             view = view[self._handle.write(view) :]
-        self._offset += len(data)
+        self._offset += len(piece)
         if self.fsync and START_WRITEBACK is not None and self._offset - self._synced >= WRITEBACK_BYTES:
             START_WRITEBACK(self._handle.fileno(), self._synced, self._offset - self._synced)
             self._synced = self._offset
@@ -124,9 +129,12 @@ class ShardWriter:
             if self._current is not tensor:
                 raise AssertionError(f"{tensor.name}: written out of the planned order of {self.path.name}")
             self._digest, self._written = new_digest(TENSOR_DIGEST), 0
-        self._digest.update(chunk)
-        self._put(chunk)
-        self._written += len(chunk)
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), WRITE_PIECE):
+            piece = view[start : start + WRITE_PIECE]
+            self._digest.update(piece)
+            self._put(piece)
+        self._written += len(view)
 
     def _end_tensor(self) -> None:
         if self._current is None:
@@ -143,9 +151,7 @@ class ShardWriter:
         missing = next(self._order, None)
         if missing is not None:
             raise AssertionError(f"{missing.name}: planned in {self.path.name} but never written")
-        digest = self._file_digest.hexdigest()
-        self._file_digest.close()
-        return digest
+        return self._file_digest.hexdigest()
 
     def sync(self) -> None:
         """fsync and close: apart from :meth:`finish`, so that the next shard is written while this one syncs."""
@@ -154,7 +160,6 @@ class ShardWriter:
         self._handle.close()
 
     def abandon(self) -> None:
-        self._file_digest.close()
         self._handle.close()
 
 

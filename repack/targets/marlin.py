@@ -65,14 +65,25 @@ def _pack(nibbles: torch.Tensor) -> torch.Tensor:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
+SLAB_NIBBLES = 1 << 22  # codes unpacked at once (a few MB of temporaries whatever the layer's size)
+
+
 def repack_codes(codes: torch.Tensor, n_padded: int, k_padded: int) -> torch.Tensor:
-    """uint8 ``[N, K/2]`` -> int32 ``[Kp/16, 2 Np]``: ``gptq_marlin_repack(pad(codes.view(int32).T), Kp, Np, 4)``."""
+    """uint8 ``[N, K/2]`` -> int32 ``[Kp/16, 2 Np]``: ``gptq_marlin_repack(pad(codes.view(int32).T), Kp, Np, 4)``,
+    a slab of k tiles at a time (output rows are k tiles)."""
     n, half_k = codes.shape
-    full = torch.zeros((n_padded, k_padded), dtype=torch.uint8, device=codes.device)
-    full[:n, : 2 * half_k] = _unpack(codes)
-    # [N, K] as (nt, w, c, t, kt, a, r, b) -> (kt, nt, t, r, w, b, c, a)
-    tiles = full.view(n_padded // 64, 4, 2, 8, k_padded // 16, 2, 4, 2).permute(4, 0, 3, 6, 1, 7, 2, 5)
-    return _pack(tiles.reshape(k_padded // 16, -1)).view(torch.int32)
+    k_tiles = k_padded // 16
+    out = torch.empty((k_tiles, 2 * n_padded), dtype=torch.int32, device=codes.device)
+    step = max(1, SLAB_NIBBLES // (16 * n_padded))
+    for first in range(0, k_tiles, step):
+        last = min(k_tiles, first + step)
+        slab = torch.zeros((n_padded, 16 * (last - first)), dtype=torch.uint8, device=codes.device)
+        cols = codes[:, 8 * first: min(half_k, 8 * last)]
+        slab[:n, : 2 * cols.shape[1]] = _unpack(cols)
+        # [N, K] as (nt, w, c, t, kt, a, r, b) -> (kt, nt, t, r, w, b, c, a)
+        tiles = slab.view(n_padded // 64, 4, 2, 8, last - first, 2, 4, 2).permute(4, 0, 3, 6, 1, 7, 2, 5)
+        out[first:last] = _pack(tiles.reshape(last - first, -1)).view(torch.int32)
+    return out
 
 
 def unrepack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

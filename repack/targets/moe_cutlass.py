@@ -20,7 +20,7 @@ returns the codes and block scales exactly and the scalars as held; verify recom
 
 from __future__ import annotations
 
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -70,6 +70,19 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer",
         "w2_input_scale": lambda: a2,
     }
     return {part: make[part]() for part in parts}
+
+
+def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,
+                      intermediate: int) -> torch.Tensor:
+    """:func:`to_runtime`'s ``w13_weight`` (``which`` "w13"; ``pieces``: each expert's ``(gate, up)`` rows) or
+    ``w2_weight`` ("w2"; each expert's ``(down,)``), copied once from the pieces (up then gate: no stack first)."""
+    if which == "w13":
+        out = torch.empty((len(pieces), 2 * intermediate, hidden // 2), dtype=torch.uint8)
+        for held, (gate, up) in zip(out, pieces):
+            held[:intermediate].copy_(up)
+            held[intermediate:].copy_(gate)
+        return out
+    return torch.stack([down for (down,) in pieces])
 
 
 def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:

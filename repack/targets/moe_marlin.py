@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ KERNELS = (KERNEL,)
 FAMILIES = ("sm80",)  # and weight-only MoE on sm100 / sm120 (moe.moe_layout)
 SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
 KEPT = ("w13_weight_multiplier", "w2_weight_multiplier")  # in the bundle for the inverse, not loaded into vLLM
+INVERSE_READS = (*SCALARS, *KEPT)  # besides the weight tensors, what from_runtime reads (the scale factors)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS, *KEPT)
 MADE_FROM = {"w13_weight": "w13_codes", "w13_weight_scale": "w13_scales", "w2_weight": "w2_codes",
              "w2_weight_scale": "w2_scales"}
@@ -109,6 +110,21 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer", parts: Collection[st
         "w2_weight_multiplier": lambda: stack.w2_multiplier.to(torch.float32).contiguous(),
     }
     return {part: make[part]() for part in parts}
+
+
+def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,
+                      intermediate: int) -> torch.Tensor:
+    """:func:`to_runtime`'s ``w13_weight`` (``which`` "w13"; ``pieces``: each expert's ``(gate, up)`` rows) or
+    ``w2_weight`` ("w2"; each expert's ``(down,)``), each expert repacked from its pieces (gate and up padded apart)."""
+    padded = padded_intermediate(hidden, intermediate)
+    if which == "w13":
+        out = []
+        for gate, up in pieces:
+            halves = torch.zeros((2, padded, hidden // 2), dtype=torch.uint8)
+            halves[0, :intermediate], halves[1, :intermediate] = gate, up
+            out.append(marlin.repack_codes(halves.view(2 * padded, -1), 2 * padded, hidden))
+        return torch.stack(out)
+    return torch.stack([marlin.repack_codes(down.contiguous(), hidden, padded) for (down,) in pieces])
 
 
 def _factor(held: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) -> float:

@@ -22,7 +22,7 @@ w2_weight_scale ``[E, Hp, Ip/16]``; the scalars float32 ``[E]``.
 
 from __future__ import annotations
 
-from typing import Callable, Collection
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -114,6 +114,33 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer",
         "g1_scale_c": lambda: alpha13 * (1.0 / a2),
     }
     return {part: make[part]() for part in parts}
+
+
+def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,
+                      intermediate: int) -> torch.Tensor:
+    """:func:`to_runtime`'s ``w13_weight`` (``which`` "w13"; ``pieces``: each expert's ``(gate, up)`` rows, ``[I, H/2]``
+    each) or ``w2_weight`` ("w2"; each expert's ``(down,)``, ``[H, I/2]``), copied once from the pieces instead of
+    stacked and then gathered: unpadded, both row permutations are reshapes (the 32-row shuffle moves row ``4k + j``
+    of a block to ``8j + k``; the gated reorder interleaves up and gate). Padded, the pieces are stacked first."""
+    hp, ip = padded_sizes(hidden, intermediate)
+    if (hp, ip) != (hidden, intermediate):  # padded: stacked, then gathered as to_runtime does
+        if which == "w13":
+            rows, valid = w13_source_rows(intermediate, ip)
+            stack = torch.stack([t for pair in pieces for t in pair]).view(len(pieces), 2 * intermediate, -1)
+            return _gather(stack, rows, valid, hp // 2)
+        rows = shuffle_rows(hp)
+        return _gather(torch.stack([down for (down,) in pieces]), rows, rows < hidden, ip // 2)
+    if which == "w13":  # held row 32a + 16 j1 + 8 j0 + k <- row 16a + 2k + j1 of (up, gate)[j0]
+        out = torch.empty((len(pieces), 2 * ip, hp // 2), dtype=torch.uint8)
+        for held, (gate, up) in zip(out, pieces):
+            tiles = held.view(-1, 2, 2, 8, hp // 2)
+            for j0, half in enumerate((up, gate)):
+                tiles[:, :, j0].copy_(half.view(-1, 8, 2, hp // 2).transpose(1, 2))
+        return out
+    out = torch.empty((len(pieces), hp, ip // 2), dtype=torch.uint8)
+    for held, (down,) in zip(out, pieces):
+        held.view(-1, 4, 8, ip // 2).copy_(down.view(-1, 8, 4, ip // 2).transpose(1, 2))
+    return out
 
 
 def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
