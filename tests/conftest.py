@@ -50,6 +50,15 @@ def seed_for(nodeid: str) -> int:
     return int(os.environ.get(SEED_ENV) or zlib.crc32(nodeid.encode()))
 
 
+def pytest_report_header(config) -> str | None:
+    """The vLLM this session can import, if any: every GPU result (tests/test_gpu_*.py) records the version it ran
+    on (the CPU oracles name theirs in each test id)."""
+    from .vllm_gpu import vllm_version
+
+    version = vllm_version()
+    return f"vLLM {version}" if version else None
+
+
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]  # one oracle venv each (tests/vllm/make_env.sh)
 
 

@@ -1,10 +1,11 @@
-"""vLLM 0.33.0 itself as the oracle: every fused bundle layer, per tensor-parallel rank, byte-identical to
+"""vLLM itself as the oracle, once per supported version (0.33.0, 0.34.0: the ``vllm_version`` fixture, one venv
+each): every fused bundle layer, per tensor-parallel rank, byte-identical to
 what vLLM's own DefaultModelLoader + process_weights_after_loading leaves on its layer, and vLLM's
 refusals matched by ours: W4A16 bundles (``--weight-only`` for W4A4 checkpoints) against the cute-dsl W4A16
 kernel; W4A4 bundles (the default for W4A4 checkpoints) against the kernel vLLM's auto picks on sm100 / sm120.
 
-vLLM runs in its own virtualenv (tests/vllm/make_env.sh; it pins FlashInfer 0.7.2.post1, the project's
-env has the newest) through tests/vllm/harness.py, in one process per TP size (two on gloo for TP = 2),
+vLLM runs in its own virtualenvs (tests/vllm/make_env.sh; FlashInfer 0.7.2.post1, the project's env has the
+newest) through tests/vllm/harness.py, in one process per TP size (two on gloo for TP = 2),
 loading every checkpoint in turn. In CI a missing vLLM env fails these tests instead of skipping them.
 """
 

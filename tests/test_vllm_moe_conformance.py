@@ -1,6 +1,7 @@
-"""vLLM 0.33.0 as the oracle for NVFP4 MoE: every tensor of every FusedMoE module, per TP rank, as its own load
-leaves it with the backend its ``auto`` picks on an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer
-CUTLASS MoE), byte for byte against our layout of the same experts; vLLM's refusals are ours.
+"""vLLM as the oracle for NVFP4 MoE, once per supported version (0.33.0, 0.34.0; 0.34's extra bookkeeping checked):
+every tensor of every FusedMoE module, per TP rank, as its own load leaves it with the backend its ``auto`` picks on
+an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer CUTLASS MoE), byte for byte against our layout
+of the same experts; vLLM's refusals are ours.
 
 Checkpoints: the producer-made fixtures (ModelOpt and llm-compressor) of Qwen3-MoE (intermediate 128 and 48),
 DeepSeek-V3 (MLA attention, a dense first layer, a shared expert, grouped routing with a score correction bias),
