@@ -715,9 +715,10 @@ def _layout_ids(plan: BundlePlan) -> list[str]:
 
 
 def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
-    """What of a bundle an engine version may not serve (targets/engines.py): a W4A4 layer that vLLM 0.34 serves
-    through Humming's Hadamard kernel (its own layout)."""
-    if plan.target.scheme != "W4A4":
+    """What of a bundle an engine version may not serve (targets/engines.py): on Blackwell (capability 10.0 and up), a
+    W4A4 checkpoint's layer that vLLM 0.34 serves through Humming's Hadamard kernel, whatever the bundle's layout
+    (vLLM picks it from the checkpoint's scheme)."""
+    if source.activation_scheme != "W4A4" or min(plan.target.compute_capabilities) < (10, 0):
         return []
     for layer in plan.layers.layers.values():
         placed = layer_transforms(source.transforms, layer)

@@ -9,46 +9,54 @@
 #                                          # seconds (default 540)
 #   bash scripts/vllm_gpu_run.sh poll [S]  # wait up to S seconds more (default 570) for both; logs into $OUT
 # GPU_TESTS overrides the test files (pytest arguments); BENCH_JOBS, BENCH_PARALLEL and BENCH_BUDGET the benchmark's
-# jobs, wave size and time (seconds).
+# jobs, wave size and time (seconds); NO_BENCH=1 runs the tests only. STAGE, SITE and TREE (default /tmp/stage,
+# /tmp/site, /tmp/tree) and RUN (its logs and markers, default /tmp) keep two kits apart on one machine (vLLM 0.34:
+# /tmp/stage034, /tmp/site034, /tmp/tree034, /tmp/run034).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} TREE=${TREE:-/tmp/tree} RUN=${RUN:-/tmp}
+export STAGE SITE
+mkdir -p "$OUT" "$RUN"
+export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
 JOBS=${BENCH_JOBS:-"8b-32:default,eager:bundle,source,bf16 70b-4:default:bundle,source,bf16+8b-8-had128:default,eager:bundle,source"}
 TESTS=${GPU_TESTS:-"tests/test_gpu_vllm.py tests/test_gpu_runtime.py"}
 step=${1:?usage: vllm_gpu_run.sh prep|go|poll [seconds]}
 
 collect() {  # what comes back: at most 8 files
-  cp /tmp/tests.log /tmp/bench.log /tmp/bench.json /tmp/bench-prep.log "$OUT"/ 2>/dev/null
-  tar czf "$OUT/bench-logs.tgz" -C /tmp/bench logs 2>/dev/null
-  grep -hE "passed|failed|^FAILED|^ERROR|^E  |mean \||greedy vs|split at" /tmp/tests.log 2>/dev/null | tail -40
-  grep -vE "^\| .*\| - \| - \| - \|" /tmp/bench.log 2>/dev/null | tail -60
+  cp "$RUN"/tests.log "$RUN"/bench.log "$RUN"/bench.json "$RUN"/bench-prep.log "$OUT"/ 2>/dev/null
+  tar czf "$OUT/bench-logs.tgz" -C "$RUN"/bench logs 2>/dev/null
+  grep -hE "passed|failed|^FAILED|^ERROR|^E  |mean \||greedy vs|split at|^\[vLLM " "$RUN"/tests.log 2>/dev/null | tail -40
+  grep -vE "^\| .*\| - \| - \| - \|" "$RUN"/bench.log 2>/dev/null | tail -60
 }
 
-finished() { [ -e /tmp/tests.done ] && [ -e /tmp/bench.done ]; }
+finished() { [ -e "$RUN"/tests.done ] && [ -e "$RUN"/bench.done ]; }
 
 case $step in
   prep)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
       || exit 1
-    rm -rf /tmp/tree && cp -r . /tmp/tree && echo "wheels installed, tree in /tmp/tree" ;;
+    rm -rf "$TREE" && cp -r . "$TREE" && echo "wheels installed, tree in $TREE" ;;
   go)
-    bash /tmp/stage/install.sh || exit 1
-    source /tmp/stage/env.sh
-    rm -f /tmp/tests.done /tmp/bench.done
-    # all from /tmp/tree (prep's copy of this checkout), which outlives this call; the models only now: the CLI's
+    bash "$STAGE"/install.sh || exit 1
+    source "$STAGE"/env.sh
+    rm -f "$RUN"/tests.done "$RUN"/bench.done
+    # all from $TREE (prep's copy of this checkout), which outlives this call; the models only now: the CLI's
     # typer needs pydantic, which comes with the kit
-    export PYTHONPATH=/tmp/tree:/tmp/site
-    cd /tmp/tree
-    setsid nohup python3 scripts/bench_vllm_serve.py --work /tmp/bench --jobs "$JOBS" --prepare-only \
-      >/tmp/bench-prep.log 2>&1 &
-    setsid nohup bash -c "timeout 1500 python3 -m pytest -q -p no:cacheprovider -rs -s $TESTS >/tmp/tests.log 2>&1; \
-      touch /tmp/tests.done" >/dev/null 2>&1 &
-    setsid nohup bash -c "python3 scripts/bench_vllm_serve.py --work /tmp/bench --jobs '$JOBS' --wait-ready 600 \
-      --parallel ${BENCH_PARALLEL:-10} --gate /tmp/tests.done --gate-wait 900 --profile-eager \
-      --budget ${BENCH_BUDGET:-1500} --json /tmp/bench.json >/tmp/bench.log 2>&1; touch /tmp/bench.done" \
-      >/dev/null 2>&1 &
+    export PYTHONPATH=$TREE:$SITE
+    cd "$TREE"
+    setsid nohup bash -c "timeout 1500 python3 -m pytest -q -p no:cacheprovider -rs -s $TESTS >$RUN/tests.log 2>&1; \
+      touch $RUN/tests.done" >/dev/null 2>&1 &
+    if [ -n "${NO_BENCH:-}" ]; then
+      touch "$RUN"/bench.done
+    else
+      setsid nohup python3 scripts/bench_vllm_serve.py --work "$RUN"/bench --jobs "$JOBS" --prepare-only \
+        >"$RUN"/bench-prep.log 2>&1 &
+      setsid nohup bash -c "python3 scripts/bench_vllm_serve.py --work $RUN/bench --jobs '$JOBS' --wait-ready 600 \
+        --parallel ${BENCH_PARALLEL:-10} --gate $RUN/tests.done --gate-wait 900 --profile-eager \
+        --budget ${BENCH_BUDGET:-1500} --json $RUN/bench.json >$RUN/bench.log 2>&1; touch $RUN/bench.done" \
+        >/dev/null 2>&1 &
+    fi
     end=$((SECONDS + ${2:-540}))
     until finished || [ $SECONDS -ge $end ]; do sleep 5; done
     collect ;;

@@ -13,6 +13,7 @@ import torch
 
 from repack.nvfp4 import NVFP4Weight
 from repack.sample.synthetic import random_nvfp4, write_checkpoint
+from repack.targets.engines import engine_versions
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SEED_ENV = "NVFP4_TEST_SEED"
@@ -47,6 +48,24 @@ def require(module: str):
 def seed_for(nodeid: str) -> int:
     """``NVFP4_TEST_SEED`` if set, else a hash of the test id: stable across runs, different per test."""
     return int(os.environ.get(SEED_ENV) or zlib.crc32(nodeid.encode()))
+
+
+def pytest_report_header(config) -> str | None:
+    """The vLLM this session can import, if any: every GPU result (tests/test_gpu_*.py) records the version it ran
+    on (the CPU oracles name theirs in each test id)."""
+    from .vllm_gpu import vllm_version
+
+    version = vllm_version()
+    return f"vLLM {version}" if version else None
+
+
+VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]  # one oracle venv each (tests/vllm/make_env.sh)
+
+
+@pytest.fixture(scope="module", params=VLLM_VERSIONS, ids=[f"vllm{v}" for v in VLLM_VERSIONS])
+def vllm_version(request) -> str:
+    """Each supported vLLM version in turn: every test on a vLLM oracle runs against each version's own load."""
+    return request.param
 
 
 @pytest.fixture(autouse=True)

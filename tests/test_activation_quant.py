@@ -135,9 +135,9 @@ def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_emulation(cases, tmp_path_factory) -> dict[str, torch.Tensor]:
+def vllm_emulation(cases, vllm_version, tmp_path_factory) -> dict[str, torch.Tensor]:
     """vLLM's ``ref_nvfp4_quant`` of every case, and its reading of our codes, from the vLLM venv."""
-    python = _vllm_python()
+    python = _vllm_python(vllm_version)
     folder = tmp_path_factory.mktemp("vllm-emulation")
     tensors = {}
     for name, (x, gs) in cases.items():

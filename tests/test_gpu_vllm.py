@@ -1,7 +1,8 @@
 """vLLM serves sm90 bundles on this machine's Hopper GPU: in-process, in its default multiprocess engine, and
 through ``vllm serve``'s OpenAI server. Skips cleanly without an sm90 GPU or without vLLM (CI has neither).
 
-On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu; docs/serving.md has the commands):
+On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu, 0.34 by scripts/stage_vllm_gpu.sh; docs/serving.md has the
+commands); each result records the vLLM version it ran on:
 
     PYTHONPATH=.:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py
 
@@ -41,6 +42,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REA
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_FORMAT = "nvfp4_repack"
+
+
+@pytest.fixture(autouse=True)
+def _record_vllm_version(request, record_property):
+    """Every result names the vLLM it ran on (the junit property ``vllm``, and a line in the -s output)."""
+    version = vllm_gpu.vllm_version()
+    record_property("vllm", version)
+    print(f"\n[vLLM {version}] {request.node.nodeid}")
 # Small engines: eager, a short context, a fixed 256 MiB KV cache, so that one process builds them one by one.
 SMALL = dict(enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.05, kv_cache_memory_bytes=256 << 20,
              max_num_seqs=8)  # fmt: skip

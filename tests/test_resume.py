@@ -247,18 +247,21 @@ def run_cli_process(argv, cwd):
 def wait_for_a_finished_shard(out: Path, process, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
-        if any((p / ".nvfp4-repack-resume.json").exists() for p in staging(out)):
+        if any((p / ".nvfp4-repack-resume.json").exists() for f in staging(out) for p in (f, *f.glob("sm*"))):
             return
         time.sleep(0.002)
     raise AssertionError("the convert finished no shard before the deadline")
 
 
-@pytest.mark.parametrize("how,flags", [(signal.SIGINT, []), (signal.SIGKILL, []), (signal.SIGKILL, ["--no-fsync"])],
-                         ids=["ctrl-c", "kill-9", "kill-9-no-fsync"])
-def test_real_interrupt_then_resume_on_the_cli(tmp_path, how, flags, capsys):
+@pytest.mark.parametrize("how,flags,targets", [
+    (signal.SIGINT, [], ["sm120"]), (signal.SIGKILL, [], ["sm120"]), (signal.SIGKILL, ["--no-fsync"], ["sm120"]),
+    (signal.SIGKILL, [], ["sm120", "sm90"]),  # several targets: no OUT either (issue 38), one staging folder
+], ids=["ctrl-c", "kill-9", "kill-9-no-fsync", "kill-9-two-targets"])
+def test_real_interrupt_then_resume_on_the_cli(tmp_path, how, flags, targets, capsys):
     """Also without fsync: a killed process's writes are in the page cache, so its finished shards are kept."""
     source = make_checkpoint(tmp_path / "model", seed=5, shapes=[(1024, 2048)] * 24)
-    argv = ["convert", source, "-t", "sm120", "-o", tmp_path / "out", "--max-shard-size", "1MB", *flags]
+    argv = ["convert", source, *(a for t in targets for a in ("-t", t)), "-o", tmp_path / "out", "--max-shard-size",
+            "1MB", *flags]
     process = run_cli_process(argv, tmp_path)
     wait_for_a_finished_shard(tmp_path / "out", process)
     process.send_signal(how)
@@ -273,8 +276,9 @@ def test_real_interrupt_then_resume_on_the_cli(tmp_path, how, flags, capsys):
     capsys.readouterr()
     assert main([str(a) for a in argv + ["--resume"]]) == 0
     assert re.search(r"\d+ shards? kept from the interrupted run", " ".join(capsys.readouterr().out.split()))  # wrapped
-    convert(source, "sm120", tmp_path / "reference", max_shard_size="1MB")
+    convert(source, targets if len(targets) > 1 else targets[0], tmp_path / "reference", max_shard_size="1MB")
     assert tree_digest(tmp_path / "out") == tree_digest(tmp_path / "reference")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_ctrl_c_during_a_tp_convert_keeps_nothing_and_says_so_once(tmp_path, monkeypatch, capsys):

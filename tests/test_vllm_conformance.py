@@ -1,15 +1,17 @@
-"""vLLM 0.33.0 itself as the oracle: every fused bundle layer, per tensor-parallel rank, byte-identical to
+"""vLLM itself as the oracle, once per supported version (0.33.0, 0.34.0: the ``vllm_version`` fixture, one venv
+each): every fused bundle layer, per tensor-parallel rank, byte-identical to
 what vLLM's own DefaultModelLoader + process_weights_after_loading leaves on its layer, and vLLM's
 refusals matched by ours: W4A16 bundles (``--weight-only`` for W4A4 checkpoints) against the cute-dsl W4A16
 kernel; W4A4 bundles (the default for W4A4 checkpoints) against the kernel vLLM's auto picks on sm100 / sm120.
 
-vLLM runs in its own virtualenv (tests/vllm/make_env.sh; it pins FlashInfer 0.7.2.post1, the project's
-env has the newest) through tests/vllm/harness.py, in one process per TP size (two on gloo for TP = 2),
+vLLM runs in its own virtualenvs (tests/vllm/make_env.sh; FlashInfer 0.7.2.post1, the project's env has the
+newest) through tests/vllm/harness.py, in one process per TP size (two on gloo for TP = 2),
 loading every checkpoint in turn. In CI a missing vLLM env fails these tests instead of skipping them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -24,14 +26,12 @@ from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import write_llama
-from repack.targets.engines import engine_versions
 from repack.verify import verify_output
 
 from .conftest import IN_CI, PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES
 from .vllm.variants import OUTPUT_VARIANTS, output_variant
 
 HERE = Path(__file__).parent / "vllm"
-VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]  # one oracle venv each (tests/vllm/make_env.sh)
 
 
 def vllm_venv(version: str) -> Path:
@@ -61,6 +61,7 @@ TRANSFORMED = TRANSFORM_FIXTURES + sorted(REFUSED_FIXTURES) + list(TRANSFORM_VAR
 # the W4A4 kernel): the producers' (blocks 16 and 32), "whole-k-w4a4", whose R4 rotation has no block size, and the
 # per-partition output transforms of tests/vllm/variants.py.
 TRANSFORMED_W4A4 = [f for f in TRANSFORM_FIXTURES if f.endswith("_nvfp4")] + ["whole-k-w4a4", *OUTPUT_VARIANTS]
+HUMMING = "HummingNvFP4HadamardLinearMethod"  # vLLM 0.34's method for Hadamard-rotated W4A4 layers (its own layout)
 WHOLE_K_BASE, WHOLE_K_DONOR = "ct_spinquant_r1r2r4_had16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16"
 
 
@@ -161,13 +162,13 @@ W4A4_TP2 = [(name, f"{arch}-w4a4")
 
 
 @pytest.fixture(scope="module")
-def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
+def oracle(checkpoints, vllm_version, tmp_path_factory) -> dict[int, Path]:
     """vLLM's load-time result for every job, per TP size: ``{tp: folder}``."""
-    python = _vllm_python()
+    python = _vllm_python(vllm_version)
     out = {}
     for tp, jobs in ((1, TP1 + W4A4_TP1 + TRANSFORMED_TP1 + TRANSFORMED_W4A4_TP1),
                      (2, TP2 + W4A4_TP2 + TRANSFORMED_TP2)):
-        folder = tmp_path_factory.mktemp(f"vllm-tp{tp}")
+        folder = tmp_path_factory.mktemp(f"vllm{vllm_version}-tp{tp}")
         args = [arg for name, arch in jobs
                 for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{harness_arch(arch)}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
@@ -260,7 +261,8 @@ def _refused(name: str, dumped: Path) -> str:
 
 
 @pytest.mark.parametrize("name,arch", TRANSFORMED_TP1, ids=[f"{n}-{a}" for n, a in TRANSFORMED_TP1])
-def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch, checkpoints, oracle, tmp_path):
+def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch, checkpoints, oracle, vllm_version,
+                                                                     tmp_path):
     """Per fused module and partition, the online-transform matrices vLLM holds after loading, by its names, byte
     for byte (with the layers' own tensors); where vLLM refuses to load the checkpoint, convert --fuse refuses."""
     dumped, out = oracle[1] / f"{name}-{arch}", tmp_path / "bundle"
@@ -284,7 +286,12 @@ def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch
         with pytest.raises(RepackError, match=REFUSED_FIXTURES[name]):
             convert(checkpoints[name], arch, out, fuse=True)
         return
-    convert(checkpoints[name], arch, out, fuse=True, weight_only=True)  # W4A4 ones: test_w4a4_transform_...
+    w4a4_job = oracle[1] / f"{name}-{arch}-w4a4" / "methods.json"  # vLLM's choice for the checkpoint's own scheme
+    if w4a4_job.exists() and HUMMING in json.loads(w4a4_job.read_text()):  # 0.34: Humming's, --weight-only or not
+        with pytest.raises(RepackError, match="--vllm 0.33"):
+            convert(checkpoints[name], arch, out, fuse=True, weight_only=True, vllm=vllm_version)
+        return
+    convert(checkpoints[name], arch, out, fuse=True, weight_only=True, vllm=vllm_version)  # W4A4: test_w4a4_transform_...
     assert _assert_rank_identical(out, dumped, 0) == 8
     assert open_bundle(out).manifest.transforms, "a transform bundle"
     assert verify_output(out).passed
@@ -303,45 +310,77 @@ def test_tp2_transform_checkpoints_are_refused_as_vllm_refuses_them(name, checkp
     assert not (tmp_path / "ranks").exists()
 
 
-def _assert_w4a4_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
-    """Every tensor vLLM holds on every fused NVFP4 layer, by name, class-free dtype, shape, strides, offset and
-    the bytes of its whole storage, is the bundle's tensor of that name, or, on a layer vLLM serves through QuTLASS,
-    what ``Bundle.vllm_qutlass`` derives from the bundle at load; the quantization method is QuTLASS's exactly where
-    ``Bundle.runs_qutlass`` says so; the online transforms are the bundle's; the kernel class is the manifest's
-    first (auto's); the padding vLLM derives (``weight.shape[1] - K/2``) is the manifest's."""
+# What vLLM 0.34 keeps beside the kernel's tensors (bookkeeping, read by no kernel), per source format: the loaded
+# ModelOpt global scales, retired; compressed-tensors' loaded name of the packed weight, the same Parameter as ``weight``.
+RETIRED = {"0.34": {"modelopt": {"weight_scale_2", "input_scale"}}}
+ALIASES = {"0.34": {"compressed-tensors": {"weight_packed": "weight"}}}
+# 0.34 writes a smaller result into the loaded parameter's own storage: compressed-tensors' fused global scales are 0-d
+# views into the loaded f32[partitions], compared by their value (the bytes after it: the loaded partitions' values)
+LOADED_VIEWS = {"0.34": {"compressed-tensors": {"weight_global_scale", "input_global_scale"}}}
+
+
+def _source_tensors(bundle) -> dict[str, torch.Tensor]:
+    root = Path(bundle.manifest.source.path)
+    return {k: v for f in sorted(root.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _assert_w4a4_rank_identical(bundle_dir: Path, dumped: Path, rank: int, version: str = "0.33") -> int:
+    """Every tensor vLLM ``version`` holds on every fused NVFP4 layer, by name, class-free dtype, shape, strides,
+    offset and value, is the bundle's tensor of that name, or, on a layer vLLM 0.33 serves through QuTLASS, what
+    ``Bundle.vllm_qutlass`` derives from the bundle at load; its storage is the tensor's own (0.34: the loaded
+    parameter's, :data:`LOADED_VIEWS`); 0.34's bookkeeping is exactly :data:`RETIRED` (the source's loaded values) and
+    :data:`ALIASES`; the quantization method is QuTLASS's exactly where ``Bundle.runs_qutlass`` says so (0.33); the
+    online transforms are the bundle's; the kernel class is the manifest's first (auto's); the padding vLLM derives
+    (``weight.shape[1] - K/2``) is the manifest's."""
     bundle = open_bundle(bundle_dir)
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
     assert set(meta) == set(bundle.manifest.layers)
     assert bundle.manifest.scheme == "W4A4"
+    fmt = bundle.manifest.source.format
+    retired, aliases = RETIRED.get(version, {}).get(fmt, set()), ALIASES.get(version, {}).get(fmt, {})
+    source = _source_tensors(bundle) if retired else {}
     _assert_transforms_identical(bundle, theirs)
     for prefix, info in meta.items():
         record = bundle.manifest.layers[prefix]
-        qutlass = bundle.vllm_qutlass(prefix)
+        qutlass = bundle.vllm_qutlass(prefix) if version == "0.33" else {}
         route = {"QutlassNvFP4LinearMethod": "qutlass", "CompressedTensorsLinearTransformMethod": "transforms"}
         assert route.get(info["method"], "plain") == (
             "qutlass" if qutlass else "transforms" if record.transforms else "plain"), (prefix, info["method"])
         assert info["kernel"] == bundle.manifest.kernels[0], prefix
-        assert set(info["tensors"]) == set(record.tensors) | set(qutlass), prefix
+        views = info["tensors"]
+        assert set(views) == set(record.tensors) | set(qutlass) | retired | set(aliases), prefix
+        assert {n for n, v in views.items() if v.get("retired")} == retired, prefix
         assert (info["input_size_per_partition"], info["output_size_per_partition"]) == (record.k, record.n), prefix
-        assert info["tensors"]["weight"]["shape"][1] - record.k // 2 == record.weights_padding_cols, prefix
-        for part, view in info["tensors"].items():
-            ours = qutlass[part] if part in qutlass else bundle.read(f"{prefix}.{part}")
+        assert views["weight"]["shape"][1] - record.k // 2 == record.weights_padding_cols, prefix
+        for alias, name in aliases.items():  # one Parameter under both names, the kernel's its runtime name
+            assert views[alias]["aliases"] == [name] and views[alias]["runtime_name"] == name, (prefix, alias)
+            assert torch.equal(theirs[f"{prefix}.{alias}"], theirs[f"{prefix}.{name}"]), (prefix, alias)
+        for name in retired:  # as loaded: the source's per-partition values
+            loaded = torch.stack([source[f"{p.source}.{name}"].reshape(()).float() for p in record.partitions])
+            assert torch.equal(theirs[f"{prefix}.{name}"], loaded.view(torch.uint8)), (prefix, name)
+        for part in set(record.tensors) | set(qutlass):
+            ours, view = (qutlass[part] if part in qutlass else bundle.read(f"{prefix}.{part}")), views[part]
             got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
             assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, part)
             assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{part}"]), (prefix, part)
+            own = ours.numel() * ours.element_size()
+            loaded = 4 * len(record.partitions) if part in LOADED_VIEWS.get(version, {}).get(fmt, ()) else own
+            assert view["storage_nbytes"] == loaded, (prefix, part, view["storage_nbytes"])
     return len(meta)
 
 
 @pytest.mark.parametrize("name,arch", W4A4_TP1, ids=[f"{n}-{a}" for n, a in W4A4_TP1])
-def test_w4a4_bundle_is_byte_identical_to_vllm_auto(name, arch, checkpoints, oracle, tmp_path):
+def test_w4a4_bundle_is_byte_identical_to_vllm_auto(name, arch, checkpoints, oracle, vllm_version, tmp_path):
     # the W4A4 layout: the default for a W4A4 checkpoint
     _assert_tp1_bundle_matches(oracle[1] / f"{name}-{arch}", checkpoints[name], arch.removesuffix("-w4a4"),
-                               tmp_path / "bundle", _assert_w4a4_rank_identical)
+                               tmp_path / "bundle", functools.partial(_assert_w4a4_rank_identical, version=vllm_version),
+                               vllm=vllm_version)
 
 
 @pytest.mark.parametrize("name,arch", W4A4_TP2, ids=[f"{n}-{a}" for n, a in W4A4_TP2])
-def test_w4a4_tp2_ranks_are_byte_identical_to_vllm_or_both_refuse(name, arch, checkpoints, oracle, tmp_path):
+def test_w4a4_tp2_ranks_are_byte_identical_to_vllm_or_both_refuse(name, arch, checkpoints, oracle, vllm_version,
+                                                                  tmp_path):
     dumped = oracle[2] / f"{name}-{arch}"
     out = tmp_path / "ranks"
     if name.startswith("ct_") or (dumped / "refused.txt").exists():  # per-rank K of 88, as for W4A16 above
@@ -349,23 +388,36 @@ def test_w4a4_tp2_ranks_are_byte_identical_to_vllm_or_both_refuse(name, arch, ch
             convert(checkpoints[name], arch.removesuffix("-w4a4"), out, tp=2)
         assert (dumped / "refused.txt").exists() or name.startswith("ct_"), "we refuse what vLLM loads"
         return
-    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, tp=2)
+    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, tp=2, vllm=vllm_version)
     for rank in range(2):
-        assert _assert_w4a4_rank_identical(out / f"rank-{rank}", dumped, rank) == 8
+        assert _assert_w4a4_rank_identical(out / f"rank-{rank}", dumped, rank, vllm_version) == 8
     assert verify_output(out).passed
 
 
 @pytest.mark.parametrize("name,arch", TRANSFORMED_W4A4_TP1, ids=[f"{n}-{a}" for n, a in TRANSFORMED_W4A4_TP1])
-def test_w4a4_transform_bundle_holds_vllms_qutlass_state(name, arch, checkpoints, oracle, tmp_path):
-    """W4A4 rotated checkpoints, emulated Blackwell: vLLM's QutlassNvFP4LinearMethod state (W4A4 layout, its
+def test_w4a4_transform_bundle_holds_vllms_state_or_is_refused_for_humming(name, arch, checkpoints, oracle,
+                                                                           vllm_version, tmp_path):
+    """W4A4 rotated checkpoints, emulated Blackwell. vLLM 0.33: its QutlassNvFP4LinearMethod state (W4A4 layout, its
     transforms, fused_alpha, fused_global_scale, hadamard_matrix) on layers whose input blocks are all 16..128, its
-    transform method around the W4A4 kernel elsewhere (whole-K R4), byte for byte from convert --fuse."""
+    transform method around the W4A4 kernel elsewhere (whole-K R4), byte for byte from convert --fuse. vLLM 0.34:
+    where it picks Humming's Hadamard method for a layer (the harness records its choice: Humming's own load needs its
+    CUDA ops), convert --vllm 0.34 refuses in one line naming --vllm 0.33; elsewhere its transform method, byte for
+    byte."""
     dumped, out = oracle[1] / f"{name}-{arch}", tmp_path / "bundle"
+    target = arch.removesuffix("-w4a4")
+    if HUMMING in json.loads((dumped / "methods.json").read_text()):
+        assert vllm_version == "0.34"
+        with pytest.raises(RepackError, match="--vllm 0.33"):
+            convert(checkpoints[name], target, out, fuse=True, vllm=vllm_version)
+        assert not out.exists()
+        return
     assert not _refused(name, dumped), _refused(name, dumped)
-    convert(checkpoints[name], arch.removesuffix("-w4a4"), out, fuse=True, vllm="0.33")
-    assert _assert_w4a4_rank_identical(out, dumped, 0) == 8
+    convert(checkpoints[name], target, out, fuse=True, vllm=vllm_version)
+    assert _assert_w4a4_rank_identical(out, dumped, 0, vllm_version) == 8
     bundle = open_bundle(out)
+    assert vllm_version in bundle.manifest.engines["vllm"]
     methods = json.loads((dumped / "rank-0.json").read_text())
-    assert any(v["method"] == "QutlassNvFP4LinearMethod" for v in methods.values()) == (name != "whole-k-w4a4")
+    qutlass = vllm_version == "0.33" and name != "whole-k-w4a4"
+    assert any(v["method"] == "QutlassNvFP4LinearMethod" for v in methods.values()) == qutlass
     assert any(bundle.layer(p).transforms for p in bundle.manifest.layers)
     assert verify_output(out).passed

@@ -1,6 +1,7 @@
-"""vLLM 0.33.0 as the oracle for NVFP4 MoE: every tensor of every FusedMoE module, per TP rank, as its own load
-leaves it with the backend its ``auto`` picks on an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer
-CUTLASS MoE), byte for byte against our layout of the same experts; vLLM's refusals are ours.
+"""vLLM as the oracle for NVFP4 MoE, once per supported version (0.33.0, 0.34.0; 0.34's extra bookkeeping checked):
+every tensor of every FusedMoE module, per TP rank, as its own load leaves it with the backend its ``auto`` picks on
+an (emulated) sm100 (FlashInfer TRT-LLM-gen) and sm120 (FlashInfer CUTLASS MoE), byte for byte against our layout
+of the same experts; vLLM's refusals are ours.
 
 Checkpoints: the producer-made fixtures (ModelOpt and llm-compressor) of Qwen3-MoE (intermediate 128 and 48),
 DeepSeek-V3 (MLA attention, a dense first layer, a shared expert, grouped routing with a score correction bias),
@@ -70,12 +71,13 @@ EP = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", *PRODUCER_FIXTURES[4:], *(f"{s}-{f}"
 
 
 @pytest.fixture(scope="module")
-def oracle(checkpoints, tmp_path_factory) -> dict:
-    """vLLM's FusedMoE state per TP size, and at TP 2 with expert parallelism (``"ep"``): ``{key: folder}``."""
-    python = _vllm_python()
-    out = {}
+def oracle(checkpoints, vllm_version, tmp_path_factory) -> dict:
+    """vLLM's FusedMoE state per TP size, and at TP 2 with expert parallelism (``"ep"``): ``{key: folder}``, and the
+    version under ``"version"``."""
+    python = _vllm_python(vllm_version)
+    out: dict = {"version": vllm_version}
     for key, tp, names, suffix in ((1, 1, list(checkpoints), ""), (2, 2, list(checkpoints), ""), ("ep", 2, EP, "-ep")):
-        folder = tmp_path_factory.mktemp(f"vllm-moe-{key}")
+        folder = tmp_path_factory.mktemp(f"vllm{vllm_version}-moe-{key}")
         args = [arg for name in names for arch in LAYOUTS
                 for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}-moe{suffix}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
@@ -109,18 +111,45 @@ def test_fused_moe_state_is_byte_identical_to_vllm_or_both_refuse(name, arch, tp
         with pytest.raises(RepackError, match="not a multiple of 16"):
             plan_experts(source, tp, 0)
         return
-    _assert_ranks_identical(source, dumped, layout, tp, ep=False)
+    _assert_ranks_identical(source, dumped, layout, tp, ep=False, version=oracle["version"])
 
 
-def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool) -> None:
+def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool, version: str) -> None:
     for rank in range(tp):
         plans = plan_experts(source, tp, rank, ep=ep)
         held = {plan.module: (layout.to_runtime(assemble_experts(source, plan), prefix), plan.expert_map if ep else None)
                 for prefix, plan in plans.items()}
-        _assert_rank_state(dumped, rank, layout, held, source, (rank, "library"))
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, "library"), version)
 
 
-def _assert_rank_state(dumped, rank: int, layout, held: dict, source, where) -> None:
+# vLLM 0.34's bookkeeping beside the kernel's tensors: compressed-tensors' loaded names of the packed weights (the same
+# Parameters), and the private activation global scales its quant config derives (1 / the input scales; TRT-LLM-gen
+# also its scaled gemm1 output scale, _experts_g1_scale_c, made by its experts class: its value is the plugin state
+# test's, tests/vllm/plugin_checks.py)
+MOE_ALIASES = {"0.34": {"w13_weight_packed": "w13_weight", "w2_weight_packed": "w2_weight"}}
+MOE_DERIVED = {"0.34": {"_a1_gscale": "w13_input_scale", "_a2_gscale": "w2_input_scale"}}
+MOE_PRIVATE = {"0.34": {"FLASHINFER_TRTLLM": {"_experts_g1_scale_c"}}}
+
+
+def _assert_version_extras(module: str, info: dict, theirs: dict, ours: dict, fmt: str, backend: str,
+                           version: str) -> set[str]:
+    """vLLM ``version``'s extra FusedMoE tensors (:data:`MOE_ALIASES`, :data:`MOE_DERIVED`, :data:`MOE_PRIVATE`),
+    checked; returns their names."""
+    views = info["tensors"]
+    aliases = MOE_ALIASES.get(version, {}) if fmt == "compressed-tensors" else {}
+    for alias, name in aliases.items():
+        assert views[alias]["aliases"] == [name] and views[alias]["runtime_name"] == name, (module, alias)
+        assert torch.equal(theirs[f"{module}.{alias}"], theirs[f"{module}.{name}"]), (module, alias)
+    derived = MOE_DERIVED.get(version, {})
+    for name, scale in derived.items():
+        assert torch.equal(theirs[f"{module}.{name}"], 1.0 / ours[scale]), (module, name)
+    private = MOE_PRIVATE.get(version, {}).get(backend, set())
+    for name in private:
+        assert (views[name]["dtype"], views[name]["shape"]) == ("float32", [ours["w13_weight"].shape[0]]), (module, name)
+    return set(aliases) | set(derived) | private
+
+
+def _assert_rank_state(dumped, rank: int, layout, held: dict, source, where, version: str = "0.33") -> None:
     """Rank ``rank``'s FusedMoE modules as vLLM holds them (``dumped``) against ``held``: ``{module: (our tensors by
     vLLM's names, our _expert_map or None)}``: the same modules, tensors, dtypes, shapes, strides and bytes; besides
     them vLLM keeps compressed-tensors' loaded global scales and DeepSeek-V3's router bias (the router's own
@@ -136,7 +165,9 @@ def _assert_rank_state(dumped, rank: int, layout, held: dict, source, where) -> 
         if bias in source.checkpoint.tensors:
             leftovers = leftovers | {"e_score_correction_bias"}
             assert torch.equal(theirs[f"{module}.e_score_correction_bias"], source.checkpoint.read(bias)), module
-        assert set(info["tensors"]) == set(ours) | leftovers | ({"_expert_map"} if expert_map else set()), module
+        extras = _assert_version_extras(module, info, theirs, ours, source.format, layout.BACKEND, version)
+        assert set(info["tensors"]) == (set(ours) | leftovers | extras
+                                        | ({"_expert_map"} if expert_map else set())), module
         if expert_map is not None:  # global expert -> local index, -1 elsewhere
             assert theirs[f"{module}._expert_map"].tolist() == expert_map, (where, module)
         for part, tensor in ours.items():
@@ -155,7 +186,7 @@ def test_expert_parallel_ranks_are_byte_identical_to_vllm(name, arch, checkpoint
     3 + 2); the input scale it shares is the largest of every expert's (ModelOpt) or of its own (compressed-tensors)."""
     dumped = oracle["ep"] / f"{name}-{arch}"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
-    _assert_ranks_identical(read_source(checkpoints[name]), dumped, LAYOUTS[arch], 2, ep=True)
+    _assert_ranks_identical(read_source(checkpoints[name]), dumped, LAYOUTS[arch], 2, ep=True, version=oracle["version"])
 
 
 # The dense layers' W4A16 layout (the MoE jobs load them with the cute-dsl kernel) per harness arch; the checkpoints
@@ -220,4 +251,4 @@ def test_cli_convert_holds_vllms_fused_moe_state_byte_for_byte(name, arch, mode,
         assert (bundle.manifest.scheme, bundle.manifest.layout_id) == ("W4A4", "w4a4-cutlass-v1")
         held = {module: (bundle.moe_tensors(module), record.expert_map)
                 for module, record in bundle.moe_layers().items()}
-        _assert_rank_state(dumped, rank, layout, held, source, (rank, "cli"))
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, "cli"), oracle["version"])

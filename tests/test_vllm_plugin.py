@@ -1,7 +1,7 @@
 """The vLLM loader plugin's checks (tests/vllm/plugin_checks.py), run in the vLLM env from the project's suite.
 
-They need vLLM itself in-process (the plugin is vLLM code), so they run as one pytest session in
-tests/vllm/make_env.sh's env, which pins FlashInfer 0.7.2.post1 as vLLM does; in CI a missing env fails.
+They need vLLM itself in-process (the plugin is vLLM code), so they run as one pytest session in each of
+tests/vllm/make_env.sh's envs (vLLM 0.33 and 0.34, FlashInfer 0.7.2.post1); in CI a missing env fails.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from .test_vllm_conformance import HERE, _vllm_python
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_vllm_plugin_checks_pass_in_the_vllm_env():
-    python = _vllm_python()
+def test_vllm_plugin_checks_pass_in_the_vllm_env(vllm_version):
+    """Once per supported vLLM version, in its own oracle env: the plugin loads into exactly that version's state."""
+    python = _vllm_python(vllm_version)
     done = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "plugin_checks.py")],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=1800)

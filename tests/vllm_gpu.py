@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -40,8 +41,16 @@ def unavailable() -> str | None:
     if torch.cuda.get_device_capability() != (9, 0):
         return "needs an sm90 GPU (H100 / H200): the plugin's Hopper kernel"
     if importlib.util.find_spec("vllm") is None:
-        return "needs vLLM 0.33 (../shared/vllm-gpu stages it on the H200)"
+        return "needs vLLM 0.33 or 0.34 (scripts/stage_vllm_gpu.sh / ../shared/vllm-gpu stage it on the H200)"
     return None
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (from its metadata, no import), recorded with every GPU result."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def random_decoder(shape: dict[str, int], layers: int, gen: torch.Generator) -> dict[str, NVFP4Weight]:

@@ -332,7 +332,8 @@ def layer_transforms(transforms: SourceTransforms, layer: OutputLayer) -> tuple[
     return tuple(placed)
 
 
-def _cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:
+def cut(weight: NVFP4Weight, piece: Piece) -> NVFP4Weight:
+    """``piece``'s rows and columns of ``weight`` (views, no copy), its ``scale_ratio`` folded into the block scales."""
     (r0, r1), (c0, c1) = piece.rows, piece.cols
     scales = weight.block_scales[r0:r1, c0 // BLOCK_SIZE : c1 // BLOCK_SIZE]
     if piece.scale_ratio != 1.0:
@@ -351,7 +352,7 @@ def assemble(source: SourceModel, layer: OutputLayer,
         if piece.source not in loaded:
             loaded[piece.source] = (load(piece.source) if load is not None
                                     else source.load_layer(source.layers[piece.source]))
-        cuts.append(_cut(loaded[piece.source], piece))
+        cuts.append(cut(loaded[piece.source], piece))
     multiplier = max((c.multiplier for c in cuts), key=float)
     return NVFP4Weight(torch.cat([c.codes for c in cuts]), torch.cat([c.block_scales for c in cuts]), multiplier)
 
@@ -359,7 +360,7 @@ def assemble(source: SourceModel, layer: OutputLayer,
 def source_function(source: SourceModel, layer: OutputLayer) -> torch.Tensor:
     """float64 ``[n, k]``: what the unfused source computes for this layer, each piece with its own scales."""
     return torch.cat([
-        dequantize(_cut(source.load_layer(source.layers[p.source]), Piece(p.source, p.rows, p.cols)))
+        dequantize(cut(source.load_layer(source.layers[p.source]), Piece(p.source, p.rows, p.cols)))
         for p in layer.pieces
     ])
 
@@ -578,7 +579,7 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str
             return _placeholder(dtype, experts, 2 * inter, hidden // per_block)
         pieces = expert_pieces(plan, fetch, (first, last), "w13", "codes" if what == "codes" else "block_scales")
         pairs = torch.stack([t for pair in pieces for t in pair])
-        if what == "scales" and ratios is not None:  # as _cut folds a dense partition's ratio
+        if what == "scales" and ratios is not None:  # as cut folds a dense partition's ratio
             pairs = (pairs.to(torch.float32) * ratios.reshape(-1, 1, 1)).to(torch.float8_e4m3fn)
         return pairs.view(experts, 2 * inter, -1)
 

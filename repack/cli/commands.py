@@ -575,7 +575,7 @@ def _print_verify(bundle: Path, report) -> None:
         stdout.print(f"{count(len(departures), 'layer')} rescaled by --rescale: numerics against their rescaled weights, which "
                      f"depart from the unfused source by up to {max(departures):.3g} (relative L2), each bounded by "
                      "the error convert recorded", soft_wrap=True, highlight=False)
-    experts = f" and {report.numerics_experts} of {report.experts} experts" if report.experts else ""
+    experts = f" and {report.numerics_experts} of {count(report.experts, 'expert')}" if report.experts else ""
     if report.passed:
         scope = ("integrity, exactness against the source, numerics" if report.source else
                  "integrity and numerics against the bundle's own decode; exactness was NOT checked (--no-source)")
@@ -594,7 +594,7 @@ def _print_verify(bundle: Path, report) -> None:
             stdout.print(f"  ... and {len(messages) - FAILURES_SHOWN} more (all of them: --report FILE)", highlight=False)
     counts = ", ".join(f"{kind} {len(messages)}" for kind, messages in summary.items())
     stdout.print(f"[red]FAIL[/]: {counts} (activation seed {report.seed}; numerics on {report.numerics_layers} of "
-                 f"{len(report.layers)} layers{experts})", soft_wrap=True, highlight=False)
+                 f"{count(len(report.layers), 'layer')}{experts})", soft_wrap=True, highlight=False)
 
 
 def _interruptible(command: Callable) -> Callable:

@@ -51,9 +51,10 @@ class EngineVersion:
 
 VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS)
 VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS, {
-    HADAMARD_W4A4: "vLLM 0.34 serves W4A4 layers with Hadamard input rotations through Humming's Hadamard kernel, whose layout is made by "
-                  "Humming's CUDA ops at load and is not written by nvfp4-repack: convert with --vllm 0.33 (and serve "
-                  "with vLLM 0.33), or with --weight-only",
+    HADAMARD_W4A4: "vLLM 0.34 serves this W4A4 checkpoint's Hadamard-rotated layers on sm100 / sm120 through "
+                   "Humming's Hadamard kernel (--weight-only too: it follows the checkpoint's scheme), whose layout "
+                   "Humming's CUDA ops make at load and nvfp4-repack does not write: convert with --vllm 0.33 and "
+                   "serve with vLLM 0.33",
 })
 
 ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034)  # per engine, oldest first

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import vllm
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -51,10 +52,12 @@ from ..bundle.manifest import MANIFEST_NAME, LayerRecord
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import Target
+from ..targets.engines import engine_versions, running_row
 from .experts import check_kept_scales, check_method, check_placement, moe_modules, preimage, serve_experts
 from .kernels import kernel_class
 
 LOAD_FORMAT = "nvfp4_repack"
+HUMMING = "HummingNvFP4HadamardLinearMethod"  # vLLM 0.34's method for Hadamard-rotated W4A4 layers on Blackwell
 
 # Per vLLM quantization method: the NVFP4 scheme's parameters that its process step reads before the
 # kernel runs (packed codes, block scales, per-partition global scale, and for W4A4 the per-partition activation
@@ -105,9 +108,25 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
             f"{folder}: the bundle keeps the checkpoint's unfused modules (q/k/v_proj, gate/up_proj); vLLM holds "
             f"qkv_proj and gate_up_proj: re-convert with --fuse"
         )
+    check_engine(bundle, vllm.__version__)
     _check_device(bundle.target)
     _check_flashinfer(bundle)
     return bundle
+
+
+def check_engine(bundle: Bundle, running: str) -> None:
+    """A bundle is served by the vLLM versions its manifest lists (``engines``, targets/engines.py) only: their state
+    after loading is the bundle's; another version's may differ (0.34 serves Hadamard-rotated W4A4 layers with
+    Humming's own layout)."""
+    listed = bundle.manifest.engines.get("vllm", [])
+    row = running_row("vllm", running)
+    if row is not None and row.version in listed:
+        return
+    supported = ", ".join(v.version for v in engine_versions("vllm"))
+    fix = (f"re-convert it with --vllm {row.version}" if row is not None else
+           f"nvfp4-repack supports vLLM {supported}")
+    raise RepackError(f"{bundle.root}: the bundle is for vLLM {', '.join(listed) or 'none'}, but vLLM {running} is "
+                      f"running; serve it with vLLM {' or '.join(listed) or supported}, or {fix}")
 
 
 def _check_device(target: Target) -> None:
@@ -286,6 +305,11 @@ class BundleModelLoader(BaseModelLoader):
                    if type(module.quant_method).__name__ == "QutlassNvFP4LinearMethod"]
         if qutlass and bundle.target.scheme != "W4A4":  # QuTLASS's FP4 x FP4 GEMM reads the W4A4 layout only
             _refuse_qutlass(qutlass[0], layers[qutlass[0]], bundle)
+        humming = [name for name, module in layers.items() if type(module.quant_method).__name__ == HUMMING]
+        if humming:  # convert refuses these for 0.34 (engines.py): a bundle listing 0.34 never reaches here
+            raise RepackError(f"{humming[0]}: vLLM {vllm.__version__} serves this W4A4 layer with its input Hadamard "
+                              f"through {HUMMING}, whose layout Humming's CUDA ops make at load and no bundle holds; "
+                              f"serve it with vLLM 0.33 (convert --vllm 0.33)")
         self._install_experts(model, bundle)
         installed: set[int] = set()
         for name, module in layers.items():

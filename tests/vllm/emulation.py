@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's NVFP4 activation emulation as an oracle, on CPU (run in the vLLM virtualenv, imports nothing
+"""vLLM's (0.33.0, 0.34.0) NVFP4 activation emulation as an oracle, on CPU (run in the vLLM virtualenv, imports nothing
 from the project).
 
     python emulation.py IN.safetensors OUT.safetensors
@@ -25,7 +25,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import 
     ref_nvfp4_quant,
 )
 
-assert vllm.__version__ == "0.33.0", vllm.__version__
+assert vllm.__version__ in ("0.33.0", "0.34.0"), vllm.__version__  # one oracle venv per version
 
 cases = load_file(sys.argv[1])
 out = {}

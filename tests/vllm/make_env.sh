@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Build the vLLM oracles' own virtualenvs, one per supported vLLM version, in parallel: vLLM without its dependency
-# tree (its torch pin has no CPU build here) over the CPU torch and the packages of requirements-<version>.txt that
-# its CPU load path imports. Each is rebuilt only when its requirements file changes. Venvs of their own because vLLM
-# pins FlashInfer 0.7.2.post1 (0.34: 0.7.3) while the project's test env takes the newest FlashInfer.
+# Build the vLLM oracles' own virtualenvs, one per supported vLLM version: vLLM without its dependency tree (its torch
+# pin has no CPU build here) over the CPU torch and the packages of requirements-<version>.txt that its CPU load path
+# imports. Each is rebuilt only when its requirements file changes. Venvs of their own because vLLM pins FlashInfer
+# 0.7.2.post1 (0.34: 0.7.3) while the project's test env takes the newest FlashInfer.
 #
 #     bash tests/vllm/make_env.sh [VERSION ...]     # default: every version (0.33 0.34)
 #
-# Where: 0.33 in $NVFP4_REPACK_VLLM_VENV (default .venv-vllm), 0.34 in $NVFP4_REPACK_VLLM_VENV_0_34 (default
-# .venv-vllm-0.34): the variable is NVFP4_REPACK_VLLM_VENV_<version with _ for .>, the oldest version's has no suffix.
+# Shared where it can be: versions whose requirements list the same packages get one pip install of them (the first
+# version's venv), the others a hard-linked copy of it with only vLLM replaced (seconds, no second 4 GB on disk);
+# versions whose lists differ build in parallel. Where: 0.33 in $NVFP4_REPACK_VLLM_VENV (default .venv-vllm), 0.34 in
+# $NVFP4_REPACK_VLLM_VENV_0_34 (default .venv-vllm-0.34): NVFP4_REPACK_VLLM_VENV_<version, _ for .>, none for 0.33.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -20,26 +22,56 @@ venv_of() {  # the version's venv folder
         *) local var="NVFP4_REPACK_VLLM_VENV_${1//./_}"; echo "${!var:-$root/.venv-vllm-$1}" ;;
     esac
 }
+requirements_of() { echo "$here/requirements-$1.txt"; }
+packages_of() { grep -v '^#' "$(requirements_of "$1")" | sort; }  # the list without its comments
+stamp_of() { sha256sum < "$(requirements_of "$1")" | cut -d' ' -f1; }
+fresh() { [ -f "$(venv_of "$1")/.requirements.sha256" ] && [ "$(cat "$(venv_of "$1")/.requirements.sha256")" = "$(stamp_of "$1")" ]; }
 
-build() {  # version: (re)build its venv unless its stamp matches its requirements
-    local version=$1 venv requirements stamp want
+build() {  # version: a venv of its own, every package installed
+    local version=$1 venv
     venv=$(venv_of "$version")
-    requirements="$here/requirements-$version.txt"
-    [ -f "$requirements" ] || { echo "make_env.sh: no vLLM $version oracle (no $requirements)" >&2; return 2; }
-    stamp="$venv/.requirements.sha256"
-    want=$(sha256sum < "$requirements" | cut -d' ' -f1)
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+    fresh "$version" && return 0
     rm -rf "$venv"
     python -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 -r "$requirements"
-    "$venv/bin/pip" install -q --no-deps "vllm==$version.0"
-    echo "$want" > "$stamp"
+    "$venv/bin/python" -m pip install -q torch==2.13.0 -r "$(requirements_of "$version")"
+    "$venv/bin/python" -m pip install -q --no-deps "vllm==$version.0"
+    stamp_of "$version" > "$venv/.requirements.sha256"
 }
 
-pids=()
+derive() {  # version base: a hard-linked copy of base's venv with vLLM replaced (pip unlinks, never rewrites, files)
+    local version=$1 base venv
+    base=$(venv_of "$2") venv=$(venv_of "$1")
+    fresh "$version" && return 0
+    rm -rf "$venv"
+    if ! cp -al "$base" "$venv" 2>/dev/null; then  # another file system: a venv of its own
+        rm -rf "$venv"
+        build "$version"
+        return
+    fi
+    rm -f "$venv/.requirements.sha256"
+    "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "vllm==$version.0"
+    "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm') == '$version.0'"
+    stamp_of "$version" > "$venv/.requirements.sha256"
+}
+
 for version in "${versions[@]}"; do
-    build "$version" & pids+=($!)
+    [ -f "$(requirements_of "$version")" ] || { echo "make_env.sh: no vLLM $version oracle (no requirements-$version.txt)" >&2; exit 2; }
+done
+first=${versions[0]}
+pids=()
+build "$first" & pids+=($!)
+shared=()
+for version in "${versions[@]:1}"; do
+    if [ "$(packages_of "$version")" = "$(packages_of "$first")" ]; then
+        shared+=("$version")
+    else
+        build "$version" & pids+=($!)
+    fi
 done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+wait "${pids[0]}" || status=1
+for version in "${shared[@]}"; do  # after the first venv exists
+    [ $status -eq 0 ] && { derive "$version" "$first" || status=1; }
+done
+for pid in "${pids[@]:1}"; do wait "$pid" || status=1; done
 exit $status

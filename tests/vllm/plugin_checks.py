@@ -57,6 +57,18 @@ harness.patch()
 register()  # what vLLM's plugin loader does through the vllm.general_plugins entry point
 PRODUCERS = Path(__file__).resolve().parents[1] / "data" / "producers"
 RUNNING = ".".join(vllm.__version__.split(".")[:2])  # the vLLM series this env runs: convert --vllm writes for it
+# W4A4 checkpoints with layers vLLM 0.34's Humming Hadamard method takes on Blackwell: convert --vllm 0.34 refuses them
+HUMMING_034 = {"ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_had16_nvfp4", *OUTPUT_VARIANTS}
+
+
+def refused_for_humming(fixture: str, source: Path, target: str, **options: object) -> bool:
+    """On vLLM 0.34, a :data:`HUMMING_034` fixture's convert is refused in one line naming --vllm 0.33 (checked here);
+    True then, and the caller has nothing to serve."""
+    if not (harness.V034 and fixture in HUMMING_034):
+        return False
+    with pytest.raises(RepackError, match="--vllm 0.33"):
+        convert(source, target, source.parent / "refused", fuse=True, vllm=RUNNING, **options)
+    return True
 # What a layer's NVFP4 kernel reads besides its three tensors.
 KERNEL_ATTRS = ("weights_padding_cols", "output_size_per_partition", "input_size_per_partition", "logical_widths",
                 "flashinfer_gemm_backend")  # QuTLASS's: its GEMM's FlashInfer backend
@@ -93,8 +105,25 @@ def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a
 
 
 def tensor_state(t: torch.Tensor) -> tuple:
-    return (type(t).__name__, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.device.type,
-            bytes(t.untyped_storage()))
+    """A tensor's class, dtype, view, device and bytes: vLLM 0.33 the bytes of its whole storage (a view is compared
+    with the buffer under it); 0.34, which writes smaller results into the loaded parameter's own storage, its value
+    and its storage's size, and its bookkeeping (``retired``, ``runtime_name``). The bytes after a 0.34 view's value
+    (the loaded partitions' global scales behind a fused layer's, the [E, 2] behind MoE w13 scales) are the source's
+    loaded values in vLLM's load and the bundle's multiplier in the plugin's: read by no kernel (docs/serving.md). A
+    0.34 retired parameter (ModelOpt's loaded ``weight_scale_2`` / ``input_scale``) is compared by view and flag: vLLM
+    keeps the source's per-partition values there, which a bundle folds into one scale (q/k/v input scales may
+    differ); no kernel reads them (tests/test_vllm_conformance.py checks vLLM's against the source)."""
+    view = (type(t).__name__, t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.device.type)
+    if not harness.V034:
+        return (*view, bytes(t.untyped_storage()))
+    retired = bool(getattr(t, "retired", False))  # its value: the source's per-partition scales (see RETIRED_VALUES)
+    return (*view, t.untyped_storage().nbytes(), retired, getattr(t, "runtime_name", None),
+            b"" if retired else bytes(t.detach().reshape(-1).contiguous().view(torch.uint8)))
+
+
+def module_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's own parameters (under each of its names: vLLM 0.34 registers one under two) and buffers."""
+    return [(n, t) for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]
 
 
 def transform_state(name: str, module: HadamardTransform, first: dict[int, str]) -> dict[str, object]:
@@ -129,14 +158,21 @@ def object_state(name: str, obj: object, aliases: dict[int, str]) -> dict[str, o
     return state
 
 
+# vLLM 0.34's TRT-LLM-gen experts keep the gemm1 output scale they were built with (the unfolded w13 multiplier times
+# a2_gscale) under this name, no kernel reading it after the post-load (it reads g1_scale_c): a bundle holds the folded
+# multiplier, whose unfolded float32 can be either of two neighbours with the same product, so only its view is
+# compared (docs/serving.md).
+UNFOLDED_034 = {"_experts_g1_scale_c"}
+
+
 def moe_state(name: str, module: nn.Module) -> dict[str, object]:
     """A FusedMoE module's plain tensor attributes (compressed-tensors' input scales), its MoE backend, the modular
     kernel's prepare/finalize and experts classes with their state, the quant config and the moe_config sizes."""
     tensors = {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
-    aliases = {t.data_ptr(): part for part, t in [*module.named_parameters(recurse=False),
-                                                  *module.named_buffers(recurse=False), *tensors.items()]}
+    aliases = {t.data_ptr(): part for part, t in [*module_tensors(module), *tensors.items()]}
     method = module.quant_method
-    state: dict[str, object] = {f"{name}.{part}": tensor_state(t) for part, t in tensors.items()}
+    state: dict[str, object] = {f"{name}.{part}": tensor_state(t)[:-1] if part in UNFOLDED_034 else tensor_state(t)
+                                for part, t in tensors.items()}
     state[f"{name}:backend"] = method.nvfp4_backend.value
     state.update({f"{name}:moe_config.{a}": getattr(module.moe_config, a) for a in MOE_CONFIG_ATTRS})
     state.update(object_state(f"{name}:quant_config", method.moe_quant_config, aliases))
@@ -151,7 +187,7 @@ def layer_state(model: nn.Module) -> dict[str, object]:
     state: dict[str, object] = {}
     first: dict[int, str] = {}
     for name, module in model.named_modules():
-        for part, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for part, t in module_tensors(module):
             state[f"{name}.{part}"] = tensor_state(t)
         for part, t in vars(module).items():  # plain tensor attributes (QuTLASS's hadamard_matrix)
             if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
@@ -270,7 +306,9 @@ def test_plugin_serves_transform_bundles_as_vllm_loads_them(vllm_world, tmp_path
     transform method included."""
     source = _source(tmp_path, fixture)
     bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True, weight_only=True)
+    if refused_for_humming(fixture, source, target, weight_only=True):
+        return
+    convert(source, target, bundle, fuse=True, weight_only=True, vllm=RUNNING)
     reference = load(source, "safetensors", target)
     expected = layer_state(reference)
     _delete_weights(source)
@@ -303,9 +341,9 @@ def test_plugin_refuses_transforms_in_another_dtype_than_the_servers(vllm_world,
     ("ct_quip_v_had16_nvfp4a16", "weight-only (NVFP4A16) layer"),  # vLLM 0.33 gives NVFP4A16 layers QuTLASS too
 ])
 def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, monkeypatch, fixture, says):
-    """On Blackwell vLLM gives layers with a block-16..128 input Hadamard its QuTLASS method (W4A4 checkpoints and,
-    in vLLM 0.33, NVFP4A16 ones too), whose GEMM does not read the W4A16 layout; emulated here by answering vLLM's
-    capability question as sm100 would."""
+    """On Blackwell vLLM 0.33 gives layers with a block-16..128 input Hadamard its QuTLASS method (W4A4 checkpoints
+    and NVFP4A16 ones too), whose GEMM does not read the W4A16 layout; emulated here by answering vLLM's capability
+    question as sm100 would. vLLM 0.34 has no QuTLASS: these random-Hadamard / weight-only layers load."""
     from vllm.platforms import current_platform
 
     convert(PRODUCERS / fixture, "sm100", tmp_path / "bundle", fuse=True, weight_only=True)
@@ -314,6 +352,11 @@ def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, m
         return (capability if isinstance(capability, int) else capability[0] * 10 + capability[1]) <= 100
 
     monkeypatch.setattr(current_platform, "has_device_capability", blackwell)
+    if harness.V034:  # no QuTLASS: its transform method around the bundle's W4A16 kernel (Humming's needs CUDA here)
+        methods = {type(m.quant_method).__name__ for m in load(tmp_path / "bundle", LOAD_FORMAT, "sm100").modules()
+                   if hasattr(m, "quant_method")}
+        assert "CompressedTensorsLinearTransformMethod" in methods and not any("Qutlass" in m for m in methods)
+        return
     message = _refused(tmp_path / "bundle")
     assert "QutlassNvFP4LinearMethod" in message and says in message
 
@@ -321,14 +364,20 @@ def test_plugin_refuses_what_vllm_would_run_with_qutlass(vllm_world, tmp_path, m
 @pytest.mark.parametrize("target", ["sm100", "sm120"])
 @pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_quip_vu_had32_nvfp4",
                                      "ct_spinquant_r1r2r4_had16_nvfp4", "whole-n-output"])
-def test_plugin_serves_rotated_w4a4_bundles_through_qutlass(vllm_world, tmp_path, fixture, target):
+def test_plugin_serves_rotated_w4a4_bundles_as_vllm_loads_them(vllm_world, tmp_path, fixture, target):
     """W4A4 rotated checkpoints on (emulated) Blackwell, where vLLM's auto gives layers whose input blocks are all
     16..128 QutlassNvFP4LinearMethod: the W4A4 bundle's model holds the state of vLLM's load of the source, its
     fused_alpha, fused_global_scale, hadamard_matrix (and which transform tensor that is), FlashInfer backend,
-    transform matrices and method classes included."""
-    got, expected = _w4a4_states(_source(tmp_path, fixture), target)
-    assert any(v == "QutlassNvFP4LinearMethod" for v in expected.values())
-    assert any(k.endswith(".hadamard_matrix") for k in expected) and any(k.endswith(".fused_alpha") for k in expected)
+    transform matrices and method classes included. vLLM 0.34 (no QuTLASS): Humming's Hadamard method where it takes
+    a layer, refused by convert; its transform method around the W4A4 kernel elsewhere, the same state."""
+    source = _source(tmp_path, fixture)
+    if refused_for_humming(fixture, source, target):
+        return
+    got, expected = _w4a4_states(source, target)
+    qutlass = not harness.V034
+    assert any(v == "QutlassNvFP4LinearMethod" for v in expected.values()) == qutlass
+    assert any(k.endswith(".hadamard_matrix") for k in expected) == qutlass
+    assert any(v == "CompressedTensorsLinearTransformMethod" for v in expected.values()) or qutlass
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
 
 
@@ -764,3 +813,19 @@ def test_moe_refuses_a_bundle_without_the_models_experts(vllm_world, tmp_path):
     module = "model.layers.1.mlp.experts.routed_experts"
     _edit_json(tmp_path / "bundle" / "manifest.json", lambda m: m["moe"].pop(module))
     assert f"FusedMoE module {module!r} has no tensors" in _refused(tmp_path / "bundle", w4a4=True)
+
+
+def test_plugin_refuses_a_bundle_for_another_vllm_version(vllm_world, tmp_path):
+    """A bundle lists the vLLM versions whose state it is (manifest ``engines``); the plugin refuses it in another, in
+    one line naming the version to re-convert for: a --vllm 0.33 bundle of a Hadamard-rotated W4A4 checkpoint (0.34
+    serves it through Humming) on 0.34, and any bundle whose list lacks the running version."""
+    bundle = tmp_path / "bundle"
+    if harness.V034:
+        convert(PRODUCERS / "ct_quip_vu_had32_nvfp4", "sm100", bundle, fuse=True, vllm="0.33")
+        message = _refused(bundle, w4a4=True)
+        assert "the bundle is for vLLM 0.33, but vLLM 0.34.0 is running" in message and "--vllm 0.34" in message
+        return
+    convert(PRODUCERS / "ct_nvfp4a16", "sm100", bundle, fuse=True)
+    _edit_json(bundle / "manifest.json", lambda manifest: manifest.update(engines={"vllm": ["0.34"]}))
+    message = _refused(bundle)
+    assert "the bundle is for vLLM 0.34, but vLLM 0.33.0 is running" in message and "--vllm 0.33" in message
