@@ -34,7 +34,7 @@ def test_every_layout_written_is_held_by_every_vllm_version():
     for target in TARGETS:
         try:
             written.add(moe_layout(target.name).LAYOUT_ID)
-        except RepackError:  # sm90: no MoE layout
+        except RepackError:  # sm90, sm75: no MoE layout
             pass
     for version in engines.engine_versions("vllm"):
         assert written <= set(version.layouts), (version.label, written - set(version.layouts))
@@ -121,5 +121,5 @@ def test_targets_names_sglang_where_it_has_layouts(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     code, out, _ = cli(capsys, "targets")
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
-    assert code == 0 and set(rows) == {"sm100", "sm120", "sm90"}
-    assert ["sglang 0.5.23" in rows[name] for name in ("sm100", "sm120", "sm90")] == [True, True, False]
+    assert code == 0 and {"sm100", "sm120", "sm90"} <= set(rows)
+    assert {name for name, line in rows.items() if "sglang 0.5.23" in line} == {"sm100", "sm120"}

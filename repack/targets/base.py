@@ -54,6 +54,7 @@ class RuntimeLayer:
     input_global_scale: torch.Tensor | None = None  # W4A4 layouts: float32 [] each, as vLLM computes them
     input_global_scale_inv: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    weight_multiplier: torch.Tensor | None = None  # Marlin: the source multiplier, kept beside vLLM's state
     named: dict[str, torch.Tensor] | None = None  # another engine's tensors of this layer, by its names (SGLang)
 
     def bundle_tensors(self) -> dict[str, torch.Tensor]:
@@ -68,13 +69,14 @@ class RuntimeLayer:
             "weight_scale": self.weight_scale,
             "weight_global_scale": self.weight_global_scale,
         }
-        for name in W4A4_SCALARS:
+        for name in OPTIONAL:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
 
 
 W4A4_SCALARS = ("input_global_scale", "input_global_scale_inv", "alpha")
+OPTIONAL = (*W4A4_SCALARS, "weight_multiplier")  # held by some layouts only
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class Target(Family):
             of a fused layer (else ``runtime_specs``).
         from_named: ``(tensors by the engine's names, n, k)`` -> the RuntimeLayer of the layout's math (else the
             names are RuntimeLayer's fields).
+        read_as: a weight -> the weight as the layout's kernel reads it, where that differs (Marlin flushes the
+            smallest block scales to 0): what ``from_runtime`` returns. ``None``: the weight itself.
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -111,6 +115,7 @@ class Target(Family):
     source_format: str | None = None
     partition_specs: Callable[[int, int, int], dict[str, TensorSpec]] | None = None
     from_named: Callable[[dict[str, torch.Tensor], int, int], RuntimeLayer] | None = None
+    read_as: Callable[[NVFP4Weight], NVFP4Weight] | None = None
 
     @classmethod
     def of(cls, family: Family, **layout: object) -> Target:
@@ -123,11 +128,14 @@ class Target(Family):
 
     @property
     def layout_key(self) -> str:
-        """How the runtime (backends, index formulas) names this layout: the family for its W4A16 layout, the
-        layout id for the W4A4 one, which the families share."""
-        if self.scheme == "W4A16":
-            return self.name
-        return self.layout_id if self.engine == "vllm" else W4A4_LAYOUT_ID  # another engine's names, vLLM's bytes
+        """How the runtime (backends, index formulas) names this layout: the layout id for the FP4 x FP4 one, which
+        the families share (another engine's W4A4 layouts too: its names over the same bytes); else the family (its
+        weight-only layout, which Marlin's W4A4 variant is too)."""
+        return W4A4_LAYOUT_ID if self.layout_id == W4A4_LAYOUT_ID or self.engine != "vllm" else self.name
+
+    def as_read(self, weight: NVFP4Weight) -> NVFP4Weight:
+        """``weight`` as this layout's kernel reads it: what :attr:`from_runtime` of :attr:`to_runtime` returns."""
+        return weight if self.read_as is None else self.read_as(weight)
 
     def for_scheme(self, scheme: str) -> "Target":
         """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
