@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import tomllib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +62,17 @@ def assert_held_as(ours: torch.Tensor, view: dict, stored: torch.Tensor, what) -
     got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
     assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), what
     assert torch.equal(ours.reshape(-1).view(torch.uint8), stored), what
+
+
+def assert_plugin_entry_point(group: str, engine: str) -> None:
+    """pyproject's ``group`` entry point ``nvfp4_repack`` is a callable register function, and importing it with
+    the whole core (CLI, convert, verify, runtime, the targets) imports no ``engine``: only its plugin does, when run."""
+    root = Path(__file__).resolve().parents[1]
+    entry = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"][group]
+    module, _, name = entry["nvfp4_repack"].partition(":")
+    code = (f"import sys, repack.cli, repack.convert, repack.verify, repack.runtime, repack.targets.sglang, {module}; "
+            f"assert callable({module}.{name}); assert {engine!r} not in sys.modules, 'imported {engine}'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
 
 
 def oracle_python(venv: Path, what: str, make_env: str) -> Path:
