@@ -54,6 +54,7 @@ from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
+from .targets.sglang import restated_differences
 from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 from .verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, expert_findings, expert_numerics, scalar_names
 
@@ -419,6 +420,10 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         return check
     decoded = bundle.target.from_runtime(runtime, record.n, record.k)
     reference = decoded
+    if runtime.named is not None:  # another engine's tensors: each must follow from the layout's (targets/sglang.py)
+        for name in restated_differences(bundle.target, runtime, record.n, record.k):
+            check.fail(f"{prefix}.{name}: not what {bundle.target.engine} derives from the layer's codes, scales and "
+                       "kept scalars", "exactness")
     kept = runtime.weight_multiplier  # Marlin holds the multiplier folded; the record (and the bundle) keep the source's
     held_scale = float((runtime.weight_global_scale if kept is None else kept).reshape(()))
     if record.global_scale != held_scale:  # inspect shows the record's: it must be the tensor's

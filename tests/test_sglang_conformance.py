@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import write_llama
-from repack.targets.sglang import DENSE_BACKENDS, LAYOUTS
+from repack.targets.sglang import DENSE_BACKENDS, LAYOUTS, restated_differences
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, oracle_python, seeded_folder
@@ -206,3 +207,22 @@ def test_what_sglang_bundles_do_not_hold_is_refused_in_one_line(fixture, options
 def test_sm90_is_refused_for_sglang(tmp_path):
     with pytest.raises(RepackError, match="-t sm90: SGLang 0.5.23 serves NVFP4 there with Marlin"):
         convert(PRODUCERS / "modelopt_nvfp4", "sm90", tmp_path / "out", engine="sglang")
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_verify_fails_an_sglang_scalar_that_does_not_follow_from_the_layer(fixture, tmp_path):
+    """verify's exactness restates each SGLang layer from its codes, scales and kept scalars: a derived tensor that
+    differs (alpha, input_scale_inv, ModelOpt's unswizzled weight_scale) is named."""
+    convert(PRODUCERS / fixture, "sm100", tmp_path / "out", engine="sglang")
+    bundle = open_bundle(tmp_path / "out")
+    prefix = "model.layers.0.mlp.down_proj"  # K/16 = 11: ModelOpt keeps its loaded scales beside the swizzled ones
+    record = bundle.manifest.layers[prefix]
+    runtime = bundle.runtime_layer(prefix)
+    assert restated_differences(bundle.target, runtime, record.n, record.k) == []
+    wrong = {"alpha": runtime.named["alpha"] * 2}
+    if fixture.startswith("modelopt"):
+        scales = runtime.named["weight_scale"].clone()
+        scales.view(torch.uint8)[0, 0] ^= 1
+        wrong |= {"input_scale_inv": runtime.named["input_scale_inv"] * 2, "weight_scale": scales}
+    bad = replace(runtime, named={**runtime.named, **wrong})
+    assert restated_differences(bundle.target, bad, record.n, record.k) == sorted(wrong)

@@ -95,6 +95,29 @@ def from_named(source_format: str, tensors: dict[str, torch.Tensor], n: int, k: 
                         alpha=w4a4.scalar(scale) * w4a4.scalar(multiplier), named=dict(tensors))
 
 
+def from_runtime(source_format: str, layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
+    """:func:`w4a4.from_runtime`, with the partition scales SGLang keeps (ModelOpt: each partition's; compressed-
+    tensors: the largest, all that SGLang keeps and all that its scalars follow from)."""
+    weight = w4a4.from_runtime(layer, n, k)
+    named = layer.named or {}
+    if source_format == "modelopt":
+        scales = (named["weight_scale_2"], named["input_scale"])
+    else:
+        scales = (named["weight_global_scale"].reshape(1), named["input_global_scale"].reshape(1))
+    return replace(weight, partition_scales=scales)
+
+
+def restated_differences(target: Target, layer: RuntimeLayer, n: int, k: int) -> list[str]:
+    """The names of an SGLang layer's tensors that :func:`to_runtime` does not give back from its codes, scales and
+    kept scalars (a derived scalar such as ``alpha``, or ModelOpt's unswizzled ``weight_scale``, that does not follow
+    from the rest): what verify's exactness fails."""
+    again = target.to_runtime(target.from_runtime(layer, n, k)).named or {}
+    held = layer.named or {}
+    return sorted(name for name in set(held) | set(again) if name not in held or name not in again
+                  or held[name].shape != again[name].shape or held[name].dtype != again[name].dtype
+                  or not torch.equal(held[name].reshape(-1).view(torch.uint8), again[name].reshape(-1).view(torch.uint8)))
+
+
 def partition_specs(source_format: str, n: int, k: int, parts: int) -> dict[str, TensorSpec]:
     """dtype and shape of each SGLang tensor of an ``[n, k]`` layer fused from ``parts`` partitions."""
     vllm = w4a4.runtime_specs(n, k)
@@ -119,6 +142,7 @@ def variants(family: Target) -> tuple[Target, ...]:
     return tuple(
         replace(base, layout_id=layout, engine=ENGINE, source_format=fmt, kernels=(DENSE_BACKENDS[family.name],),
                 to_runtime=lambda weight, f=fmt: to_runtime(f, weight),
+                from_runtime=lambda layer, n, k, f=fmt: from_runtime(f, layer, n, k),
                 partition_specs=lambda n, k, parts, f=fmt: partition_specs(f, n, k, parts),
                 from_named=lambda tensors, n, k, f=fmt: from_named(f, tensors, n, k))
         for fmt, layout in LAYOUTS.items())
