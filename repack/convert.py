@@ -412,15 +412,17 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
 
 
 MARLIN_SCALE_CHUNK = 32  # experts whose block scales Marlin's largest-scale pass reads at once
-MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: bounds memory, and small
-# enough that glibc reuses freed blocks (it maps blocks above 32 MB afresh, each page then faulted and zeroed)
+MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: small enough that glibc
+# reuses freed blocks (it maps blocks above 32 MB afresh, each page then faulted and zeroed)
+MOE_PASS_BYTES = 32 << 20  # all bundles' bytes of one chunk: what a --tp pass holds in flight grows with the ranks
 
 
-def moe_chunk_experts(per_expert: int, share: float) -> int:
-    """Experts per chunk of a layout tensor made from ``per_expert`` source bytes of each expert, of which one
-    bundle holds ``share`` (1 / TP of each expert's rows, or whole experts): about ``MOE_CHUNK_BYTES`` per bundle, so
-    that a --tp 8 pass hands each rank pieces as large as --fuse's."""
-    return max(1, int(MOE_CHUNK_BYTES / (per_expert * share)))
+def moe_chunk_experts(per_expert: int, share: float, bundles: int) -> int:
+    """Experts per chunk of a layout tensor made from ``per_expert`` source bytes of each expert, of which each of
+    ``bundles`` bundles holds ``share`` (1 / TP of each expert's rows, or whole experts): about ``MOE_CHUNK_BYTES``
+    per bundle, fewer when many bundles share the pass (--tp 8: 4 MB each; with 16 MB each its peak RSS was 1.7-1.9
+    GB against 0.65-0.8 GB, docs/benchmarks.md)."""
+    return max(1, int(min(MOE_CHUNK_BYTES, MOE_PASS_BYTES / bundles) / (per_expert * share)))
 
 
 def _pass_experts(source: SourceModel, reader: HashingReader, module: str, takers: list[_Writing],
@@ -448,7 +450,7 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
         which = 0 if field.endswith("codes") else 1
         per_expert = sum(source.checkpoint.tensors[source.layers[names[0]].tensor_names[which]].nbytes
                          for names in projections)
-        step = moe_chunk_experts(per_expert, share)
+        step = moe_chunk_experts(per_expert, share, len(takers))
         for start in range(0, group.experts, step):
             read = functools.cache(fetch)  # the chunk's source tensors, each read once for every bundle
             for writing, plan, scale, top in zip(takers, plans, scales, largest):

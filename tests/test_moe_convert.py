@@ -41,7 +41,7 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
     from the source (the whole stack, independently planned here), and the record says which experts, rows and
     layout. ``chunk``: experts convert transforms at once (1; 3, which straddles the --ep ranks' 2 + 2), else all."""
     if chunk is not None:
-        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share: chunk)
+        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share, bundles: chunk)
     out = tmp_path / "out"
     args = ["convert", str(PRODUCERS / name), "-t", target, "--fuse", "-o", str(out), "--tp", str(tp)]
     assert main(args + (["--ep"] if ep else [])) == 0
@@ -217,7 +217,7 @@ def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeyp
 
     monkeypatch.setattr(repack.formats.hashing, "map_tensor", counted)
     if chunk is not None:
-        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share: chunk)
+        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share, bundles: chunk)
     source = read_source(PRODUCERS / "modelopt_moe_nvfp4")
     expert_tensors = sorted(n for prefix, layer in source.layers.items() if ".experts." in prefix
                             for n in layer.tensor_names[:2])
