@@ -27,7 +27,8 @@ import torch
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
     ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, expert_rescale_error,
-    expert_pieces, expert_tensor_reader, layer_transforms, plan_layers, rescale_error, whole_piece,
+    expert_pieces, expert_tensor_reader, largest_expert_scales, layer_transforms, plan_layers, rescale_error,
+    whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -50,6 +51,7 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
+from .targets.families import W4A4_LAYOUT_ID
 from .targets.engines import HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.w4a4 import runs_humming
@@ -171,7 +173,7 @@ class _Writing:
         what this bundle queued before. ``last``: the tensors' last experts."""
         experts = tensors[0].experts
         nbytes = sum(t.nbytes for t in tensors) * stack.experts // (experts.experts[1] - experts.experts[0])
-        transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack,
+        transformed = self.transforms.submit(moe_layout(self.output.plan.target).to_runtime, stack,
                                              experts.prefix, [t.part for t in tensors])
         self.transformer.submit(nbytes, self._queue_experts, tensors, transformed, last)
 
@@ -181,7 +183,7 @@ class _Writing:
         its order (``codes_from_pieces``; no stack first), on the shared pool."""
         plan = tensor.experts
         nbytes = tensor.nbytes * len(pieces) // (plan.experts[1] - plan.experts[0])
-        layout = moe_layout(self.output.plan.target.name)
+        layout = moe_layout(self.output.plan.target)
         which = tensor.part.partition("_")[0]
         transformed = self.transforms.submit(lambda: {tensor.part: layout.codes_from_pieces(
             which, pieces, plan.group.hidden, plan.intermediate)})
@@ -197,7 +199,8 @@ class _Writing:
 
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
-        self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
+        kept = runtime.weight_multiplier  # Marlin holds the multiplier rescaled; the record keeps the source's
+        self.global_scales[layer.prefix] = float(runtime.weight_global_scale if kept is None else kept)
         values = runtime.tensors()
         for tensor in self.output.plan.units[layer.prefix]:
             value = values[tensor.part]
@@ -309,7 +312,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
 
 def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: dict[str, TensorRecord],
                 rescale_error: float | None) -> MoERecord:
-    layout, local = moe_layout(target.name), slice(*plan.experts)
+    layout, local = moe_layout(target), slice(*plan.experts)
     top_k = source.checkpoint.config.get("num_experts_per_tok")
     return MoERecord(
         module=plan.module, source=plan.prefix, layout_id=layout.LAYOUT_ID, backend=layout.BACKEND,
@@ -408,6 +411,7 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
             report(len(chunk), unit)
 
 
+MARLIN_SCALE_CHUNK = 32  # experts whose block scales Marlin's largest-scale pass reads at once
 MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: below glibc's 32 MB, above
 # which it maps each block afresh (every page then faulted and zeroed by the kernel)
 MOE_PASS_BYTES = 32 << 20  # all bundles' bytes of one chunk: what a --tp pass holds in flight grows with the ranks
@@ -431,6 +435,9 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
     plans = [w.output.plan.layers.experts[module] for w in takers]
     group = plans[0].group
     scales = [expert_input_scales(source, plan) for plan in plans]
+    layout = moe_layout(takers[0].output.plan.target)
+    largest = [largest_expert_scales(source, plan, MARLIN_SCALE_CHUNK) if hasattr(layout, "largest_scales") else None
+               for plan in plans]  # Marlin: one scale factor per layer, from the block scales of all the rank's experts
     tensors = takers[0].output.plan.units[module]  # one layout: the same parts, in the same order, in every bundle
     weights = [i for i, t in enumerate(tensors) if t.part in MADE_FROM]  # the layouts list them before the scalars
     scalars = [i for i, t in enumerate(tensors) if t.part not in MADE_FROM]
@@ -446,7 +453,7 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
         step = moe_chunk_experts(per_expert, share, len(takers))
         for start in range(0, group.experts, step):
             read = functools.cache(fetch)  # the chunk's source tensors, each read once for every bundle
-            for writing, plan, scale in zip(takers, plans, scales):
+            for writing, plan, scale, top in zip(takers, plans, scales, largest):
                 first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
                 if first >= last:
                     continue
@@ -455,13 +462,14 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
                     pieces = expert_pieces(plan, read, (first, last), field.partition("_")[0], "codes")
                     writing.take_codes(tensor, pieces, last == plan.experts[1])
                 else:
-                    stack = assemble_experts(source, plan, read, (first, last), (field,), scale)
+                    stack = replace(assemble_experts(source, plan, read, (first, last), (field,), scale),
+                                    largest_scales=top)
                     writing.take_experts([tensor], stack, last == plan.experts[1])
             chunk = per_expert * (min(start + step, group.experts) - start)
             report(chunk, module)
             done += chunk
-    for writing, plan, scale in zip(takers, plans, scales):
-        stack = assemble_experts(source, plan, fields=("multipliers",), input_scales=scale)
+    for writing, plan, scale, top in zip(takers, plans, scales, largest):
+        stack = replace(assemble_experts(source, plan, fields=("multipliers",), input_scales=scale), largest_scales=top)
         writing.take_experts([writing.output.plan.units[module][i] for i in scalars], stack, True)
     layers = [source.layers[names[e]] for names in (group.gate, group.up, group.down) for e in range(group.experts)]
     report(sum(source.checkpoint.tensors[n].nbytes for layer in layers for n in layer.tensor_names) - done, module)
@@ -675,10 +683,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep)
-        if layer_plans[0].experts and targets[0].scheme != "W4A4":
-            moe_layout(targets[0].name)  # sm90's own refusal first
-            raise RepackError("--weight-only: NVFP4 MoE experts have no weight-only layout here (vLLM 0.33 serves "
-                              "a W4A4 MoE with FlashInfer's FP4 x FP4 kernels); convert without --weight-only")
+        if layer_plans[0].experts:
+            moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
@@ -710,7 +716,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
 
 def _layout_ids(plan: BundlePlan) -> list[str]:
     """The layouts a bundle holds: its dense layers' and its FusedMoE layers'."""
-    return [plan.target.layout_id] + ([moe_layout(plan.target.name).LAYOUT_ID] if plan.layers.experts else [])
+    return [plan.target.layout_id] + ([moe_layout(plan.target).LAYOUT_ID] if plan.layers.experts else [])
 
 
 def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
@@ -734,7 +740,7 @@ def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
     if not groups:
         return
     for target in targets:
-        moe_layout(target.name)
+        moe_layout(target)
     raise RepackError(f"{source.checkpoint.root}: an NVFP4 MoE model ({len(groups)} FusedMoE layers): convert it with "
                       "--fuse or --tp N, which write vLLM's FusedMoE layers; unfused, each expert's gate/up/down would be "
                       "dense layers of their own, which no engine serves")

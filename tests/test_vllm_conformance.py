@@ -107,6 +107,14 @@ def whole_k_w4a4(root: Path) -> Path:
     return root
 
 
+def seeded_folder(tmp_path_factory, name: str) -> tuple[torch.Generator, Path]:
+    """A generator of a fresh random seed (printed, to reproduce a failure) and a temporary folder ``name`` for a
+    module's synthetic checkpoints."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"{name} seed {seed}")
+    return torch.Generator().manual_seed(seed), tmp_path_factory.mktemp(name)
+
+
 def _vllm_python(version: str = "0.33") -> Path:
     """The oracle's interpreter (make_env.sh builds it: the README's test command runs it before pytest)."""
     python = vllm_venv(version) / "bin" / "python"

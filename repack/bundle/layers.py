@@ -517,6 +517,18 @@ def expert_multipliers(source: SourceModel, prefixes: tuple[str, ...]) -> torch.
     return values
 
 
+def largest_expert_scales(source: SourceModel, plan: ExpertPlan, step: int) -> tuple[float, float]:
+    """The largest w13 and w2 block scale among the plan's experts (its rows; --rescale's folded gate/up scales),
+    ``step`` experts read at a time: Marlin's MoE layout takes one scale factor per layer from them."""
+    top = [0.0, 0.0]
+    for first in range(plan.experts[0], plan.experts[1], step):
+        chunk = (first, min(first + step, plan.experts[1]))
+        stack = assemble_experts(source, plan, None, chunk, ("w13_scales", "w2_scales"))
+        for i, scales in enumerate((stack.w13_scales, stack.w2_scales)):
+            top[i] = max(top[i], float(scales.float().max()))
+    return top[0], top[1]
+
+
 def _placeholder(dtype: torch.dtype, *shape: int) -> torch.Tensor:
     """A field no requested tensor is made from: its shape, no memory (every element one zero)."""
     return torch.zeros((), dtype=dtype).expand(*shape)

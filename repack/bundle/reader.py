@@ -16,6 +16,7 @@ from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
 from ..targets.moe import moe_layout
+from ..targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT_ID
 from ..targets.w4a4 import qutlass_scales, runs_qutlass
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, MoERecord, read_manifest
 
@@ -86,7 +87,7 @@ class Bundle:
         block QuTLASS fuses."""
         blocks = [None if self.manifest.transforms[t.matrix].whole else t.block_size
                   for t in self.layer(prefix).transforms if t.location == "input"]
-        return self.target.scheme == "W4A4" and runs_qutlass(blocks)
+        return self.target.layout_id == W4A4_LAYOUT_ID and runs_qutlass(blocks)  # QuTLASS: sm100 / sm120 only
 
     def vllm_qutlass(self, prefix: str) -> dict[str, torch.Tensor]:
         """What QutlassNvFP4LinearMethod adds to layer ``prefix`` after loading, by vLLM's names (empty where vLLM
@@ -115,7 +116,7 @@ class Bundle:
     def moe_layout(self) -> ModuleType:
         """The MoE layout module (``targets.moe_trtllm`` / ``targets.moe_cutlass``) of the bundle's family: its
         ``BACKEND``, ``KERNELS``, ``TENSORS``, ``from_runtime`` and ``decode_expert``."""
-        return moe_layout(self.target.name)
+        return moe_layout(self.target)
 
     def moe_tensors(self, module: str) -> dict[str, torch.Tensor]:
         """Every tensor vLLM's FusedMoE ``module`` holds after its load, by vLLM's parameter names (``w13_weight``,
@@ -159,7 +160,7 @@ def open_bundle(path: str | Path) -> Bundle:
         _check_layer_record(prefix, record, target)
         _check_layer_transforms(prefix, record, manifest)
     for record in manifest.moe.values():
-        _check_moe_record(record, family.name)
+        _check_moe_record(record, target)
     config = load_json(contained_file(root, "config.json"))
     return Bundle(root=root, manifest=manifest, target=target, config=config)
 
@@ -210,10 +211,10 @@ def _check_layer_transforms(prefix: str, record: LayerRecord, manifest: Manifest
                               f"[{t.block_size}, {t.block_size}] matrix whose block divides {sizes[0]}")
 
 
-def _check_moe_record(record: MoERecord, family: str) -> None:
+def _check_moe_record(record: MoERecord, target: Target) -> None:
     """A FusedMoE record names its family's MoE layout and exactly that layout's tensors: the plugin hands them to
     vLLM's kernel by these names."""
-    layout = moe_layout(family)
+    layout, family = moe_layout(target), target.name
     if record.layout_id != layout.LAYOUT_ID:
         raise RepackError(f"{MANIFEST_NAME}: {record.module}: MoE layout {record.layout_id!r} is not {family}'s "
                           f"({layout.LAYOUT_ID}); re-convert the source with this version")

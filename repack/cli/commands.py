@@ -383,7 +383,7 @@ def _moe_summary(source) -> dict | None:
     layouts = {}
     for family in FAMILIES:
         try:
-            layouts[family.name] = moe_layout(family.name).LAYOUT_ID
+            layouts[family.name] = moe_layout(family.name, source.activation_scheme).LAYOUT_ID
         except RepackError:
             layouts[family.name] = None
     return {**summary, "layouts": layouts}
@@ -433,7 +433,8 @@ def targets(as_json: JsonOpt = False) -> None:
     """List the target GPU families, their aliases, GPUs, runtime backends and layouts.
 
     A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
-    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint.
+    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint,
+    and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps its activation scalars unused).
     """
     rows = [
         {

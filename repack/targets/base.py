@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..nvfp4 import NVFP4Weight
-from .families import Family
+from .families import W4A4_LAYOUT_ID, Family
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class RuntimeLayer:
     input_global_scale: torch.Tensor | None = None  # W4A4 layouts: float32 [] each, as vLLM computes them
     input_global_scale_inv: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    weight_multiplier: torch.Tensor | None = None  # Marlin: the source multiplier, kept beside vLLM's state
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {
@@ -61,13 +62,14 @@ class RuntimeLayer:
             "weight_scale": self.weight_scale,
             "weight_global_scale": self.weight_global_scale,
         }
-        for name in W4A4_SCALARS:
+        for name in OPTIONAL:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
 
 
 W4A4_SCALARS = ("input_global_scale", "input_global_scale_inv", "alpha")
+OPTIONAL = (*W4A4_SCALARS, "weight_multiplier")  # held by some layouts only
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class Target(Family):
         scheme: ``W4A16`` (activations stay bf16) or ``W4A4`` (activations quantized to NVFP4 by the kernel).
         variants: the family's other layouts (its W4A4 one), each a Target of the same family: a target family has
             one layout per activation scheme (and, later, layer kind); :meth:`for_scheme` picks one.
+        read_as: a weight -> the weight as the layout's kernel reads it, where that differs (Marlin flushes the
+            smallest block scales to 0): what ``from_runtime`` returns. ``None``: the weight itself.
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -94,6 +98,7 @@ class Target(Family):
     stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
     scheme: str = "W4A16"
     variants: tuple["Target", ...] = ()
+    read_as: Callable[[NVFP4Weight], NVFP4Weight] | None = None
 
     @classmethod
     def of(cls, family: Family, **layout: object) -> Target:
@@ -106,9 +111,13 @@ class Target(Family):
 
     @property
     def layout_key(self) -> str:
-        """How the runtime (backends, index formulas) names this layout: the family for its W4A16 layout, the
-        layout id for the W4A4 one, which the families share."""
-        return self.name if self.scheme == "W4A16" else self.layout_id
+        """How the runtime (backends, index formulas) names this layout: the layout id for the FP4 x FP4 one, which
+        the families share; else the family (its weight-only layout, which Marlin's W4A4 variant is too)."""
+        return self.layout_id if self.layout_id == W4A4_LAYOUT_ID else self.name
+
+    def as_read(self, weight: NVFP4Weight) -> NVFP4Weight:
+        """``weight`` as this layout's kernel reads it: what :attr:`from_runtime` of :attr:`to_runtime` returns."""
+        return weight if self.read_as is None else self.read_as(weight)
 
     def for_scheme(self, scheme: str) -> "Target":
         """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout

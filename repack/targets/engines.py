@@ -49,8 +49,12 @@ class EngineVersion:
         return f"{self.engine} {self.version}"
 
 
-VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS)
-VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS, {
+# Marlin's (targets/marlin.py, moe_marlin.py): every kernel-read tensor checked against each version's own load
+# (tests/test_vllm_marlin_conformance.py; 0.34 keeps more bookkeeping names beside them, as for the other layouts)
+MARLIN_LAYOUTS = ("marlin-v1", "marlin-v1-w4a4", "marlin-fp16-v1", "marlin-fp16-v1-w4a4", "moe-marlin-v1")
+
+VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS + MARLIN_LAYOUTS)
+VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS, {
     HADAMARD_W4A4: "vLLM 0.34 serves this W4A4 checkpoint's Hadamard-rotated layers on sm100 / sm120 through "
                    "Humming's Hadamard kernel (--weight-only too: it follows the checkpoint's scheme), whose layout "
                    "Humming's CUDA ops make at load and nvfp4-repack does not write: convert with --vllm 0.33 and "
