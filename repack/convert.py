@@ -52,7 +52,7 @@ from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.families import W4A4_LAYOUT_ID
-from .targets.engines import HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
+from .targets.engines import ENGINE_NAMES, HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.w4a4 import runs_humming
 
@@ -158,7 +158,7 @@ class _Writing:
         than ``transformer``'s bound is in flight."""
         nbytes = weight.codes.nbytes + weight.block_scales.nbytes
         if self.output.plan.target.scheme == "W4A4":
-            weight = replace(weight, input_scale=layer.input_scale)
+            weight = replace(weight, input_scale=layer.input_scale, partition_scales=layer.partition_scales)
         transformed = self.transforms.submit(self.output.plan.target.to_runtime, weight)
         self.transformer.submit(nbytes, self._queue_layer, layer, transformed)
 
@@ -201,7 +201,7 @@ class _Writing:
         runtime = transformed.result()
         kept = runtime.weight_multiplier  # Marlin holds the multiplier rescaled; the record keeps the source's
         self.global_scales[layer.prefix] = float(runtime.weight_global_scale if kept is None else kept)
-        values = runtime.tensors()
+        values = runtime.bundle_tensors()
         for tensor in self.output.plan.units[layer.prefix]:
             value = values[tensor.part]
             if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
@@ -610,6 +610,7 @@ def convert(
     weight_only: bool = False,
     ep: bool = False,
     vllm: str | None = None,
+    engine: str = "vllm",
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -638,8 +639,18 @@ def convert(
     W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
     supported); the manifest lists every supported version whose state after loading is the bundle's
     (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
+
+    ``engine``: the serving engine whose post-load state the bundles hold: ``vllm``, or ``sglang`` (SGLang 0.5.23:
+    its fused modules, always, under its names and scalars; docs/sglang.md).
     """
-    engine = resolve_version("vllm", vllm)
+    if engine not in ENGINE_NAMES:
+        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
+    if engine != "vllm":
+        if vllm is not None:
+            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
+        _check_engine_options(engine, weight_only=weight_only, rescale=rescale, ep=ep)
+        fuse = True  # the engine's fused modules
+    version = resolve_version(engine, vllm)
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -659,7 +670,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=version, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -679,10 +690,12 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                          "this run does not write that target", notify)
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
-    targets = [t.for_scheme(served_scheme(source, weight_only)) for t in targets]
+    targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine.engine == "vllm"
+               else [engine_target(t, engine.engine, source) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep)
+        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
+                                  partition_scales=engine.engine != "vllm")
         if layer_plans[0].experts:
             moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
@@ -712,6 +725,34 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: bool) -> None:
+    """One-line refusals of what another engine's bundles cannot hold."""
+    if weight_only:
+        raise RepackError(f"--engine {engine} --weight-only: not written yet (SGLang serves NVFP4 weight-only layers "
+                          "with Marlin or FlashInfer's bf16 x fp4 GEMM); convert W4A4 checkpoints for SGLang")
+    if rescale:
+        raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
+                          "rescaled bundle would not be its state; convert without --rescale")
+    if ep:
+        raise RepackError(f"--engine {engine} --ep: MoE layers are not written for SGLang yet")
+
+
+def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
+    """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
+    if source.activation_scheme != "W4A4":
+        raise RepackError(f"--engine {engine}: {source.quant_algo} (weight-only) checkpoints are not written for "
+                          "SGLang yet (SGLang serves them with Marlin or FlashInfer's bf16 x fp4 GEMM)")
+    if source.transforms.layers:
+        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
+    if expert_groups(source):
+        raise RepackError(f"--engine {engine}: NVFP4 MoE experts are not written for SGLang yet")
+    target = family.for_engine(engine, source.format)
+    if target is None:
+        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves NVFP4 there with Marlin, whose "
+                          "layout is not written for SGLang here; -t sm100 or sm120")
+    return target
 
 
 def _layout_ids(plan: BundlePlan) -> list[str]:

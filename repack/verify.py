@@ -201,11 +201,11 @@ def _checked_runtime_layer(bundle: Bundle, prefix: str, check: TensorCheck) -> R
     record = bundle.manifest.layers[prefix]
     tensors = {
         part: _checked_tensor(bundle, f"{prefix}.{part}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
-        for part, spec in bundle.target.runtime_specs(record.n, record.k).items()
+        for part, spec in bundle.target.layer_specs(record.n, record.k, len(record.partitions)).items()
     }
     if any(tensor is None for tensor in tensors.values()):
         return None
-    return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
+    return bundle.target.runtime_layer(tensors, record.n, record.k, record.weights_padding_cols)
 
 
 WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -757,7 +757,7 @@ def _held_input_scale(ranks: list[Bundle], regions) -> torch.Tensor | None:
     checkpoints' activation scales unused)."""
     r, prefix, _ = next(iter(regions))
     fp4 = ranks[r].target.layout_key == W4A4_LAYOUT
-    return ranks[r].read(f"{prefix}.input_global_scale_inv") if fp4 else None
+    return ranks[r].runtime_layer(prefix).input_global_scale_inv if fp4 else None
 
 
 def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator,

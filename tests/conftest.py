@@ -45,6 +45,34 @@ def require(module: str):
     return pytest.importorskip(module)
 
 
+def seeded_folder(tmp_path_factory, name: str) -> tuple[Path, torch.Generator, int]:
+    """A module's folder for synthetic checkpoints, the generator that makes them and its seed, printed (so that a
+    failure's checkpoints can be made again)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"synthetic checkpoint seed {seed}")
+    return tmp_path_factory.mktemp(name), torch.Generator().manual_seed(seed), seed
+
+
+def assert_held_as(ours: torch.Tensor, view: dict, stored: torch.Tensor, what) -> None:
+    """``ours`` is an engine's tensor as an oracle dumped it: ``view``'s dtype, shape, strides and offset, and
+    ``stored``, the bytes of its whole storage."""
+    got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
+    assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), what
+    assert torch.equal(ours.reshape(-1).view(torch.uint8), stored), what
+
+
+def oracle_python(venv: Path, what: str, make_env: str) -> Path:
+    """An engine oracle's interpreter in ``venv`` (``make_env`` builds it: the README's test command runs it before
+    pytest); where it is missing, a skip naming ``make_env``, or in CI a failure."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        message = f"{what} oracle env missing at {venv}: run {make_env}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
+
+
 def seed_for(nodeid: str) -> int:
     """``NVFP4_TEST_SEED`` if set, else a hash of the test id: stable across runs, different per test."""
     return int(os.environ.get(SEED_ENV) or zlib.crc32(nodeid.encode()))

@@ -68,6 +68,7 @@ class OutputLayer:
     prefix: str
     pieces: tuple[Piece, ...]
     input_scale: InputScale | None = None
+    partition_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # NVFP4Weight.partition_scales (SGLang)
 
     @property
     def n(self) -> int:
@@ -230,17 +231,33 @@ def with_input_scales(layers: dict[str, OutputLayer], source: SourceModel) -> di
             for prefix, layer in layers.items()}
 
 
+def with_partition_scales(layers: dict[str, OutputLayer], source: SourceModel) -> dict[str, OutputLayer]:
+    """Each layer with its pieces' weight and input global scales as the checkpoint stores them, float32 ``[P]``
+    each, in piece order: what SGLang loads into a fused module's per-partition scalars (and keeps)."""
+    def stored(name: str) -> torch.Tensor:
+        return source.checkpoint.read(name).reshape(()).to(torch.float32)
+
+    return {prefix: replace(layer, partition_scales=(
+                torch.stack([stored(source.layers[p.source].tensor_names[2]) for p in layer.pieces]),
+                torch.stack([stored(source.input_scale_name(p.source)) for p in layer.pieces])))
+            for prefix, layer in layers.items()}
+
+
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
-                input_scales: bool = False, ep: bool = False) -> list[LayerPlan]:
+                input_scales: bool = False, ep: bool = False, partition_scales: bool = False) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
     once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules), and for an MoE
     model its FusedMoE layers (``ep``: vLLM's expert parallelism, which needs ``tp > 1``).
-    ``input_scales``: read each layer's activation global scale (for W4A4 layouts)."""
+    ``input_scales``: read each layer's activation global scale (for W4A4 layouts); ``partition_scales``: and its
+    partitions' stored global scales (for SGLang's layouts)."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     if ep and tp == 1:
         raise RepackError("--ep: expert parallelism places experts on --tp N ranks; give --tp N with N > 1")
-    scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
+    def scaled(layers: dict[str, OutputLayer]) -> dict[str, OutputLayer]:
+        layers = with_input_scales(layers, source) if input_scales else layers
+        return with_partition_scales(layers, source) if partition_scales else layers
+
     if not (fuse or tp > 1):
         return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
     _check_architecture(source.checkpoint.config)

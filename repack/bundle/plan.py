@@ -76,7 +76,7 @@ def _layer_outputs(layer: OutputLayer, target: Target) -> list[PlannedTensor]:
             layer=layer,
             part=part,
         )
-        for part, spec in target.runtime_specs(layer.n, layer.k).items()
+        for part, spec in target.layer_specs(layer.n, layer.k, len(layer.pieces)).items()
     ]
 
 

@@ -50,13 +50,13 @@ class Bundle:
         """One layer's runtime tensors, as the target's kernels consume them."""
         record = self.layer(prefix)
         tensors = {part: self.read(f"{prefix}.{part}") for part in record.tensors}
-        for part, spec in self.target.runtime_specs(record.n, record.k).items():
+        for part, spec in self.target.layer_specs(record.n, record.k, len(record.partitions)).items():
             if (tensors[part].dtype, tuple(tensors[part].shape)) != (spec.dtype, spec.shape):
                 raise RepackError(
                     f"{prefix}.{part}: {tensors[part].dtype} {list(tensors[part].shape)} is not the {self.target.name} "
                     f"layout's {spec.dtype} {list(spec.shape)} for N={record.n}, K={record.k}; run verify"
                 )
-        return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
+        return self.target.runtime_layer(tensors, record.n, record.k, record.weights_padding_cols)
 
     def transform_matrix(self, name: str) -> torch.Tensor:
         """An online-transform matrix ``T`` (normalization fused in), as the runtime multiplies by it."""
@@ -183,7 +183,7 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
         edge = part.rows[1]
     if edge != record.n:
         raise RepackError(f"{MANIFEST_NAME}: {prefix}: partitions do not tile its N={record.n} x K={record.k}")
-    parts = sorted(target.runtime_specs(record.n, record.k))
+    parts = sorted(target.layer_specs(record.n, record.k, len(record.partitions)))
     if sorted(record.tensors) != parts:
         raise RepackError(
             f"{MANIFEST_NAME}: {prefix}: tensors {sorted(record.tensors)} are not the {target.name} layout's {parts}"
@@ -225,3 +225,14 @@ def _check_moe_record(record: MoERecord, target: Target) -> None:
             record.intermediate % BLOCK_SIZE):
         raise RepackError(f"{MANIFEST_NAME}: {record.module}: hidden {record.hidden} / intermediate "
                           f"{record.intermediate} (rows {record.rows}) is not an NVFP4 MoE layer shape")
+
+
+def rank_dir(path: Path, tp_rank: int) -> Path:
+    """This rank's bundle folder: ``path/rank-R`` when ``path`` holds a ``--tp`` conversion, its sibling
+    ``rank-R`` when ``path`` is one of the ranks (engines read config.json from the folder they are given), else
+    ``path`` itself."""
+    for root in (path, path.parent) if path.name.startswith("rank-") else (path,):
+        ranked = root / f"rank-{tp_rank}"
+        if (ranked / MANIFEST_NAME).is_file():
+            return ranked
+    return path

@@ -61,7 +61,17 @@ VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS
                    "serve with vLLM 0.33",
 })
 
-ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034)  # per engine, oldest first
+# SGLang's dense W4A4 state per source format (targets/sglang.py: w4a4's bytes under SGLang's names and scalars),
+# checked against SGLang 0.5.23's own load by tests/sglang/; its auto dense FP4 backend on each family
+# (initialize_fp4_gemm_config), and the --fp4-gemm-backend values that hold the same bytes (pad + swizzle;
+# flashinfer_trtllm shuffles them, marlin repacks them)
+SGLANG_LAYOUTS = {"modelopt": "sglang-modelopt-w4a4-v1", "compressed-tensors": "sglang-ct-w4a4-v1"}
+SGLANG_DENSE_BACKENDS = {"sm100": "flashinfer_cutedsl", "sm120": "flashinfer_cutlass"}
+SGLANG_SAME_STATE_BACKENDS = ("flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_cudnn")
+SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", tuple(SGLANG_LAYOUTS.values()))
+
+ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
+ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang
 
 
 def engine_versions(engine: str) -> list[EngineVersion]:

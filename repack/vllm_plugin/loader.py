@@ -49,7 +49,7 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from ..bundle.manifest import MANIFEST_NAME, LayerRecord
-from ..bundle.reader import Bundle, open_bundle
+from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
 from ..targets import Target
 from ..targets.engines import engine_versions, running_row
@@ -69,17 +69,6 @@ SCHEME_PARAMS: dict[str, tuple[str, str, str, bool, str]] = {
 }
 
 
-def rank_dir(path: Path, tp_rank: int) -> Path:
-    """This rank's bundle folder: ``path/rank-R`` when ``path`` holds a ``--tp`` conversion, its sibling
-    ``rank-R`` when ``path`` is one of the ranks (vLLM reads config.json from the folder it is given), else
-    ``path`` itself."""
-    for root in (path, path.parent) if path.name.startswith("rank-") else (path,):
-        ranked = root / f"rank-{tp_rank}"
-        if (ranked / MANIFEST_NAME).is_file():
-            return ranked
-    return path
-
-
 def running_capability() -> tuple[int, int] | None:
     capability = current_platform.get_device_capability()
     return None if capability is None else (capability.major, capability.minor)
@@ -97,6 +86,9 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
         )
     bundle = open_bundle(folder)
     manifest = bundle.manifest
+    if bundle.target.engine != "vllm":
+        raise RepackError(f"{folder}: the bundle holds {bundle.target.engine}'s state ({manifest.layout_id}), not "
+                          f"vLLM's; serve it with {bundle.target.engine}, or re-convert without --engine")
     if (manifest.tp_size, manifest.tp_rank) != (tp_size, tp_rank if manifest.tp_size > 1 else 0):
         raise RepackError(
             f"{folder}: the bundle is rank {manifest.tp_rank} of tensor-parallel size {manifest.tp_size}, but vLLM "

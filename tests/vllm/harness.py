@@ -32,23 +32,23 @@ shape, stride, offset, the backend and experts class); dense layers load and are
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # CpuPlatform, fixed before the first vllm import
 os.environ.setdefault("VLLM_HAS_FLASHINFER_CUBIN", "1")  # no JIT here; kernel selection wants the flag
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: oracle_cli
+
 import flashinfer  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from flashinfer.gemm import gemm_bf16_fp4_cute_dsl as fi_cute  # noqa: E402
+from oracle_cli import layer_tensors, main  # noqa: E402
 from ports import block_scale_interleave, gptq_marlin_repack  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
@@ -311,14 +311,6 @@ NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_p
               "is_w4a16_nvfp4", "flashinfer_gemm_backend")
 
 
-def layer_tensors(layer) -> dict[str, torch.Tensor]:
-    """Every tensor a layer holds after its load: parameters (each of its names: vLLM 0.34 registers one Parameter
-    under two, ``weight_packed`` and ``weight``), buffers and plain tensor attributes."""
-    found = {**layer._parameters, **layer._buffers}
-    found.update({k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor)})
-    return {k: v for k, v in found.items() if v is not None}
-
-
 def tensor_info(layer, name: str, value: torch.Tensor) -> dict:
     """A tensor's class, dtype, view (shape, stride, offset) and storage size, and vLLM 0.34's bookkeeping: ``retired``
     (a loaded parameter no kernel reads, left registered), ``runtime_name`` (the kernel's name of a Parameter held under
@@ -426,42 +418,21 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
         (dump_w4a4 if is_w4a4(arch) or marlin else dump)(model, out, rank)
 
 
-def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:
-    patch()
+def load_recording(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
+    """:func:`load`, and the transform methods vLLM chose (Humming's on 0.34 cannot load on CPU: its choice is the
+    record), in ``methods.json``, whether vLLM loads the checkpoint or refuses it."""
+    _current["methods"] = []
     try:
-        for job in jobs:
-            name, _, rest = job.partition("=")
-            ckpt, _, arch = rest.rpartition(":")
-            folder = out / name
-            folder.mkdir(parents=True, exist_ok=True)
-            _current["methods"] = []
-            try:
-                load(ckpt, arch, tp, rank, folder)
-            except Exception as exc:  # vLLM refused the checkpoint: the test compares with our refusal
-                (folder / "refused.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            # the transform methods vLLM chose (Humming's on 0.34 cannot load on CPU: its choice is the record)
-            (folder / "methods.json").write_text(json.dumps(_current["methods"]))
+        load(ckpt, arch, tp, rank, out)
     finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        (out / "methods.json").write_text(json.dumps(_current["methods"]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--job", action="append", required=True, help="NAME=CKPT:ARCH")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--rank", type=int, default=None, help="internal: run one rank of --tp")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.rank is None and args.tp > 1:  # one process per rank, as vLLM runs them
-        ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r)]) for r in range(args.tp)]
-        return max(p.wait() for p in ranks)
-    run_jobs(args.job, args.tp, args.rank or 0, out)
-    return 0
+def cleanup() -> None:
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 if __name__ == "__main__":
     with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+        sys.exit(main(__file__, load_recording, patch, cleanup))

@@ -644,6 +644,11 @@ def test_refuses_another_tp_size(vllm_world, tmp_path):
     assert "--tensor-parallel-size 2 or re-convert with --tp 1" in _refused(tmp_path / "bundle" / "rank-0")
 
 
+def test_refuses_an_sglang_bundle(vllm_world, tmp_path):
+    convert(PRODUCERS / "modelopt_nvfp4", "sm100", tmp_path / "bundle", engine="sglang")
+    assert "holds sglang's state (sglang-modelopt-w4a4-v1), not vLLM's" in _refused(tmp_path / "bundle", w4a4=True)
+
+
 def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
