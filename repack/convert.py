@@ -48,7 +48,7 @@ from .formats.hub import hub_sha256
 from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
-from .lane import Lane, one_torch_thread, reuse_freed_blocks
+from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.families import W4A4_LAYOUT_ID
@@ -412,8 +412,8 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
 
 
 MARLIN_SCALE_CHUNK = 32  # experts whose block scales Marlin's largest-scale pass reads at once
-MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: small enough that glibc
-# reuses freed blocks (it maps blocks above 32 MB afresh, each page then faulted and zeroed)
+MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: below glibc's 32 MB, above
+# which it maps each block afresh (every page then faulted and zeroed by the kernel)
 MOE_PASS_BYTES = 32 << 20  # all bundles' bytes of one chunk: what a --tp pass holds in flight grows with the ranks
 
 
@@ -498,7 +498,6 @@ def convert_bundles(
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
-    reuse_freed_blocks()
     groups: dict[Path, list[OutputBundle]] = {}
     for output in outputs:
         groups.setdefault(output.out, []).append(output)

@@ -202,6 +202,17 @@ def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypat
     assert {r["moe"][MODULE]["layout_id"] for r in ranks} == {moe_trtllm.LAYOUT_ID}
 
 
+def test_a_chunk_of_experts_holds_about_32_mb_for_all_ranks():
+    """The pass's bytes in flight grow with the ranks: --tp 8 cut into 16 MB per rank peaked at 1.7-1.9 GB RSS on the
+    4.2 GB benchmark (docs/benchmarks.md), so a chunk holds about MOE_PASS_BYTES for all bundles, MOE_CHUNK_BYTES at
+    most for one. DeepSeek-R1's w13 codes: 14.7 MB per expert."""
+    w13 = 2 * 2048 * 7168 // 2
+    assert repack.convert.moe_chunk_experts(w13, 1.0, 1) == 1  # --fuse: one expert, 14.7 MB
+    assert repack.convert.moe_chunk_experts(w13, 1 / 8, 8) == 2  # --tp 8: 3.7 MB per rank, 29 MB in all
+    assert repack.convert.moe_chunk_experts(w13, 1 / 2, 2) == 2  # --tp 2: 14.7 MB per rank
+    assert repack.convert.moe_chunk_experts(w13 // 8, 1.0, 1) == 9  # block scales: 16.5 MB
+
+
 @pytest.mark.parametrize("chunk", [None, 1])
 def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeypatch, chunk):
     """One pass for every rank, one read of each source expert tensor: every expert's codes and block scales are
