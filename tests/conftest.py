@@ -48,12 +48,12 @@ def require(module: str):
     return pytest.importorskip(module)
 
 
-def seeded_folder(tmp_path_factory, name: str) -> tuple[Path, torch.Generator, int]:
-    """A module's folder for synthetic checkpoints, the generator that makes them and its seed, printed (so that a
-    failure's checkpoints can be made again)."""
+def seeded_folder(tmp_path_factory, name: str) -> tuple[torch.Generator, Path, int]:
+    """A generator of a fresh random seed, a temporary folder ``name`` for a module's synthetic checkpoints, and the
+    seed (printed, to reproduce a failure)."""
     seed = int(torch.randint(0, 2**31, ()))
-    print(f"synthetic checkpoint seed {seed}")
-    return tmp_path_factory.mktemp(name), torch.Generator().manual_seed(seed), seed
+    print(f"{name} seed {seed}")
+    return torch.Generator().manual_seed(seed), tmp_path_factory.mktemp(name), seed
 
 
 def assert_held_as(ours: torch.Tensor, view: dict, stored: torch.Tensor, what) -> None:

@@ -46,7 +46,7 @@ def _sglang_python() -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root, gen, _ = seeded_folder(tmp_path_factory, "sglang-ckpts")
+    gen, root, _ = seeded_folder(tmp_path_factory, "sglang-ckpts")
     out = {name: PRODUCERS / name for name in FIXTURES}
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt in FORMATS:

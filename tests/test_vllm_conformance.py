@@ -107,14 +107,6 @@ def whole_k_w4a4(root: Path) -> Path:
     return root
 
 
-def seeded_folder(tmp_path_factory, name: str) -> tuple[torch.Generator, Path]:
-    """A generator of a fresh random seed (printed, to reproduce a failure) and a temporary folder ``name`` for a
-    module's synthetic checkpoints."""
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"{name} seed {seed}")
-    return torch.Generator().manual_seed(seed), tmp_path_factory.mktemp(name)
-
-
 def _vllm_python(version: str = "0.33") -> Path:
     """The oracle's interpreter."""
     return oracle_python(vllm_venv(version), f"vLLM {version}", f"tests/vllm/make_env.sh {version}")
@@ -122,7 +114,7 @@ def _vllm_python(version: str = "0.33") -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root, gen, seed = seeded_folder(tmp_path_factory, "vllm-ckpts")
+    gen, root, seed = seeded_folder(tmp_path_factory, "vllm-ckpts")
     out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt, w4a4 in SYNTHETIC_FORMATS.items():

@@ -29,8 +29,8 @@ from repack.sample.synthetic import write_llama
 from repack.targets import moe_marlin
 from repack.verify import verify_output
 
-from .conftest import PRODUCERS
-from .test_vllm_conformance import HERE, SYNTHETIC, SYNTHETIC_FORMATS, _vllm_python, seeded_folder
+from .conftest import PRODUCERS, seeded_folder
+from .test_vllm_conformance import HERE, SYNTHETIC, SYNTHETIC_FORMATS, _vllm_python
 from .test_vllm_moe_conformance import _assert_rank_state
 
 DENSE = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
@@ -40,7 +40,7 @@ KEPT = {"weight_multiplier"}  # in the bundle for the inverse (the scale factor)
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    gen, root = seeded_folder(tmp_path_factory, "vllm-marlin-ckpts")
+    gen, root, _ = seeded_folder(tmp_path_factory, "vllm-marlin-ckpts")
     out = {name: PRODUCERS / name for name in DENSE + MOE}
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt, w4a4 in SYNTHETIC_FORMATS.items():

@@ -29,8 +29,8 @@ from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe_cutlass, moe_trtllm, sm100, sm120
 
-from .conftest import PRODUCERS
-from .test_vllm_conformance import HERE, _vllm_python, seeded_folder
+from .conftest import PRODUCERS, seeded_folder
+from .test_vllm_conformance import HERE, _vllm_python
 
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4",
                      "modelopt_deepseek_v3_nvfp4", "ct_deepseek_v3_nvfp4", "modelopt_mixtral_nvfp4", "ct_mixtral_nvfp4",
@@ -54,7 +54,7 @@ LAYOUTS = {"sm100": moe_trtllm, "sm120": moe_cutlass}  # harness arch "<family>-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    gen, root = seeded_folder(tmp_path_factory, "vllm-moe-ckpts")
+    gen, root, _ = seeded_folder(tmp_path_factory, "vllm-moe-ckpts")
     out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
     for shape, kwargs in SYNTHETIC.items():
         for fmt in FORMATS:
