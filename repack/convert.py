@@ -27,7 +27,8 @@ import torch
 from . import BUNDLE_FORMAT_VERSION, __version__
 from .bundle.layers import (
     ExpertPlan, LayerPlan, OutputLayer, assemble, assemble_experts, expert_input_scales, expert_rescale_error,
-    expert_pieces, expert_tensor_reader, layer_transforms, plan_layers, rescale_error, whole_piece,
+    expert_pieces, expert_tensor_reader, largest_expert_scales, layer_transforms, plan_layers, rescale_error,
+    whole_piece,
 )
 from .bundle.manifest import (
     MANIFEST_NAME, LayerRecord, LayerTransformRecord, Manifest, MoERecord, PartitionRecord, SourceRecord,
@@ -47,10 +48,11 @@ from .formats.hub import hub_sha256
 from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
-from .lane import Lane, one_torch_thread, reuse_freed_blocks
+from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
-from .targets.engines import HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
+from .targets.families import W4A4_LAYOUT_ID
+from .targets.engines import ENGINE_NAMES, HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.w4a4 import runs_humming
 
@@ -156,7 +158,7 @@ class _Writing:
         than ``transformer``'s bound is in flight."""
         nbytes = weight.codes.nbytes + weight.block_scales.nbytes
         if self.output.plan.target.scheme == "W4A4":
-            weight = replace(weight, input_scale=layer.input_scale)
+            weight = replace(weight, input_scale=layer.input_scale, partition_scales=layer.partition_scales)
         transformed = self.transforms.submit(self.output.plan.target.to_runtime, weight)
         self.transformer.submit(nbytes, self._queue_layer, layer, transformed)
 
@@ -171,7 +173,7 @@ class _Writing:
         what this bundle queued before. ``last``: the tensors' last experts."""
         experts = tensors[0].experts
         nbytes = sum(t.nbytes for t in tensors) * stack.experts // (experts.experts[1] - experts.experts[0])
-        transformed = self.transforms.submit(moe_layout(self.output.plan.target.name).to_runtime, stack,
+        transformed = self.transforms.submit(moe_layout(self.output.plan.target).to_runtime, stack,
                                              experts.prefix, [t.part for t in tensors])
         self.transformer.submit(nbytes, self._queue_experts, tensors, transformed, last)
 
@@ -181,7 +183,7 @@ class _Writing:
         its order (``codes_from_pieces``; no stack first), on the shared pool."""
         plan = tensor.experts
         nbytes = tensor.nbytes * len(pieces) // (plan.experts[1] - plan.experts[0])
-        layout = moe_layout(self.output.plan.target.name)
+        layout = moe_layout(self.output.plan.target)
         which = tensor.part.partition("_")[0]
         transformed = self.transforms.submit(lambda: {tensor.part: layout.codes_from_pieces(
             which, pieces, plan.group.hidden, plan.intermediate)})
@@ -197,8 +199,9 @@ class _Writing:
 
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
-        self.global_scales[layer.prefix] = float(runtime.weight_global_scale)
-        values = runtime.tensors()
+        kept = runtime.weight_multiplier  # Marlin holds the multiplier rescaled; the record keeps the source's
+        self.global_scales[layer.prefix] = float(runtime.weight_global_scale if kept is None else kept)
+        values = runtime.bundle_tensors()
         for tensor in self.output.plan.units[layer.prefix]:
             value = values[tensor.part]
             if DTYPE_NAMES[value.dtype] != tensor.dtype_name or tuple(value.shape) != tensor.shape:
@@ -309,7 +312,7 @@ def _manifest(source: SourceModel, writing: _Writing, source_files: dict[str, st
 
 def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: dict[str, TensorRecord],
                 rescale_error: float | None) -> MoERecord:
-    layout, local = moe_layout(target.name), slice(*plan.experts)
+    layout, local = moe_layout(target), slice(*plan.experts)
     top_k = source.checkpoint.config.get("num_experts_per_tok")
     return MoERecord(
         module=plan.module, source=plan.prefix, layout_id=layout.LAYOUT_ID, backend=layout.BACKEND,
@@ -408,15 +411,18 @@ def _pass(source: SourceModel, reader: HashingReader, outputs: list[_Writing], r
             report(len(chunk), unit)
 
 
-MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: bounds memory, and small
-# enough that glibc reuses freed blocks (it maps blocks above 32 MB afresh, each page then faulted and zeroed)
+MARLIN_SCALE_CHUNK = 32  # experts whose block scales Marlin's largest-scale pass reads at once
+MOE_CHUNK_BYTES = 16 << 20  # a bundle's bytes of one layout tensor transformed at once: below glibc's 32 MB, above
+# which it maps each block afresh (every page then faulted and zeroed by the kernel)
+MOE_PASS_BYTES = 32 << 20  # all bundles' bytes of one chunk: what a --tp pass holds in flight grows with the ranks
 
 
-def moe_chunk_experts(per_expert: int, share: float) -> int:
-    """Experts per chunk of a layout tensor made from ``per_expert`` source bytes of each expert, of which one
-    bundle holds ``share`` (1 / TP of each expert's rows, or whole experts): about ``MOE_CHUNK_BYTES`` per bundle, so
-    that a --tp 8 pass hands each rank pieces as large as --fuse's."""
-    return max(1, int(MOE_CHUNK_BYTES / (per_expert * share)))
+def moe_chunk_experts(per_expert: int, share: float, bundles: int) -> int:
+    """Experts per chunk of a layout tensor made from ``per_expert`` source bytes of each expert, of which each of
+    ``bundles`` bundles holds ``share`` (1 / TP of each expert's rows, or whole experts): about ``MOE_CHUNK_BYTES``
+    per bundle, fewer when many bundles share the pass (--tp 8: 4 MB each; with 16 MB each its peak RSS was 1.7-1.9
+    GB against 0.65-0.8 GB, docs/benchmarks.md)."""
+    return max(1, int(min(MOE_CHUNK_BYTES, MOE_PASS_BYTES / bundles) / (per_expert * share)))
 
 
 def _pass_experts(source: SourceModel, reader: HashingReader, module: str, takers: list[_Writing],
@@ -429,6 +435,9 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
     plans = [w.output.plan.layers.experts[module] for w in takers]
     group = plans[0].group
     scales = [expert_input_scales(source, plan) for plan in plans]
+    layout = moe_layout(takers[0].output.plan.target)
+    largest = [largest_expert_scales(source, plan, MARLIN_SCALE_CHUNK) if hasattr(layout, "largest_scales") else None
+               for plan in plans]  # Marlin: one scale factor per layer, from the block scales of all the rank's experts
     tensors = takers[0].output.plan.units[module]  # one layout: the same parts, in the same order, in every bundle
     weights = [i for i, t in enumerate(tensors) if t.part in MADE_FROM]  # the layouts list them before the scalars
     scalars = [i for i, t in enumerate(tensors) if t.part not in MADE_FROM]
@@ -441,10 +450,10 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
         which = 0 if field.endswith("codes") else 1
         per_expert = sum(source.checkpoint.tensors[source.layers[names[0]].tensor_names[which]].nbytes
                          for names in projections)
-        step = moe_chunk_experts(per_expert, share)
+        step = moe_chunk_experts(per_expert, share, len(takers))
         for start in range(0, group.experts, step):
             read = functools.cache(fetch)  # the chunk's source tensors, each read once for every bundle
-            for writing, plan, scale in zip(takers, plans, scales):
+            for writing, plan, scale, top in zip(takers, plans, scales, largest):
                 first, last = max(start, plan.experts[0]), min(start + step, plan.experts[1])
                 if first >= last:
                     continue
@@ -453,13 +462,14 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
                     pieces = expert_pieces(plan, read, (first, last), field.partition("_")[0], "codes")
                     writing.take_codes(tensor, pieces, last == plan.experts[1])
                 else:
-                    stack = assemble_experts(source, plan, read, (first, last), (field,), scale)
+                    stack = replace(assemble_experts(source, plan, read, (first, last), (field,), scale),
+                                    largest_scales=top)
                     writing.take_experts([tensor], stack, last == plan.experts[1])
             chunk = per_expert * (min(start + step, group.experts) - start)
             report(chunk, module)
             done += chunk
-    for writing, plan, scale in zip(takers, plans, scales):
-        stack = assemble_experts(source, plan, fields=("multipliers",), input_scales=scale)
+    for writing, plan, scale, top in zip(takers, plans, scales, largest):
+        stack = replace(assemble_experts(source, plan, fields=("multipliers",), input_scales=scale), largest_scales=top)
         writing.take_experts([writing.output.plan.units[module][i] for i in scalars], stack, True)
     layers = [source.layers[names[e]] for names in (group.gate, group.up, group.down) for e in range(group.experts)]
     report(sum(source.checkpoint.tensors[n].nbytes for layer in layers for n in layer.tensor_names) - done, module)
@@ -488,7 +498,6 @@ def convert_bundles(
     """
     started = time.perf_counter()
     report = progress or (lambda nbytes, what: None)
-    reuse_freed_blocks()
     groups: dict[Path, list[OutputBundle]] = {}
     for output in outputs:
         groups.setdefault(output.out, []).append(output)
@@ -601,6 +610,7 @@ def convert(
     weight_only: bool = False,
     ep: bool = False,
     vllm: str | None = None,
+    engine: str = "vllm",
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -629,8 +639,18 @@ def convert(
     W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
     supported); the manifest lists every supported version whose state after loading is the bundle's
     (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
+
+    ``engine``: the serving engine whose post-load state the bundles hold: ``vllm``, or ``sglang`` (SGLang 0.5.23:
+    its fused modules, always, under its names and scalars; docs/sglang.md).
     """
-    engine = resolve_version("vllm", vllm)
+    if engine not in ENGINE_NAMES:
+        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
+    if engine != "vllm":
+        if vllm is not None:
+            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
+        _check_engine_options(engine, weight_only=weight_only, rescale=rescale, ep=ep)
+        fuse = True  # the engine's fused modules
+    version = resolve_version(engine, vllm)
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     targets = resolve_targets(target_name)
@@ -650,7 +670,7 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, engine=engine, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=version, progress=progress, on_plan=on_plan, notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -670,14 +690,14 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                          "this run does not write that target", notify)
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
-    targets = [t.for_scheme(served_scheme(source, weight_only)) for t in targets]
+    targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine.engine == "vllm"
+               else [engine_target(t, engine.engine, source) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep)
-        if layer_plans[0].experts and targets[0].scheme != "W4A4":
-            moe_layout(targets[0].name)  # sm90's own refusal first
-            raise RepackError("--weight-only: NVFP4 MoE experts have no weight-only layout here (vLLM 0.33 serves "
-                              "a W4A4 MoE with FlashInfer's FP4 x FP4 kernels); convert without --weight-only")
+        layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
+                                  partition_scales=engine.engine != "vllm")
+        if layer_plans[0].experts:
+            moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
@@ -707,9 +727,37 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                    bundles=[b for s in summaries for b in s.bundles])
 
 
+def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: bool) -> None:
+    """One-line refusals of what another engine's bundles cannot hold."""
+    if weight_only:
+        raise RepackError(f"--engine {engine} --weight-only: not written yet (SGLang serves NVFP4 weight-only layers "
+                          "with Marlin or FlashInfer's bf16 x fp4 GEMM); convert W4A4 checkpoints for SGLang")
+    if rescale:
+        raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
+                          "rescaled bundle would not be its state; convert without --rescale")
+    if ep:
+        raise RepackError(f"--engine {engine} --ep: MoE layers are not written for SGLang yet")
+
+
+def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
+    """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
+    if source.activation_scheme != "W4A4":
+        raise RepackError(f"--engine {engine}: {source.quant_algo} (weight-only) checkpoints are not written for "
+                          "SGLang yet (SGLang serves them with Marlin or FlashInfer's bf16 x fp4 GEMM)")
+    if source.transforms.layers:
+        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
+    if expert_groups(source):
+        raise RepackError(f"--engine {engine}: NVFP4 MoE experts are not written for SGLang yet")
+    target = family.for_engine(engine, source.format)
+    if target is None:
+        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves NVFP4 there with Marlin, whose "
+                          "layout is not written for SGLang here; -t sm100 or sm120")
+    return target
+
+
 def _layout_ids(plan: BundlePlan) -> list[str]:
     """The layouts a bundle holds: its dense layers' and its FusedMoE layers'."""
-    return [plan.target.layout_id] + ([moe_layout(plan.target.name).LAYOUT_ID] if plan.layers.experts else [])
+    return [plan.target.layout_id] + ([moe_layout(plan.target).LAYOUT_ID] if plan.layers.experts else [])
 
 
 def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
@@ -733,7 +781,7 @@ def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
     if not groups:
         return
     for target in targets:
-        moe_layout(target.name)
+        moe_layout(target)
     raise RepackError(f"{source.checkpoint.root}: an NVFP4 MoE model ({len(groups)} FusedMoE layers): convert it with "
                       "--fuse or --tp N, which write vLLM's FusedMoE layers; unfused, each expert's gate/up/down would be "
                       "dense layers of their own, which no engine serves")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -56,24 +53,3 @@ def one_torch_thread() -> Iterator[None]:
     finally:
         torch.set_num_threads(threads)
 
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-MMAP_THRESHOLD = 32 << 20  # the largest glibc takes: blocks up to it come from malloc's heaps
-TRIM_THRESHOLD = 64 << 20  # free memory a heap keeps (for the next chunks) before it is given back
-
-
-def reuse_freed_blocks() -> None:
-    """From now on in this process, glibc's malloc serves blocks up to 32 MB from its heaps and keeps freed memory
-    for reuse. A pass allocates and frees a chunk's tensors (about 16 MB each) again and again; by default glibc
-    maps each block above its adaptive threshold afresh and unmaps it when freed, so the kernel faults and zeroes
-    every page of every chunk: a third of a 4 GB MoE convert's system time (docs/benchmarks.md). No-op without
-    glibc, and where the user set either threshold (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``)."""
-    if not sys.platform.startswith("linux") or {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
-        return
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # musl has no mallopt
-        return
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)

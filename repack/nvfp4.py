@@ -56,12 +56,16 @@ class NVFP4Weight:
         block_scales (`torch.Tensor`): float8_e4m3fn ``[N, K/16]``, finite and non-negative.
         multiplier (`torch.Tensor`): float32 ``[1]``, finite and positive.
         input_scale (`InputScale`, *optional*): the activations' global scale of a W4A4 layer.
+        partition_scales (`tuple`, *optional*): float32 ``[P]`` each: the weight and input global scales of the
+            layer's ``P`` fused partitions as the checkpoint stores them, which an engine that loads them per
+            partition keeps (SGLang).
     """
 
     codes: torch.Tensor
     block_scales: torch.Tensor
     multiplier: torch.Tensor
     input_scale: InputScale | None = None
+    partition_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n(self) -> int:

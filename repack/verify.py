@@ -54,7 +54,9 @@ from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
-from .verify_moe import EXPERT_W4A4_REL_ERROR, expert_findings, expert_numerics, scalar_names
+from .targets.sglang import restated_differences
+from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
+from .verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, expert_findings, expert_numerics, scalar_names
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -200,11 +202,11 @@ def _checked_runtime_layer(bundle: Bundle, prefix: str, check: TensorCheck) -> R
     record = bundle.manifest.layers[prefix]
     tensors = {
         part: _checked_tensor(bundle, f"{prefix}.{part}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
-        for part, spec in bundle.target.runtime_specs(record.n, record.k).items()
+        for part, spec in bundle.target.layer_specs(record.n, record.k, len(record.partitions)).items()
     }
     if any(tensor is None for tensor in tensors.values()):
         return None
-    return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
+    return bundle.target.runtime_layer(tensors, record.n, record.k, record.weights_padding_cols)
 
 
 WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -418,7 +420,12 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         return check
     decoded = bundle.target.from_runtime(runtime, record.n, record.k)
     reference = decoded
-    held_scale = float(runtime.weight_global_scale.reshape(()))
+    if runtime.named is not None:  # another engine's tensors: each must follow from the layout's (targets/sglang.py)
+        for name in restated_differences(bundle.target, runtime, record.n, record.k):
+            check.fail(f"{prefix}.{name}: not what {bundle.target.engine} derives from the layer's codes, scales and "
+                       "kept scalars", "exactness")
+    kept = runtime.weight_multiplier  # Marlin holds the multiplier folded; the record (and the bundle) keep the source's
+    held_scale = float((runtime.weight_global_scale if kept is None else kept).reshape(()))
     if record.global_scale != held_scale:  # inspect shows the record's: it must be the tensor's
         check.fail(f"{prefix}: the manifest's global_scale {record.global_scale:.8g} is not the layer's "
                    f"weight_global_scale {held_scale:.8g}")
@@ -433,10 +440,11 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
             check.fail(problem, "exactness")
             return check
         if layer is not None and planned.pieces == (whole_piece(layer),):
-            reference = src.load_layer(layer, map_tensor)  # the whole source layer (no fusion, no rank)
+            # the whole source layer (no fusion, no rank), as the layout's kernel reads it (Marlin: flushed scales)
+            reference = bundle.target.as_read(src.load_layer(layer, map_tensor))
             _check_exact(decoded, reference, prefix, check)
         else:
-            reference = assemble(src, planned)  # what the layer is meant to compute: with --rescale, rescaled
+            reference = bundle.target.as_read(assemble(src, planned))  # with --rescale, rescaled
             _check_exact(decoded, reference, prefix, check)
             if any(p.scale_ratio != 1.0 for p in planned.pieces):
                 _check_departure(src, planned, reference, record, check)
@@ -453,8 +461,8 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         output_parts = [(start, stop, matrices[t.matrix]) for t in record.transforms if t.location == "output"
                         for start, stop in record.output_rows(t)]
         # what the layer's activation quantizer multiplies by: QuTLASS's fixed scale where vLLM serves it so
-        activation_scale = None if input_scale is None else bundle.vllm_qutlass(prefix).get(
-            "fused_global_scale", input_scale.inverse)
+        activation_scale = None if input_scale is None or bundle.target.layout_key != W4A4_LAYOUT else (
+            bundle.vllm_qutlass(prefix).get("fused_global_scale", input_scale.inverse))  # Marlin: weight-only
         _check_numerics(loaded.layer(prefix, runtime=runtime), loaded.device, prefix, reference, check, gen,
                         loaded.backend == "reference", input_matrix, output_parts, activation_scale)
     return check
@@ -541,12 +549,13 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     experts = numerics_experts(record.local_experts, findings.odd, numerics, gen)
     check.numerics_experts = len(experts)
     if experts:
-        errors = expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=True)
+        w4a4 = "w13_input_scale" in specs  # Marlin: weight-only experts
+        errors = expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=w4a4)
         check.max_rel_error = max(errors.values())
+        bound, kind = (EXPERT_W4A4_REL_ERROR, "FP4 x FP4") if w4a4 else (EXPERT_REL_ERROR, "weight-only")
         for name, error in errors.items():
-            if not error <= EXPERT_W4A4_REL_ERROR:
-                check.fail(f"{name}: relative error {error:.3g} of the FP4 x FP4 expert exceeds "
-                           f"{EXPERT_W4A4_REL_ERROR:g}", "numerics")
+            if not error <= bound:
+                check.fail(f"{name}: relative error {error:.3g} of the {kind} expert exceeds {bound:g}", "numerics")
     return check
 
 
@@ -749,9 +758,11 @@ def _prefixed(checks: list[TensorCheck], label: str) -> list[TensorCheck]:
 
 def _held_input_scale(ranks: list[Bundle], regions) -> torch.Tensor | None:
     """The ``input_global_scale_inv`` the W4A4 rank layers holding ``regions`` quantize with (each rank's own
-    verify checks it against the source's), or None for W4A16 bundles."""
+    verify checks it against the source's), or None for weight-only bundles (W4A16, and Marlin's, which keep W4A4
+    checkpoints' activation scales unused)."""
     r, prefix, _ = next(iter(regions))
-    return ranks[r].read(f"{prefix}.input_global_scale_inv") if ranks[r].target.scheme == "W4A4" else None
+    fp4 = ranks[r].target.layout_key == W4A4_LAYOUT
+    return ranks[r].runtime_layer(prefix).input_global_scale_inv if fp4 else None
 
 
 def _check_reassembled(ranks: list[Bundle], src: SourceModel, device: str, gen: torch.Generator,

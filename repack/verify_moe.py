@@ -9,13 +9,13 @@ A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Callable, Mapping
 
 import torch
 
-from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, expert_multipliers
+from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, expert_multipliers, largest_expert_scales
 from .formats import SourceModel
 from .nvfp4 import (BLOCK_SIZE, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations,
                     dequantized_products, quantize_activations)
@@ -73,14 +73,17 @@ def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
             return ExpertFindings(missing + wrong, set())
         held = rows_of(held)
     scales = expert_input_scales(source, plan)
-    problems, odd = _check_scalars(source, plan, held, layout, scales)
+    # Marlin: one scale factor per layer, from the largest block scales of all of the rank's experts
+    largest = largest_expert_scales(source, plan, CHECK_EXPERTS) if hasattr(layout, "largest_scales") else None
+    problems, odd = _check_scalars(source, plan, held, layout, scales, largest)
     weights = [name for name in specs if name in MADE_FROM]
     per_expert = sum(math.prod(specs[name].shape[1:]) * specs[name].dtype.itemsize for name in weights)
     step = max(1, min(CHECK_EXPERTS, CHECK_BYTES // max(1, per_expert)))
     for start in range(first, last, step):
         chunk = (start, min(start + step, last))
-        part = {name: held(name, chunk[0] - first, chunk[1] - first) for name in weights}
-        problems += _check_chunk(source, plan, chunk, part, layout, scales)
+        part = {name: held(name, chunk[0] - first, chunk[1] - first)
+                for name in (*weights, *getattr(layout, "INVERSE_READS", ()))}  # Marlin: what gives its factor
+        problems += _check_chunk(source, plan, chunk, part, layout, scales, largest)
     return ExpertFindings(problems, odd)
 
 
@@ -90,15 +93,16 @@ def scalar_names(layout: ModuleType) -> list[str]:
 
 
 def _check_scalars(source: SourceModel, plan: ExpertPlan, held: RowsOf, layout: ModuleType,
-                   scales: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[str], set[int]]:
+                   scales: tuple[torch.Tensor, torch.Tensor],
+                   largest: tuple[float, float] | None = None) -> tuple[list[str], set[int]]:
     """Every expert's held scalars against the ones recomputed from the source's multipliers and input scales, and
     its gate and up multipliers against each other: vLLM keeps gate's (w1's) for both halves, so an expert whose up
     multiplier differs, not ``--rescale``d, computes another function than the source whatever the bundle holds.
     Returns the problems, each naming the expert, and the local experts that stood out."""
     group, (first, last) = plan.group, plan.experts
     names = scalar_names(layout)
-    expected = layout.to_runtime(assemble_experts(source, plan, fields=("multipliers",), input_scales=scales),
-                                 plan.prefix, names)
+    stack = assemble_experts(source, plan, fields=("multipliers",), input_scales=scales)
+    expected = layout.to_runtime(replace(stack, largest_scales=largest), plan.prefix, names)
     local = slice(first, last)
     own = torch.stack([expert_multipliers(source, p[local]) for p in (group.gate, group.up)], 1)
     problems, odd = [], set()
@@ -120,10 +124,13 @@ def _check_scalars(source: SourceModel, plan: ExpertPlan, held: RowsOf, layout: 
 
 
 def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], held: dict[str, torch.Tensor],
-                 layout: ModuleType, scales: tuple[torch.Tensor, torch.Tensor]) -> list[str]:
+                 layout: ModuleType, scales: tuple[torch.Tensor, torch.Tensor],
+                 largest: tuple[float, float] | None = None) -> list[str]:
     """Codes, block scales and padding of global experts ``[chunk)``, whose rows of the layer's weight tensors
-    are ``held``."""
-    source_stack = assemble_experts(source, plan, chunk=chunk, input_scales=scales)
+    are ``held`` (compared with the source's as the layout's kernel reads them: Marlin flushes its smallest
+    scales)."""
+    stack = replace(assemble_experts(source, plan, chunk=chunk, input_scales=scales), largest_scales=largest)
+    source_stack = layout.read_as(stack) if hasattr(layout, "read_as") else stack
     group, inter = plan.group, plan.intermediate
     ours = layout.from_runtime(held, group.hidden, inter)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
@@ -142,7 +149,7 @@ def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], 
     if not problems:  # the experts' data is exact: anything else that differs is padding
         del ours, checks
         problems += [f"{plan.prefix}: {name} differs outside the experts' data (padding)" for name in held
-                     if any(_differs(held[name], layout.to_runtime(source_stack, plan.prefix, [name])[name]))]
+                     if any(_differs(held[name], layout.to_runtime(stack, plan.prefix, [name])[name]))]
     return problems
 
 
@@ -179,10 +186,14 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
         at = plan.experts[0] + e
         source_stack = assemble_experts(source, plan, chunk=(at, at + 1), input_scales=input_scales)  # it alone
         for which, projs in (("w13", ("gate", "up")), ("w2", ("down",))):
+            weight_only = hasattr(layout, "expert_multiplier")  # Marlin: no input scales, its own multiplier
             one = {f"{which}_{part}": rows_held(f"{which}_{part}", e, e + 1)
-                   for part in ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+                   for part in ("weight", "weight_scale", "weight_scale_2", "input_scale")[:3 if weight_only else 4]}
             codes, scales = layout.decode_expert(one, 0, which, group.hidden, inter)
-            alpha, a_scale = one[f"{which}_weight_scale_2"][0], one[f"{which}_input_scale"][0]
+            if weight_only:
+                alpha, a_scale = layout.expert_multiplier(one, 0, which), torch.ones((), dtype=torch.float64)
+            else:
+                alpha, a_scale = one[f"{which}_weight_scale_2"][0], one[f"{which}_input_scale"][0]
             ref_codes = getattr(source_stack, f"{which}_codes")[0]
             ref_scales = getattr(source_stack, f"{which}_scales")[0]
             own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)

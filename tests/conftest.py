@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import tomllib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,45 @@ def require(module: str):
     if IN_CI:
         return __import__(module)
     return pytest.importorskip(module)
+
+
+def seeded_folder(tmp_path_factory, name: str) -> tuple[torch.Generator, Path, int]:
+    """A generator of a fresh random seed, a temporary folder ``name`` for a module's synthetic checkpoints, and the
+    seed (printed, to reproduce a failure)."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"{name} seed {seed}")
+    return torch.Generator().manual_seed(seed), tmp_path_factory.mktemp(name), seed
+
+
+def assert_held_as(ours: torch.Tensor, view: dict, stored: torch.Tensor, what) -> None:
+    """``ours`` is an engine's tensor as an oracle dumped it: ``view``'s dtype, shape, strides and offset, and
+    ``stored``, the bytes of its whole storage."""
+    got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
+    assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), what
+    assert torch.equal(ours.reshape(-1).view(torch.uint8), stored), what
+
+
+def assert_plugin_entry_point(group: str, engine: str) -> None:
+    """pyproject's ``group`` entry point ``nvfp4_repack`` is a callable register function, and importing it with
+    the whole core (CLI, convert, verify, runtime, the targets) imports no ``engine``: only its plugin does, when run."""
+    root = Path(__file__).resolve().parents[1]
+    entry = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"][group]
+    module, _, name = entry["nvfp4_repack"].partition(":")
+    code = (f"import sys, repack.cli, repack.convert, repack.verify, repack.runtime, repack.targets.sglang, {module}; "
+            f"assert callable({module}.{name}); assert {engine!r} not in sys.modules, 'imported {engine}'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def oracle_python(venv: Path, what: str, make_env: str) -> Path:
+    """An engine oracle's interpreter in ``venv`` (``make_env`` builds it: the README's test command runs it before
+    pytest); where it is missing, a skip naming ``make_env``, or in CI a failure."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        message = f"{what} oracle env missing at {venv}: run {make_env}"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return python
 
 
 def seed_for(nodeid: str) -> int:

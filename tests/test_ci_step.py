@@ -511,7 +511,7 @@ def test_online_transforms_in_a_several_target_pass(tmp_path):
     from .conftest import PRODUCERS
 
     source = PRODUCERS / "ct_quip_vu_had32_nvfp4"
-    convert(source, ["sm100", "sm120"], tmp_path / "out")
+    convert(source, ["sm100", "sm120"], tmp_path / "out", vllm="0.33")  # 0.34 serves its rotations through Humming
     for target in ("sm100", "sm120"):
         report = verify_bundle(tmp_path / "out" / target, source=source, seed=0)
         assert report.passed and report.transforms, [e for c in report.failures for e in c.errors]

@@ -61,7 +61,7 @@ def check_bundle_against_source(source_path, out, target):
         record = manifest.layers[prefix]
         runtime = bundle.runtime_layer(prefix)
         back = target.from_runtime(runtime, record.n, record.k)
-        original = source.load_layer(layer)
+        original = target.as_read(source.load_layer(layer))
         for a, b in ((back.codes, original.codes), (back.block_scales, original.block_scales),
                      (back.multiplier, original.multiplier)):
             assert torch.equal(as_bytes(a), as_bytes(b)), prefix
@@ -107,7 +107,8 @@ PRODUCER_FIXTURES = sorted(p.name for p in PRODUCERS.iterdir() if (p / "config.j
 @pytest.mark.parametrize("fixture", PRODUCER_FIXTURES)
 def test_convert_real_producer_checkpoints(tmp_path, target, fixture):
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, target.name, out)
+    # vLLM 0.34 (the default) refuses the Hadamard-rotated W4A4 fixtures on sm100 / sm120 (tests/test_engines.py)
+    convert(PRODUCERS / fixture, target.name, out, vllm="0.33" if "_had" in fixture else None)
     manifest = check_bundle_against_source(PRODUCERS / fixture, out, target)
     assert manifest.layers
 
@@ -257,7 +258,7 @@ def test_bench_convert_with_a_missing_dir_is_a_one_line_usage_error(tmp_path):
         (["convert", "--sample"], 2, "Missing option"),
         (["inspect", "/does/not/exist"], 1, "no such file"),
         # usage errors (exit 2, issue 38: these exited 1): flag values and combinations, refused before any read
-        (["convert", "--sample", "--target", "sm80", "-o", "x"], 2, "'--target': unknown target 'sm80'; valid targets: sm100"),
+        (["convert", "--sample", "--target", "sm70", "-o", "x"], 2, "'--target': unknown target 'sm70'; valid targets: sm100"),
         (["convert", "--sample", "-t", "sm999", "-o", "x"], 2, "unknown target 'sm999'"),
         *[(["convert", "--sample", "-t", "sm100", "--max-shard-size", size, "-o", "x"], 2,
            f"'--max-shard-size': shard size '{size}': expected a positive size") for size in ("5", "abc", "0GB", "-1GB")],

@@ -30,14 +30,19 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 def test_every_layout_written_is_held_by_every_vllm_version():
     """Every layout convert can write (dense per scheme, MoE) is a row's; a layout missing from the table would make
     every bundle of it unservable, silently."""
-    written = {t.layout_id for target in TARGETS for t in target.layouts}
+    written = {t.layout_id for target in TARGETS for t in target.layouts if t.engine == "vllm"}
     for target in TARGETS:
         try:
             written.add(moe_layout(target.name).LAYOUT_ID)
-        except RepackError:  # sm90: no MoE layout
+        except RepackError:  # sm90, sm75: no MoE layout
             pass
     for version in engines.engine_versions("vllm"):
         assert written <= set(version.layouts), (version.label, written - set(version.layouts))
+
+
+def test_every_sglang_layout_written_is_held_by_its_sglang_version():
+    written = {t.layout_id for target in TARGETS for t in target.layouts if t.engine == "sglang"}
+    assert written == set(engines.SGLANG_0523.layouts) == set(engines.SGLANG_LAYOUTS.values())
 
 
 @pytest.mark.parametrize("fixture,options", [
@@ -110,3 +115,11 @@ def test_inspect_and_targets_show_the_versions(tmp_path, capsys):
     assert all(layout["engines"] == BOTH for row in rows for layout in row["layouts"].values())
     code, text, _ = cli(capsys, "targets")
     assert code == 0 and "refuses hadamard-w4a4" in " ".join(text.split())
+
+
+def test_targets_names_sglang_where_it_has_layouts(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = cli(capsys, "targets")
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert code == 0 and {"sm100", "sm120", "sm90"} <= set(rows)
+    assert {name for name, line in rows.items() if "sglang 0.5.23" in line} == {"sm100", "sm120"}

@@ -858,7 +858,7 @@ TAMPERED = [
     pytest.param(_manifest_edit(lambda m: m["passthrough"].update(
                      {f"{LAYER}.weight": m["passthrough"]["lm_head.weight"]})),
                  f"manifest.json: tensor '{LAYER}.weight' is listed twice", id="name-listed-twice"),
-    pytest.param(_manifest_edit(lambda m: m.update(target="sm80")), "unknown target 'sm80'", id="unknown-target"),
+    pytest.param(_manifest_edit(lambda m: m.update(target="sm70")), "unknown target 'sm70'", id="unknown-target"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER].update(k=24)),
                  f"manifest.json: {LAYER}: N=32, K=24 is not an NVFP4 layer shape", id="k-not-a-multiple-of-16"),
     pytest.param(_manifest_edit(lambda m: m["layers"][LAYER].update(weights_padding_cols=10**9)),

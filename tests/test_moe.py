@@ -28,7 +28,7 @@ from repack.formats import read_source
 from repack.formats.moe import expert_groups, find_expert_groups
 from repack.nvfp4 import BLOCK_SIZE
 from repack.sample.synthetic import write_qwen_moe
-from repack.targets import moe, moe_cutlass, moe_trtllm
+from repack.targets import moe, moe_cutlass, moe_marlin, moe_trtllm
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
 from repack.verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
@@ -83,7 +83,8 @@ def test_moe_layout_round_trips_and_matches_its_index_formulas(layout, experts, 
 
 @pytest.mark.parametrize("layout,experts,hidden,intermediate",
                          [(m, *s) for m in LAYOUTS for s in SHAPES] + [(moe_trtllm, *s) for s in TRTLLM_SHAPES]
-                         + [(m, 2, 512, 128) for m in LAYOUTS],  # no padding: TRT-LLM-gen's permutations as reshapes
+                         + [(m, 2, 512, 128) for m in LAYOUTS]  # no padding: TRT-LLM-gen's permutations as reshapes
+                         + [(moe_marlin, 2, 128, 48), (moe_marlin, 3, 192, 64)],  # Marlin: I padded to 64, to 128
                          ids=lambda v: getattr(v, "LAYOUT_ID", str(v)))
 def test_codes_from_pieces_are_to_runtimes_codes(layout, experts, hidden, intermediate, random_seed):
     """convert copies each expert's source codes once into the layout (``codes_from_pieces``, from non-contiguous
@@ -149,8 +150,12 @@ def test_block_scale_interleave_port_is_flashinfers_128x4(experts, rows, cols, r
 
 def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
     assert moe.moe_layout("sm100") is moe_trtllm and moe.moe_layout("sm120") is moe_cutlass
-    with pytest.raises(RepackError, match=r"--target sm90: .* Humming/Marlin\); supported for MoE: sm100, sm120$"):
+    assert moe.moe_layout("sm80") is moe.moe_layout("sm100", "W4A16") is moe.moe_layout("sm120", "W4A16") is moe_marlin
+    with pytest.raises(RepackError, match=r"--target sm90: .* Humming's MoE, whose weight transform is a GPU op not "
+                                          r"ported here\); .* convert with --target sm80$"):
         moe.moe_layout("sm90")
+    with pytest.raises(RepackError, match=r"--target sm75: .* convert with --target sm80"):
+        moe.moe_layout("sm75")
 
 
 @pytest.mark.parametrize("intermediate", [48, 96, 8])
@@ -465,7 +470,8 @@ def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
     assert json.loads(capsys.readouterr().out)["moe"] == {
         "fused_moe_layers": 2, "experts": [4], "top_k": 2, "hidden": 64, "intermediate": [48],
         "shared_expert_modules": 0,
-        "layouts": {"sm100": moe_trtllm.LAYOUT_ID, "sm120": moe_cutlass.LAYOUT_ID, "sm90": None}}
+        "layouts": {"sm100": moe_trtllm.LAYOUT_ID, "sm120": moe_cutlass.LAYOUT_ID, "sm90": None,
+                    "sm80": moe_marlin.LAYOUT_ID, "sm75": None}}
     assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4")]) == 0
     assert "MoE: 2 FusedMoE layers of 4 experts (top-2)" in " ".join(capsys.readouterr().out.split())
     assert main(["inspect", str(PRODUCERS / "ct_nvfp4"), "--json"]) == 0
@@ -496,8 +502,8 @@ def test_inspect_names_an_unsupported_expert_naming_in_one_line(tmp_path, capsys
 
 @pytest.mark.parametrize("targets,message", [
     (["-t", "sm120"], "an NVFP4 MoE model (2 FusedMoE layers): convert it with --fuse or --tp N"),
-    (["-t", "all"], "--target sm90: NVFP4 MoE layers are not supported there yet"),
-    (["-t", "sm90"], "--target sm90: NVFP4 MoE layers are not supported there yet"),
+    (["-t", "all"], "--target sm90: NVFP4 MoE layers are not supported there"),
+    (["-t", "sm90"], "--target sm90: NVFP4 MoE layers are not supported there"),
 ])
 def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, targets, message):
     """Regression (issue 38): without --fuse/--tp an MoE checkpoint was written as per-expert dense layers, which no
@@ -509,9 +515,9 @@ def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, tar
     assert err.startswith("Error: ") and message in err and err.count("\n") == 1, err
     assert not out.exists()
     assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120"]
+    assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120", "sm80"]
     assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4")]) == 0
-    assert "possible targets: sm100, sm120 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
+    assert "possible targets: sm100, sm120, sm80 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
     assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4a16"), "--json"]) == 0  # W4A16 experts: Marlin's, refused
     info = json.loads(capsys.readouterr().out)
     assert info["targets"] == [] and "weight-only experts) is not supported" in info["moe"]["unsupported"]

@@ -41,7 +41,7 @@ def test_convert_writes_each_fused_moe_layer_under_vllms_module_with_its_record(
     from the source (the whole stack, independently planned here), and the record says which experts, rows and
     layout. ``chunk``: experts convert transforms at once (1; 3, which straddles the --ep ranks' 2 + 2), else all."""
     if chunk is not None:
-        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share: chunk)
+        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share, bundles: chunk)
     out = tmp_path / "out"
     args = ["convert", str(PRODUCERS / name), "-t", target, "--fuse", "-o", str(out), "--tp", str(tp)]
     assert main(args + (["--ep"] if ep else [])) == 0
@@ -202,6 +202,17 @@ def test_inspect_shows_the_bundles_fused_moe_layers(converted, capsys, monkeypat
     assert {r["moe"][MODULE]["layout_id"] for r in ranks} == {moe_trtllm.LAYOUT_ID}
 
 
+def test_a_chunk_of_experts_holds_about_32_mb_for_all_ranks():
+    """The pass's bytes in flight grow with the ranks: --tp 8 cut into 16 MB per rank peaked at 1.7-1.9 GB RSS on the
+    4.2 GB benchmark (docs/benchmarks.md), so a chunk holds about MOE_PASS_BYTES for all bundles, MOE_CHUNK_BYTES at
+    most for one. DeepSeek-R1's w13 codes: 14.7 MB per expert."""
+    w13 = 2 * 2048 * 7168 // 2
+    assert repack.convert.moe_chunk_experts(w13, 1.0, 1) == 1  # --fuse: one expert, 14.7 MB
+    assert repack.convert.moe_chunk_experts(w13, 1 / 8, 8) == 2  # --tp 8: 3.7 MB per rank, 29 MB in all
+    assert repack.convert.moe_chunk_experts(w13, 1 / 2, 2) == 2  # --tp 2: 14.7 MB per rank
+    assert repack.convert.moe_chunk_experts(w13 // 8, 1.0, 1) == 9  # block scales: 16.5 MB
+
+
 @pytest.mark.parametrize("chunk", [None, 1])
 def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeypatch, chunk):
     """One pass for every rank, one read of each source expert tensor: every expert's codes and block scales are
@@ -217,7 +228,7 @@ def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeyp
 
     monkeypatch.setattr(repack.formats.hashing, "map_tensor", counted)
     if chunk is not None:
-        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share: chunk)
+        monkeypatch.setattr("repack.convert.moe_chunk_experts", lambda per_expert, share, bundles: chunk)
     source = read_source(PRODUCERS / "modelopt_moe_nvfp4")
     expert_tensors = sorted(n for prefix, layer in source.layers.items() if ".experts." in prefix
                             for n in layer.tensor_names[:2])
@@ -229,9 +240,8 @@ def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("name,args,code,message", [
-    ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there yet"),
-    ("modelopt_moe_nvfp4", ["-t", "sm100", "--fuse", "--weight-only"], 1,
-     "Error: --weight-only: NVFP4 MoE experts have no weight-only layout here"),
+    ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there"),
+    ("ct_moe_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: NVFP4 MoE layers are not supported there"),
     ("ct_moe_nvfp4a16", ["-t", "sm120", "--tp", "2"], 1, "Error: NVFP4A16 MoE (weight-only experts) is not supported"),
     ("ct_moe_i48_nvfp4", ["-t", "sm120", "--fuse"], 1,  # 2I with its numbers, and no word of the hidden size (issue 38)
      "vLLM 0.33 does: 2 x intermediate size per rank (2 x 48 = 96) must be a multiple of 128\n"),

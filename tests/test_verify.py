@@ -205,7 +205,8 @@ def wrong_together(target: Target) -> Target:
 
     def to_runtime(weight):
         layer = target.to_runtime(weight)
-        return dataclasses.replace(layer, weight_global_scale=layer.weight_global_scale * 2)
+        kept = None if layer.weight_multiplier is None else layer.weight_multiplier * 2  # Marlin: sf stays
+        return dataclasses.replace(layer, weight_global_scale=layer.weight_global_scale * 2, weight_multiplier=kept)
 
     def from_runtime(layer, n, k):
         weight = target.from_runtime(layer, n, k)

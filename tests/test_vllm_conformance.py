@@ -28,7 +28,7 @@ from repack.errors import RepackError
 from repack.sample.synthetic import write_llama
 from repack.verify import verify_output
 
-from .conftest import IN_CI, PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES
+from .conftest import PRODUCERS, REFUSED_FIXTURES, TRANSFORM_FIXTURES, assert_held_as, oracle_python, seeded_folder
 from .vllm.variants import OUTPUT_VARIANTS, output_variant
 
 HERE = Path(__file__).parent / "vllm"
@@ -108,22 +108,13 @@ def whole_k_w4a4(root: Path) -> Path:
 
 
 def _vllm_python(version: str = "0.33") -> Path:
-    """The oracle's interpreter (make_env.sh builds it: the README's test command runs it before pytest)."""
-    python = vllm_venv(version) / "bin" / "python"
-    if not python.exists():
-        message = f"vLLM {version} oracle env missing at {vllm_venv(version)}: run tests/vllm/make_env.sh {version}"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return python
+    """The oracle's interpreter."""
+    return oracle_python(vllm_venv(version), f"vLLM {version}", f"tests/vllm/make_env.sh {version}")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"synthetic checkpoint seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    root = tmp_path_factory.mktemp("vllm-ckpts")
+    gen, root, seed = seeded_folder(tmp_path_factory, "vllm-ckpts")
     out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt, w4a4 in SYNTHETIC_FORMATS.items():
@@ -361,9 +352,7 @@ def _assert_w4a4_rank_identical(bundle_dir: Path, dumped: Path, rank: int, versi
             assert torch.equal(theirs[f"{prefix}.{name}"], loaded.view(torch.uint8)), (prefix, name)
         for part in set(record.tensors) | set(qutlass):
             ours, view = (qutlass[part] if part in qutlass else bundle.read(f"{prefix}.{part}")), views[part]
-            got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
-            assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, part)
-            assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{part}"]), (prefix, part)
+            assert_held_as(ours, view, theirs[f"{prefix}.{part}"], (prefix, part))
             own = ours.numel() * ours.element_size()
             loaded = 4 * len(record.partitions) if part in LOADED_VIEWS.get(version, {}).get(fmt, ()) else own
             assert view["storage_nbytes"] == loaded, (prefix, part, view["storage_nbytes"])

@@ -29,7 +29,7 @@ from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe_cutlass, moe_trtllm, sm100, sm120
 
-from .conftest import PRODUCERS
+from .conftest import PRODUCERS, seeded_folder
 from .test_vllm_conformance import HERE, _vllm_python
 
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4",
@@ -54,10 +54,7 @@ LAYOUTS = {"sm100": moe_trtllm, "sm120": moe_cutlass}  # harness arch "<family>-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"synthetic MoE checkpoint seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    root = tmp_path_factory.mktemp("vllm-moe-ckpts")
+    gen, root, _ = seeded_folder(tmp_path_factory, "vllm-moe-ckpts")
     out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
     for shape, kwargs in SYNTHETIC.items():
         for fmt in FORMATS:

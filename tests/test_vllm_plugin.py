@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import tomllib
 from pathlib import Path
 
+from .conftest import assert_plugin_entry_point
 from .test_vllm_conformance import HERE, _vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +26,4 @@ def test_vllm_plugin_checks_pass_in_the_vllm_env(vllm_version):
 
 
 def test_entry_point_is_the_register_function_and_the_core_never_imports_vllm():
-    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
-    module, _, name = entry["nvfp4_repack"].partition(":")
-    code = (f"import sys, repack.cli, repack.convert, repack.verify, repack.runtime, {module}; "
-            f"assert callable({module}.{name}); assert 'vllm' not in sys.modules, 'imported vllm'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert_plugin_entry_point("vllm.general_plugins", "vllm")

@@ -68,6 +68,7 @@ class OutputLayer:
     prefix: str
     pieces: tuple[Piece, ...]
     input_scale: InputScale | None = None
+    partition_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # NVFP4Weight.partition_scales (SGLang)
 
     @property
     def n(self) -> int:
@@ -230,17 +231,33 @@ def with_input_scales(layers: dict[str, OutputLayer], source: SourceModel) -> di
             for prefix, layer in layers.items()}
 
 
+def with_partition_scales(layers: dict[str, OutputLayer], source: SourceModel) -> dict[str, OutputLayer]:
+    """Each layer with its pieces' weight and input global scales as the checkpoint stores them, float32 ``[P]``
+    each, in piece order: what SGLang loads into a fused module's per-partition scalars (and keeps)."""
+    def stored(name: str) -> torch.Tensor:
+        return source.checkpoint.read(name).reshape(()).to(torch.float32)
+
+    return {prefix: replace(layer, partition_scales=(
+                torch.stack([stored(source.layers[p.source].tensor_names[2]) for p in layer.pieces]),
+                torch.stack([stored(source.input_scale_name(p.source)) for p in layer.pieces])))
+            for prefix, layer in layers.items()}
+
+
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
-                input_scales: bool = False, ep: bool = False) -> list[LayerPlan]:
+                input_scales: bool = False, ep: bool = False, partition_scales: bool = False) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
     once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules), and for an MoE
     model its FusedMoE layers (``ep``: vLLM's expert parallelism, which needs ``tp > 1``).
-    ``input_scales``: read each layer's activation global scale (for W4A4 layouts)."""
+    ``input_scales``: read each layer's activation global scale (for W4A4 layouts); ``partition_scales``: and its
+    partitions' stored global scales (for SGLang's layouts)."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     if ep and tp == 1:
         raise RepackError("--ep: expert parallelism places experts on --tp N ranks; give --tp N with N > 1")
-    scaled = (lambda layers: with_input_scales(layers, source)) if input_scales else (lambda layers: layers)
+    def scaled(layers: dict[str, OutputLayer]) -> dict[str, OutputLayer]:
+        layers = with_input_scales(layers, source) if input_scales else layers
+        return with_partition_scales(layers, source) if partition_scales else layers
+
     if not (fuse or tp > 1):
         return [LayerPlan(scaled({p: OutputLayer(p, (whole_piece(layer),)) for p, layer in source.layers.items()}), {})]
     _check_architecture(source.checkpoint.config)
@@ -515,6 +532,18 @@ def expert_multipliers(source: SourceModel, prefixes: tuple[str, ...]) -> torch.
     if len(bad):
         raise RepackError(f"{prefixes[int(bad[0])]}: global scale must be finite and positive, got {float(values[bad[0]])}")
     return values
+
+
+def largest_expert_scales(source: SourceModel, plan: ExpertPlan, step: int) -> tuple[float, float]:
+    """The largest w13 and w2 block scale among the plan's experts (its rows; --rescale's folded gate/up scales),
+    ``step`` experts read at a time: Marlin's MoE layout takes one scale factor per layer from them."""
+    top = [0.0, 0.0]
+    for first in range(plan.experts[0], plan.experts[1], step):
+        chunk = (first, min(first + step, plan.experts[1]))
+        stack = assemble_experts(source, plan, None, chunk, ("w13_scales", "w2_scales"))
+        for i, scales in enumerate((stack.w13_scales, stack.w2_scales)):
+            top[i] = max(top[i], float(scales.float().max()))
+    return top[0], top[1]
 
 
 def _placeholder(dtype: torch.dtype, *shape: int) -> torch.Tensor:

@@ -76,14 +76,14 @@ def _layer_outputs(layer: OutputLayer, target: Target) -> list[PlannedTensor]:
             layer=layer,
             part=part,
         )
-        for part, spec in target.runtime_specs(layer.n, layer.k).items()
+        for part, spec in target.layer_specs(layer.n, layer.k, len(layer.pieces)).items()
     ]
 
 
 def _expert_outputs(plan: ExpertPlan, target: Target) -> list[PlannedTensor]:
     """A FusedMoE layer's tensors in the family's MoE layout (a one-line refusal where it has none, or where vLLM
     refuses the layer's shape)."""
-    layout, experts = moe_layout(target.name), plan.experts[1] - plan.experts[0]
+    layout, experts = moe_layout(target), plan.experts[1] - plan.experts[0]
     layout.check_shape(experts, plan.group.hidden, plan.intermediate, plan.prefix)
     specs = layout.runtime_specs(experts, plan.group.hidden, plan.intermediate)
     return [PlannedTensor(name=f"{plan.module}.{part}", dtype_name=DTYPE_NAMES[spec.dtype], shape=spec.shape,

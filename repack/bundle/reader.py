@@ -16,6 +16,7 @@ from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
 from ..targets.moe import moe_layout
+from ..targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT_ID
 from ..targets.w4a4 import qutlass_scales, runs_qutlass
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, MoERecord, read_manifest
 
@@ -49,13 +50,13 @@ class Bundle:
         """One layer's runtime tensors, as the target's kernels consume them."""
         record = self.layer(prefix)
         tensors = {part: self.read(f"{prefix}.{part}") for part in record.tensors}
-        for part, spec in self.target.runtime_specs(record.n, record.k).items():
+        for part, spec in self.target.layer_specs(record.n, record.k, len(record.partitions)).items():
             if (tensors[part].dtype, tuple(tensors[part].shape)) != (spec.dtype, spec.shape):
                 raise RepackError(
                     f"{prefix}.{part}: {tensors[part].dtype} {list(tensors[part].shape)} is not the {self.target.name} "
                     f"layout's {spec.dtype} {list(spec.shape)} for N={record.n}, K={record.k}; run verify"
                 )
-        return RuntimeLayer(weights_padding_cols=record.weights_padding_cols, **tensors)
+        return self.target.runtime_layer(tensors, record.n, record.k, record.weights_padding_cols)
 
     def transform_matrix(self, name: str) -> torch.Tensor:
         """An online-transform matrix ``T`` (normalization fused in), as the runtime multiplies by it."""
@@ -86,7 +87,7 @@ class Bundle:
         block QuTLASS fuses."""
         blocks = [None if self.manifest.transforms[t.matrix].whole else t.block_size
                   for t in self.layer(prefix).transforms if t.location == "input"]
-        return self.target.scheme == "W4A4" and runs_qutlass(blocks)
+        return self.target.layout_id == W4A4_LAYOUT_ID and runs_qutlass(blocks)  # QuTLASS: sm100 / sm120 only
 
     def vllm_qutlass(self, prefix: str) -> dict[str, torch.Tensor]:
         """What QutlassNvFP4LinearMethod adds to layer ``prefix`` after loading, by vLLM's names (empty where vLLM
@@ -115,7 +116,7 @@ class Bundle:
     def moe_layout(self) -> ModuleType:
         """The MoE layout module (``targets.moe_trtllm`` / ``targets.moe_cutlass``) of the bundle's family: its
         ``BACKEND``, ``KERNELS``, ``TENSORS``, ``from_runtime`` and ``decode_expert``."""
-        return moe_layout(self.target.name)
+        return moe_layout(self.target)
 
     def moe_tensors(self, module: str) -> dict[str, torch.Tensor]:
         """Every tensor vLLM's FusedMoE ``module`` holds after its load, by vLLM's parameter names (``w13_weight``,
@@ -159,7 +160,7 @@ def open_bundle(path: str | Path) -> Bundle:
         _check_layer_record(prefix, record, target)
         _check_layer_transforms(prefix, record, manifest)
     for record in manifest.moe.values():
-        _check_moe_record(record, family.name)
+        _check_moe_record(record, target)
     config = load_json(contained_file(root, "config.json"))
     return Bundle(root=root, manifest=manifest, target=target, config=config)
 
@@ -182,7 +183,7 @@ def _check_layer_record(prefix: str, record: LayerRecord, target: Target) -> Non
         edge = part.rows[1]
     if edge != record.n:
         raise RepackError(f"{MANIFEST_NAME}: {prefix}: partitions do not tile its N={record.n} x K={record.k}")
-    parts = sorted(target.runtime_specs(record.n, record.k))
+    parts = sorted(target.layer_specs(record.n, record.k, len(record.partitions)))
     if sorted(record.tensors) != parts:
         raise RepackError(
             f"{MANIFEST_NAME}: {prefix}: tensors {sorted(record.tensors)} are not the {target.name} layout's {parts}"
@@ -210,10 +211,10 @@ def _check_layer_transforms(prefix: str, record: LayerRecord, manifest: Manifest
                               f"[{t.block_size}, {t.block_size}] matrix whose block divides {sizes[0]}")
 
 
-def _check_moe_record(record: MoERecord, family: str) -> None:
+def _check_moe_record(record: MoERecord, target: Target) -> None:
     """A FusedMoE record names its family's MoE layout and exactly that layout's tensors: the plugin hands them to
     vLLM's kernel by these names."""
-    layout = moe_layout(family)
+    layout, family = moe_layout(target), target.name
     if record.layout_id != layout.LAYOUT_ID:
         raise RepackError(f"{MANIFEST_NAME}: {record.module}: MoE layout {record.layout_id!r} is not {family}'s "
                           f"({layout.LAYOUT_ID}); re-convert the source with this version")
@@ -224,3 +225,14 @@ def _check_moe_record(record: MoERecord, family: str) -> None:
             record.intermediate % BLOCK_SIZE):
         raise RepackError(f"{MANIFEST_NAME}: {record.module}: hidden {record.hidden} / intermediate "
                           f"{record.intermediate} (rows {record.rows}) is not an NVFP4 MoE layer shape")
+
+
+def rank_dir(path: Path, tp_rank: int) -> Path:
+    """This rank's bundle folder: ``path/rank-R`` when ``path`` holds a ``--tp`` conversion, its sibling
+    ``rank-R`` when ``path`` is one of the ranks (engines read config.json from the folder they are given), else
+    ``path`` itself."""
+    for root in (path, path.parent) if path.name.startswith("rank-") else (path,):
+        ranked = root / f"rank-{tp_rank}"
+        if (ranked / MANIFEST_NAME).is_file():
+            return ranked
+    return path

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
-from ..targets.engines import ENGINES, engine_versions, resolve_version
+from ..targets.engines import ENGINES, SGLANG_0523, SGLANG_DENSE_BACKENDS, engine_versions, resolve_version
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
@@ -50,6 +50,13 @@ TargetOpt = Annotated[
     typer.Option("--target", "-t", metavar="TARGET",
                  help="Target GPU family (see `nvfp4-repack targets`); repeat it, or `all`, for several in one pass."),
 ]
+class Engine(str, Enum):
+    """The serving engine whose post-load state a bundle holds."""
+
+    vllm = "vllm"
+    sglang = "sglang"
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", metavar="", help="Print machine-readable JSON to stdout.")]
 
 
@@ -167,6 +174,9 @@ def convert(
         "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
         "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only).",
         "--weight-only")] = False,
+    engine: Annotated[Engine, typer.Option(
+        "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
+                         "W4A4 checkpoints, its fused modules under its names; docs/sglang.md).")] = Engine.vllm,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
         "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
@@ -181,6 +191,7 @@ def convert(
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
       nvfp4-repack convert ./Qwen3-30B-A3B-NVFP4 --target sm100 --tp 4 --ep -o qwen3-moe-sm100-ep4
       nvfp4-repack convert nvidia/Llama-3.1-8B-Instruct-FP4 -t sm100 -t sm120 -t sm90 -o llama  # llama/sm100, ...
+      nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --engine sglang -o llama-sglang-sm100
     """
     from ..bundle.plan import parse_size
     from ..convert import convert as run_convert
@@ -204,7 +215,7 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            weight_only=weight_only, ep=ep, vllm=vllm, on_plan=start_bar,
+            weight_only=weight_only, ep=ep, vllm=vllm, engine=engine.value, on_plan=start_bar,
             notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
@@ -383,7 +394,7 @@ def _moe_summary(source) -> dict | None:
     layouts = {}
     for family in FAMILIES:
         try:
-            layouts[family.name] = moe_layout(family.name).LAYOUT_ID
+            layouts[family.name] = moe_layout(family.name, source.activation_scheme).LAYOUT_ID
         except RepackError:
             layouts[family.name] = None
     return {**summary, "layouts": layouts}
@@ -433,7 +444,8 @@ def targets(as_json: JsonOpt = False) -> None:
     """List the target GPU families, their aliases, GPUs, runtime backends and layouts.
 
     A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
-    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint.
+    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint,
+    and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps its activation scalars unused).
     """
     rows = [
         {
@@ -458,6 +470,8 @@ def targets(as_json: JsonOpt = False) -> None:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
         served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
                   for engine, versions in layout["engines"].items()}
+        if row["name"] in SGLANG_DENSE_BACKENDS:  # W4A4 with --engine sglang (docs/sglang.md)
+            served.add(f"sglang {SGLANG_0523.version} (W4A4, --engine sglang)")
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
                       row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
     stdout.print(table)

@@ -150,11 +150,43 @@ def sm90_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int)
     return row[:, None] + (64 * (blocks // 4) + 2 * (blocks % 4))[None, :]
 
 
+def marlin_code_offsets(rows: torch.Tensor, cols: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Marlin (``repack/targets/marlin.py``): row ``64 nt + 16 w + 8 c + t``, column ``16 kt + 8 a + 2 r + b`` is
+    nibble ``4 b + 2 c + a`` of int32 ``[kt, 128 nt + 4 (4 t + r) + w]`` of the ``[Kp/16, 2 Np]`` buffer."""
+    from ..targets.marlin import padded_nk
+
+    np_ = padded_nk(n, k)[0]
+    nt, w, c, t = rows // 64, (rows % 64) // 16, (rows % 16) // 8, rows % 8
+    kt, a, r, b = cols // 16, (cols % 16) // 8, (cols % 8) // 2, cols % 2
+    row_word, col_word = 128 * nt + 16 * t + w, kt * 2 * np_ + 4 * r
+    return (8 * row_word + 2 * c)[:, None] + (8 * col_word + 4 * b + a)[None, :]
+
+
+def marlin_scale_offsets(rows: torch.Tensor, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Block ``g`` of row ``n`` at byte ``[g, 64 (n // 64) + 4 (p // 4) + (0, 2, 1, 3)[p % 4]]`` of the ``[Kp/16,
+    Np]`` buffer, ``p = 8 (n % 8) + (n % 64) // 8`` (an 8 x 8 transpose, then pairs swapped)."""
+    from ..targets.marlin import padded_nk
+
+    np_ = padded_nk(n, k)[0]
+    m = rows % 64
+    p = 8 * (m % 8) + m // 8
+    column = 64 * (rows // 64) + 4 * (p // 4) + (p % 4 == 1).to(rows.dtype) - (p % 4 == 2).to(rows.dtype) + p % 4
+    return column[:, None] + (blocks * np_)[None, :]
+
+
+def marlin_scales(exponent_bias: int) -> Decode:
+    """Marlin's S0E5M3 bytes (:func:`s0e5m3_scales`: the scale times ``sf * 2^7``) over ``2^bias``: the held global
+    scale carries ``2^(bias - 7) / sf`` (bias 126 with bf16 activations, 14 with fp16)."""
+    return lambda scales, positions: s0e5m3_scales(scales, positions) * 2.0**-exponent_bias
+
+
 FORMULAS: dict[str, LayoutFormula] = {
     "sm100": LayoutFormula(sm100_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
     "sm120": LayoutFormula(sm120_code_offsets, nibble_values, sm120_scale_offsets, s0e5m3_scales),
     "sm90": LayoutFormula(sm90_code_offsets, sm90_values, sm90_scale_offsets, e4m3_scales),
     W4A4_LAYOUT: LayoutFormula(w4a4_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
+    "sm80": LayoutFormula(marlin_code_offsets, nibble_values, marlin_scale_offsets, marlin_scales(126)),
+    "sm75": LayoutFormula(marlin_code_offsets, nibble_values, marlin_scale_offsets, marlin_scales(14)),
 }
 
 

@@ -14,6 +14,7 @@ from ..bundle.layers import VLLM_FUSION
 from ..bundle.reader import Bundle, open_bundle
 from ..errors import RepackError
 from ..targets import RuntimeLayer
+from ..targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 from ..targets.w4a4 import qutlass_scales
 from .backends import choose_backend, fuses_input_transform, prepare_backend
 from .backends.reference import w4a4_scales
@@ -83,7 +84,9 @@ class PackedLinear(nn.Module):
         if hasattr(self, "fused_alpha"):
             return w4a4_scales(self.fused_alpha, self.fused_global_scale)
         alpha = getattr(self, "alpha", None)
-        return self.weight_global_scale if alpha is None else w4a4_scales(alpha, self.input_global_scale_inv)
+        if alpha is None or self.target != W4A4_LAYOUT:  # Marlin's W4A4 variant: weight-only, its alpha unused
+            return self.weight_global_scale
+        return w4a4_scales(alpha, self.input_global_scale_inv)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half() ...: the buffers may be new tensors
         self._prepared = None

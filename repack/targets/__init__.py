@@ -21,9 +21,9 @@ _FROM_BASE = ("RuntimeLayer", "Target", "TensorSpec")
 def __getattr__(name: str) -> object:
     """``TARGETS`` and the layout types, imported (with torch) when first asked for."""
     if name == "TARGETS":
-        from . import sm90, sm100, sm120
+        from . import marlin, sm90, sm100, sm120
 
-        value: object = (sm100.TARGET, sm120.TARGET, sm90.TARGET)
+        value: object = (sm100.TARGET, sm120.TARGET, sm90.TARGET, *marlin.TARGETS)
     elif name in _FROM_BASE:
         from . import base
 

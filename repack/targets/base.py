@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..nvfp4 import NVFP4Weight
-from .families import Family
+from .families import W4A4_LAYOUT_ID, Family
 
 
 @dataclass(frozen=True)
@@ -54,20 +54,29 @@ class RuntimeLayer:
     input_global_scale: torch.Tensor | None = None  # W4A4 layouts: float32 [] each, as vLLM computes them
     input_global_scale_inv: torch.Tensor | None = None
     alpha: torch.Tensor | None = None
+    weight_multiplier: torch.Tensor | None = None  # Marlin: the source multiplier, kept beside vLLM's state
+    named: dict[str, torch.Tensor] | None = None  # another engine's tensors of this layer, by its names (SGLang)
+
+    def bundle_tensors(self) -> dict[str, torch.Tensor]:
+        """What a bundle stores for the layer: its tensors by the names its engine holds them under (``named``, else
+        vLLM's: :meth:`tensors`)."""
+        return dict(self.named) if self.named is not None else self.tensors()
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The layout's tensors by vLLM's names (what the runtime's backends read)."""
         out = {
             "weight": self.weight,
             "weight_scale": self.weight_scale,
             "weight_global_scale": self.weight_global_scale,
         }
-        for name in W4A4_SCALARS:
+        for name in OPTIONAL:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
 
 
 W4A4_SCALARS = ("input_global_scale", "input_global_scale_inv", "alpha")
+OPTIONAL = (*W4A4_SCALARS, "weight_multiplier")  # held by some layouts only
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,15 @@ class Target(Family):
             fuse q/k/v and gate/up at load (``patch_model``) without running ``to_runtime`` again. ``None``: never.
         scheme: ``W4A16`` (activations stay bf16) or ``W4A4`` (activations quantized to NVFP4 by the kernel).
         variants: the family's other layouts (its W4A4 one), each a Target of the same family: a target family has
-            one layout per activation scheme (and, later, layer kind); :meth:`for_scheme` picks one.
+            one layout per activation scheme (and, later, layer kind) and engine; :meth:`for_scheme` picks one.
+        engine: the serving engine whose post-load state the layout's tensors are (``vllm``, ``sglang``).
+        source_format: the checkpoint format whose parameter names and scalars the engine keeps (None: any).
+        partition_specs: ``(n, k, partitions)`` -> the tensor specs, for an engine that keeps a scalar per partition
+            of a fused layer (else ``runtime_specs``).
+        from_named: ``(tensors by the engine's names, n, k)`` -> the RuntimeLayer of the layout's math (else the
+            names are RuntimeLayer's fields).
+        read_as: a weight -> the weight as the layout's kernel reads it, where that differs (Marlin flushes the
+            smallest block scales to 0): what ``from_runtime`` returns. ``None``: the weight itself.
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -94,6 +111,11 @@ class Target(Family):
     stack_rows: Callable[[list[RuntimeLayer], list[int], int], RuntimeLayer | None] | None = None
     scheme: str = "W4A16"
     variants: tuple["Target", ...] = ()
+    engine: str = "vllm"
+    source_format: str | None = None
+    partition_specs: Callable[[int, int, int], dict[str, TensorSpec]] | None = None
+    from_named: Callable[[dict[str, torch.Tensor], int, int], RuntimeLayer] | None = None
+    read_as: Callable[[NVFP4Weight], NVFP4Weight] | None = None
 
     @classmethod
     def of(cls, family: Family, **layout: object) -> Target:
@@ -106,14 +128,35 @@ class Target(Family):
 
     @property
     def layout_key(self) -> str:
-        """How the runtime (backends, index formulas) names this layout: the family for its W4A16 layout, the
-        layout id for the W4A4 one, which the families share."""
-        return self.name if self.scheme == "W4A16" else self.layout_id
+        """How the runtime (backends, index formulas) names this layout: the layout id for the FP4 x FP4 one, which
+        the families share (another engine's W4A4 layouts too: its names over the same bytes); else the family (its
+        weight-only layout, which Marlin's W4A4 variant is too)."""
+        return W4A4_LAYOUT_ID if self.layout_id == W4A4_LAYOUT_ID or self.engine != "vllm" else self.name
+
+    def as_read(self, weight: NVFP4Weight) -> NVFP4Weight:
+        """``weight`` as this layout's kernel reads it: what :attr:`from_runtime` of :attr:`to_runtime` returns."""
+        return weight if self.read_as is None else self.read_as(weight)
 
     def for_scheme(self, scheme: str) -> "Target":
         """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
         for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
-        return next((t for t in self.layouts if t.scheme == scheme), self)
+        return next((t for t in self.layouts if t.scheme == scheme and t.engine == "vllm"), self)
+
+    def for_engine(self, engine: str, source_format: str) -> "Target | None":
+        """The family's layout of ``engine``'s state for a W4A4 checkpoint of ``source_format``, if it has one."""
+        if engine == "vllm":
+            return self.for_scheme("W4A4")
+        return next((t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)), None)
+
+    def layer_specs(self, n: int, k: int, partitions: int = 1) -> dict[str, TensorSpec]:
+        """dtype and shape of each tensor of an ``[n, k]`` layer of ``partitions`` fused partitions."""
+        return self.runtime_specs(n, k) if self.partition_specs is None else self.partition_specs(n, k, partitions)
+
+    def runtime_layer(self, tensors: dict[str, torch.Tensor], n: int, k: int, weights_padding_cols: int) -> RuntimeLayer:
+        """A layer's tensors by this layout's names -> its RuntimeLayer."""
+        if self.from_named is not None:
+            return self.from_named(tensors, n, k)
+        return RuntimeLayer(weights_padding_cols=weights_padding_cols, **tensors)
 
     def with_layout(self, layout_id: str) -> "Target | None":
         """The family's layout ``layout_id``, if it has one."""

@@ -49,15 +49,29 @@ class EngineVersion:
         return f"{self.engine} {self.version}"
 
 
-VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS)
-VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS, {
+# Marlin's (targets/marlin.py, moe_marlin.py): every kernel-read tensor checked against each version's own load
+# (tests/test_vllm_marlin_conformance.py; 0.34 keeps more bookkeeping names beside them, as for the other layouts)
+MARLIN_LAYOUTS = ("marlin-v1", "marlin-v1-w4a4", "marlin-fp16-v1", "marlin-fp16-v1-w4a4", "moe-marlin-v1")
+
+VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS + MARLIN_LAYOUTS)
+VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS, {
     HADAMARD_W4A4: "vLLM 0.34 serves this W4A4 checkpoint's Hadamard-rotated layers on sm100 / sm120 through "
                    "Humming's Hadamard kernel (--weight-only too: it follows the checkpoint's scheme), whose layout "
                    "Humming's CUDA ops make at load and nvfp4-repack does not write: convert with --vllm 0.33 and "
                    "serve with vLLM 0.33",
 })
 
-ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034)  # per engine, oldest first
+# SGLang's dense W4A4 state per source format (targets/sglang.py: w4a4's bytes under SGLang's names and scalars),
+# checked against SGLang 0.5.23's own load by tests/sglang/; its auto dense FP4 backend on each family
+# (initialize_fp4_gemm_config), and the --fp4-gemm-backend values that hold the same bytes (pad + swizzle;
+# flashinfer_trtllm shuffles them, marlin repacks them)
+SGLANG_LAYOUTS = {"modelopt": "sglang-modelopt-w4a4-v1", "compressed-tensors": "sglang-ct-w4a4-v1"}
+SGLANG_DENSE_BACKENDS = {"sm100": "flashinfer_cutedsl", "sm120": "flashinfer_cutlass"}
+SGLANG_SAME_STATE_BACKENDS = ("flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_cudnn")
+SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", tuple(SGLANG_LAYOUTS.values()))
+
+ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
+ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang
 
 
 def engine_versions(engine: str) -> list[EngineVersion]:

@@ -8,7 +8,7 @@ tensor library. Each layout module (``sm100.py``, ...) joins its family's row to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import RepackError
 
@@ -18,6 +18,7 @@ W4A4_LAYOUT_ID = "w4a4-cutlass-v1"  # the one layout vLLM 0.33's W4A4 kernels sh
 W4A4_KERNELS = ("FlashInferCuteDslNvFp4LinearKernel", "FlashInferCutlassNvFp4LinearKernel",
                 "FlashInferCudnnNvFp4LinearKernel", "CutlassNvFp4LinearKernel")
 W4A16_CUTE_DSL = ("FlashInferCuteDslNvFp4W4A16LinearKernel",)
+MARLIN = ("MarlinNvFp4LinearKernel",)  # weight-only on every GPU from sm75 without FP4 MMA (targets/marlin.py)
 
 
 def _auto_first(auto: str) -> tuple[str, ...]:
@@ -39,6 +40,9 @@ class Family:
         flashinfer_versions: FlashInfer releases whose preparation this layout was checked against.
         kernels: the vLLM 0.33 kernel classes that read this (weight-only) layout after their load.
         w4a4_kernels: the vLLM kernels of the family's W4A4 layout, auto's first (empty: weight-only always).
+        dtype: the activation dtype vLLM runs there (Marlin's bytes depend on it: fp16 on sm75, no bf16 there).
+        w4a4_layout_id: the id of the family's W4A4 layout (Marlin's: its weight-only bytes, and the activation
+            scalars vLLM keeps beside them for a W4A4 checkpoint it serves weight-only).
     """
 
     name: str
@@ -50,6 +54,8 @@ class Family:
     flashinfer_versions: tuple[str, ...]
     kernels: tuple[str, ...]
     w4a4_kernels: tuple[str, ...]
+    dtype: str = field(default="bfloat16", kw_only=True)
+    w4a4_layout_id: str = field(default=W4A4_LAYOUT_ID, kw_only=True)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -61,7 +67,7 @@ class Family:
         layout where the family has one: vLLM's auto)."""
         layouts = {"W4A16": (self.layout_id, self.kernels)}
         if self.w4a4_kernels:
-            layouts["W4A4"] = (W4A4_LAYOUT_ID, self.w4a4_kernels)
+            layouts["W4A4"] = (self.w4a4_layout_id, self.w4a4_kernels)
         return layouts
 
 
@@ -74,7 +80,17 @@ SM120 = Family("sm120", ("sm121",), "sm120-cute-dsl-v1", ((12, 0), (12, 1)), "fl
 SM90 = Family("sm90", ("sm90a",), "sm90-triton-v2", ((9, 0),), "triton", "H100, H200", (),
               ("RepackSm90NvFp4LinearKernel",), ())
 
-FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90)
+# No FP4 tensor cores: vLLM serves every NVFP4 checkpoint weight-only with Marlin (Humming outranks it on sm90 only).
+# One bundle for sm80-sm89: the same bytes (bf16 activations); sm75 (T4) runs fp16, which changes the scales' bytes.
+SM80 = Family("sm80", ("sm86", "sm87", "sm89", "a100", "a30", "a10", "a40", "a16", "a2", "l4", "l40", "l40s",
+                       "rtx30", "rtx40"),
+              "marlin-v1", ((8, 0), (8, 6), (8, 7), (8, 9)), "reference",
+              "A100, A30, A10, A40, L4, L40S, RTX 30xx, RTX 40xx (Marlin)", (), MARLIN, MARLIN,
+              w4a4_layout_id="marlin-v1-w4a4")
+SM75 = Family("sm75", ("t4", "rtx20"), "marlin-fp16-v1", ((7, 5),), "reference", "T4, RTX 20xx (Marlin, fp16)", (),
+              MARLIN, MARLIN, dtype="float16", w4a4_layout_id="marlin-fp16-v1-w4a4")
+
+FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90, SM80, SM75)
 ALL = "all"  # the target name that asks for every family
 
 

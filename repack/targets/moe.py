@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE
 from .layout import round_up, swizzle_128x4, swizzle_128x4_offsets, unswizzle_128x4
+
+if TYPE_CHECKING:
+    from .base import Target
 
 SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale")
 # The weight tensors each layout holds, and the one ExpertStack field each is made from, expert by expert (the
@@ -34,6 +38,8 @@ class ExpertStack:
             largest is used.
         w2_codes, w2_scales: ``[E, H, I/2]`` and ``[E, H, I/16]``.
         w2_multiplier: float32 ``[E]``; w2_input_scale: float32 ``[E']``.
+        largest_scales: the largest w13 and w2 block scale among all of the layer's (rank's) experts, where the
+            stack holds some of them (Marlin's one scale factor per layer); ``None``: the stack's own.
     """
 
     w13_codes: torch.Tensor
@@ -44,6 +50,7 @@ class ExpertStack:
     w2_scales: torch.Tensor
     w2_multiplier: torch.Tensor
     w2_input_scale: torch.Tensor
+    largest_scales: tuple[float, float] | None = None
 
     @property
     def experts(self) -> int:
@@ -106,13 +113,36 @@ def scale_offset(expert: int, rows: torch.Tensor, held_rows: int, cols: int) -> 
     return expert * block + swizzle_128x4_offsets(rows, torch.arange(cols), held_rows, cols * BLOCK_SIZE)
 
 
-def moe_layout(family: str) -> ModuleType:
-    """The MoE layout module of target family ``family``: the backend vLLM 0.33's ``auto`` picks there for a W4A4
-    NVFP4 MoE (sm100: FlashInfer TRT-LLM-gen, sm120: FlashInfer CUTLASS); a one-line refusal elsewhere."""
-    from . import moe_cutlass, moe_trtllm
+MARLIN_MOE = ("sm80", "sm100", "sm120")  # families whose weight-only MoE (all of sm80's) vLLM serves with Marlin
 
+
+def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
+    """The MoE layout module for ``target`` (a Target, or a family name with the checkpoint's ``scheme``): the backend
+    vLLM 0.33's ``auto`` picks there for an NVFP4 MoE (``select_nvfp4_moe_backend``): sm100 W4A4: FlashInfer
+    TRT-LLM-gen, sm120 W4A4: FlashInfer CUTLASS; sm80 (and sm100 / sm120 weight-only): Marlin; a one-line refusal
+    on sm90 (Humming's MoE) and sm75."""
+    from . import moe_cutlass, moe_marlin, moe_trtllm
+
+    family = target if isinstance(target, str) else target.name
+    scheme = scheme if isinstance(target, str) else target.scheme
+    if family == "sm90":
+        raise RepackError("--target sm90: NVFP4 MoE layers are not supported there (vLLM 0.33 serves them with "
+                          "Humming's MoE, whose weight transform is a GPU op not ported here); vLLM also serves "
+                          "them with Marlin on Hopper (--moe-backend marlin): convert with --target sm80")
+    if family == "sm75":
+        raise RepackError("--target sm75: NVFP4 MoE layers are not supported there yet (Marlin with fp16 "
+                          "activations, not checked against vLLM's load); convert with --target sm80 for Ampere+")
+    if family in moe_marlin.FAMILIES or (scheme != "W4A4" and family in MARLIN_MOE):
+        return moe_marlin
     layouts = {name: module for module in (moe_trtllm, moe_cutlass) for name in module.FAMILIES}
     if family not in layouts:
-        raise RepackError(f"--target {family}: NVFP4 MoE layers are not supported there yet (vLLM 0.33 serves them "
-                          f"with Humming/Marlin); supported for MoE: {', '.join(layouts)}")
+        raise RepackError(f"--target {family}: NVFP4 MoE layers are not supported there; supported for MoE: "
+                          f"{', '.join((*layouts, *moe_marlin.FAMILIES))}")
     return layouts[family]
+
+
+def moe_layout_by_id(layout_id: str) -> ModuleType | None:
+    """The MoE layout module whose ``LAYOUT_ID`` is ``layout_id`` (a bundle's record), if any."""
+    from . import moe_cutlass, moe_marlin, moe_trtllm
+
+    return next((m for m in (moe_trtllm, moe_cutlass, moe_marlin) if m.LAYOUT_ID == layout_id), None)

@@ -34,6 +34,7 @@ from ..errors import RepackError
 CONVERTED = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w13_input_scale",
              "w2_weight", "w2_weight_scale", "w2_weight_scale_2", "w2_input_scale")
 CONVERT = "convert_to_nvfp4_moe_kernel_format"
+MARLIN_KEPT = ("w13_weight_multiplier", "w2_weight_multiplier")  # a Marlin bundle's, for its inverse: not installed
 METHODS = ("ModelOptNvFp4FusedMoE", "CompressedTensorsW4A4Nvfp4MoEMethod")
 # Per method, the experts' source scales it keeps on the module as loaded after its post-load (no kernel reads them),
 # which a bundle carries as passthrough tensors under the source's names.
@@ -148,7 +149,8 @@ def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor]
     which stay on the module after it (no kernel reads them), are then loaded over the zeros from the bundle's
     passthrough tensors by vLLM's own expert weight loader, as from the source."""
     method = module.quant_method
-    missing = sorted(set(CONVERTED) - set(tensors))
+    missing = sorted(set(CONVERTED) - set(tensors) - ({"w13_input_scale", "w2_input_scale"}
+                                                      if MARLIN_KEPT[0] in tensors else set()))
     if missing:
         raise RepackError(f"{name}: the bundle has no {missing[0]} for this MoE layer; run verify")
     params = dict(module.named_parameters(recurse=False))
@@ -157,9 +159,12 @@ def serve_experts(name: str, module: nn.Module, tensors: dict[str, torch.Tensor]
         for param in params.values():
             if param.dtype == torch.float32:
                 param.zero_()
-    held = dict(tensors)
-    for scale, activation in (("w13_weight_scale_2", "w13_input_scale"), ("w2_weight_scale_2", "w2_input_scale")):
-        held[scale] = unfolded_scale(tensors[scale], tensors[activation], f"{name}.{scale}")
+    held = {part: t for part, t in tensors.items() if part not in MARLIN_KEPT}
+    if "w13_input_scale" not in tensors:  # Marlin: weight-only, its conversion returns no input scales
+        held.update(w13_input_scale=None, w2_input_scale=None)
+    else:
+        for scale, activation in (("w13_weight_scale_2", "w13_input_scale"), ("w2_weight_scale_2", "w2_input_scale")):
+            held[scale] = unfolded_scale(tensors[scale], tensors[activation], f"{name}.{scale}")
 
     def convert(*, nvfp4_backend: NvFp4MoeBackend, layer: nn.Module, **_: object) -> tuple[torch.Tensor, ...]:
         if nvfp4_backend == NvFp4MoeBackend.FLASHINFER_TRTLLM:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel, NvFp4LinearLayerConfig
 from vllm.model_executor.kernels.linear.nvfp4.flashinfer import FlashInferCuteDslNvFp4W4A16LinearKernel
+from vllm.model_executor.kernels.linear.nvfp4.marlin import MarlinNvFp4LinearKernel
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
@@ -116,5 +117,8 @@ KERNEL_FOR_TARGET: dict[str, type[NvFp4LinearKernel]] = {
 }
 
 
+MARLIN_KERNEL = MarlinNvFp4LinearKernel.__name__  # sm80 and sm75 (targets/marlin.py)
+
+
 def kernel_class(target: Target) -> type[NvFp4LinearKernel]:
-    return KERNEL_FOR_TARGET[target.name]
+    return MarlinNvFp4LinearKernel if MARLIN_KERNEL in target.kernels else KERNEL_FOR_TARGET[target.name]

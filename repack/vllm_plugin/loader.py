@@ -49,12 +49,12 @@ from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 
 from ..bundle.manifest import MANIFEST_NAME, LayerRecord
-from ..bundle.reader import Bundle, open_bundle
+from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
 from ..targets import Target
 from ..targets.engines import engine_versions, running_row
 from .experts import check_kept_scales, check_method, check_placement, moe_modules, preimage, serve_experts
-from .kernels import kernel_class
+from .kernels import MARLIN_KERNEL, kernel_class
 
 LOAD_FORMAT = "nvfp4_repack"
 HUMMING = "HummingNvFP4HadamardLinearMethod"  # vLLM 0.34's method for Hadamard-rotated W4A4 layers on Blackwell
@@ -67,17 +67,6 @@ SCHEME_PARAMS: dict[str, tuple[str, str, str, bool, str]] = {
     "modelopt_fp4": ("weight", "weight_scale", "weight_scale_2", False, "input_scale"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", True, "input_global_scale"),
 }
-
-
-def rank_dir(path: Path, tp_rank: int) -> Path:
-    """This rank's bundle folder: ``path/rank-R`` when ``path`` holds a ``--tp`` conversion, its sibling
-    ``rank-R`` when ``path`` is one of the ranks (vLLM reads config.json from the folder it is given), else
-    ``path`` itself."""
-    for root in (path, path.parent) if path.name.startswith("rank-") else (path,):
-        ranked = root / f"rank-{tp_rank}"
-        if (ranked / MANIFEST_NAME).is_file():
-            return ranked
-    return path
 
 
 def running_capability() -> tuple[int, int] | None:
@@ -97,6 +86,9 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int) -> Bundle:
         )
     bundle = open_bundle(folder)
     manifest = bundle.manifest
+    if bundle.target.engine != "vllm":
+        raise RepackError(f"{folder}: the bundle holds {bundle.target.engine}'s state ({manifest.layout_id}), not "
+                          f"vLLM's; serve it with {bundle.target.engine}, or re-convert without --engine")
     if (manifest.tp_size, manifest.tp_rank) != (tp_size, tp_rank if manifest.tp_size > 1 else 0):
         raise RepackError(
             f"{folder}: the bundle is rank {manifest.tp_rank} of tensor-parallel size {manifest.tp_size}, but vLLM "
@@ -129,9 +121,18 @@ def check_engine(bundle: Bundle, running: str) -> None:
                       f"running; serve it with vLLM {' or '.join(listed) or supported}, or {fix}")
 
 
+def is_marlin(target: Target) -> bool:
+    """Whether the bundle's layout is Marlin's (sm80 / sm75 families; their W4A4 variants too)."""
+    return MARLIN_KERNEL in target.kernels
+
+
 def _check_device(target: Target) -> None:
-    """A bundle runs on its own GPU family only; on a CPU-only host (tests) there is no family to check."""
+    """A bundle runs on its own GPU family only; on a CPU-only host (tests) there is no family to check. Marlin's
+    layout runs on every GPU from sm75 where vLLM runs Marlin (its auto below sm90 and for weight-only checkpoints on
+    sm120; --linear-backend / --moe-backend marlin elsewhere)."""
     capability = running_capability()
+    if capability is not None and is_marlin(target) and capability >= (7, 5):
+        return
     if capability is not None and capability not in target.compute_capabilities:
         have = f"sm{capability[0]}{capability[1]}"
         raise RepackError(
@@ -179,8 +180,11 @@ def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record
              multiplier: torch.Tensor) -> None:
     """What the kernel's ``process_weights_after_loading`` leaves beside the bundle's tensors, and no repack. The
     W4A4 kernels keep nothing beside their padded weight and swizzled scales (the scheme's scalars are vLLM's own,
-    computed from the partition scales :meth:`BundleModelLoader._install` set)."""
-    if target.scheme == "W4A16":
+    computed from the partition scales :meth:`BundleModelLoader._install` set). Marlin replaces the global scale by
+    its folded one (``multiplier``: the bundle's) and keeps nothing else."""
+    if is_marlin(target):
+        replace_parameter(layer, "weight_global_scale", multiplier)
+    elif target.scheme == "W4A16":
         if target.name == "sm100":
             from ..runtime.backends.flashinfer import sm100_scale_view
 
@@ -329,7 +333,7 @@ class BundleModelLoader(BaseModelLoader):
         absent = sorted(set(modules) - set(records))
         if absent:
             raise RepackError(f"{bundle.root}: vLLM's FusedMoE module {absent[0]!r} has no tensors in the bundle; "
-                              f"MoE bundles are converted with --fuse for --target sm100 or sm120")
+                              f"MoE bundles are converted with --fuse for --target sm100, sm120 or sm80")
         for name, module in modules.items():
             record = records[name]
             check_method(name, module, record.backend)
@@ -351,6 +355,10 @@ class BundleModelLoader(BaseModelLoader):
                 f"K={module.input_size_per_partition}] on this rank but the bundle's is [N={record.n}, K={record.k}]"
             )
         holder = _kernel_holder(module)
+        dtype = str(module.params_dtype).removeprefix("torch.")
+        if is_marlin(bundle.target) and dtype != bundle.target.dtype:
+            raise RepackError(f"{prefix}: vLLM runs this model in {dtype}, the bundle's Marlin scales are for "
+                              f"{bundle.target.dtype} activations; serve it with --dtype {bundle.target.dtype}")
         if bundle.target.scheme == "W4A4":
             _check_w4a4_kernel(bundle, type(holder.kernel).__name__)
         else:
@@ -365,8 +373,8 @@ class BundleModelLoader(BaseModelLoader):
         getattr(module, packed).data = runtime.weight.to(device)
         getattr(module, scales).data = runtime.weight_scale.to(device)
         multiplier = runtime.weight_global_scale.to(device)
-        getattr(module, partition_scale).data.fill_(float(_stored_reciprocal(multiplier) if reciprocal
-                                                          else multiplier))
+        source = multiplier if runtime.weight_multiplier is None else runtime.weight_multiplier.to(device)  # Marlin
+        getattr(module, partition_scale).data.fill_(float(_stored_reciprocal(source) if reciprocal else source))
         if bundle.target.scheme == "W4A4":  # the scheme's max over these is the bundle's scale (or inverse)
             stored = runtime.input_global_scale_inv if reciprocal else runtime.input_global_scale
             getattr(module, input_scale).data.fill_(float(stored))

@@ -32,24 +32,24 @@ shape, stride, offset, the backend and experts class); dense layers load and are
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # CpuPlatform, fixed before the first vllm import
 os.environ.setdefault("VLLM_HAS_FLASHINFER_CUBIN", "1")  # no JIT here; kernel selection wants the flag
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: oracle_cli
+
 import flashinfer  # noqa: E402
 import torch  # noqa: E402
 import vllm  # noqa: E402
 from flashinfer.gemm import gemm_bf16_fp4_cute_dsl as fi_cute  # noqa: E402
-from ports import block_scale_interleave  # noqa: E402
+from oracle_cli import layer_tensors, main  # noqa: E402
+from ports import block_scale_interleave, gptq_marlin_repack  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.distributed import (  # noqa: E402
@@ -62,6 +62,8 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.kernels import linear as vlinear  # noqa: E402
 from vllm.model_executor.kernels.linear import register_linear_kernel  # noqa: E402
 from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as vfi  # noqa: E402
+from vllm.model_executor.kernels.linear.nvfp4 import marlin as vmarlin  # noqa: E402
+import vllm._custom_ops as vops  # noqa: E402
 from vllm.model_executor.layers.fused_moe.oracle import nvfp4 as moe_oracle  # noqa: E402
 from vllm.model_executor.layers.quantization import modelopt as vmodelopt  # noqa: E402
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: E402
@@ -84,7 +86,15 @@ assert flashinfer.__version__ == "0.7.2.post1", flashinfer.__version__
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 
 KERNEL = vfi.FlashInferCuteDslNvFp4W4A16LinearKernel
-ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute._prepare_cute_dsl_sm12x)}
+ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute._prepare_cute_dsl_sm12x),
+        "sm80": (80, None), "sm75": (75, None)}
+# Marlin jobs: vLLM's auto over its whole CUDA list under the emulated capability (every FP4 x FP4 kernel refuses
+# below sm100; Marlin answers from sm75); sm75 runs fp16 (no bf16 there); "sm120-auto": a weight-only checkpoint on
+# sm120 with --linear-backend auto (vLLM 0.33 picks Marlin there, not the cute-dsl W4A16 kernel)
+MARLIN = vmarlin.MarlinNvFp4LinearKernel
+MARLIN_ARCHS = {"sm80": "bfloat16", "sm75": "float16", "sm120-auto": "bfloat16"}
+assert MARLIN in vlinear._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CUDA]
+assert hasattr(vops, "gptq_marlin_repack")
 # vLLM's auto order for W4A4 on CUDA starts with these two: cute-dsl answers on sm10x, FlashInfer's CUTLASS on
 # any other >= sm100 (sm12x). The CPU platform gets exactly this head of the CUDA list for W4A4 jobs.
 W4A4_KERNELS = [vfi.FlashInferCuteDslNvFp4LinearKernel, vfi.FlashInferCutlassNvFp4LinearKernel]
@@ -95,7 +105,7 @@ for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
 # MoE job -> the capability emulated (and the dense layers' arch); "-ep": with vLLM's --enable-expert-parallel
-MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120") for ep in ("", "-ep")}
+MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120", "sm80") for ep in ("", "-ep")}
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
@@ -116,6 +126,10 @@ def is_w4a4(arch: str) -> bool:
 
 def select(arch: str) -> tuple[str, str]:
     """``(FlashInfer arch, linear_backend)`` of a job, and the CPU platform's NVFP4 kernels set to match."""
+    if arch in MARLIN_ARCHS:  # vLLM's own auto over its CUDA list
+        NVFP4_KERNELS[PlatformEnum.CPU][:] = NVFP4_KERNELS[PlatformEnum.CUDA]
+        _current["arch"], _current["w4a4"] = arch.removesuffix("-auto"), False
+        return _current["arch"], "auto"
     NVFP4_KERNELS[PlatformEnum.CPU][:] = W4A4_KERNELS if is_w4a4(arch) else [KERNEL]
     _current["arch"], _current["w4a4"] = arch.removesuffix("-w4a4"), is_w4a4(arch)
     return _current["arch"], "auto" if is_w4a4(arch) else "flashinfer_cutedsl"
@@ -178,6 +192,28 @@ def patch() -> None:
 
     CompressedTensorsLinearTransformMethod.from_schemes = classmethod(from_schemes_emulated)
 
+    # PATCH MARLIN: is_fp4_marlin_supported asks for CUDA and capability >= 7.5: the platform answers as CUDA with
+    # the emulated capability while Marlin's is_supported runs; its one CUDA leaf call, gptq_marlin_repack, runs as
+    # a torch port (tests/vllm/ports.py, the CUDA kernel's index arithmetic; checked against the CUDA op on a GPU by
+    # tests/test_gpu_marlin.py and against the project's layout by tests/test_vllm_marlin_conformance.py).
+    marlin_supported = MARLIN.is_supported.__func__
+
+    def marlin_emulated(cls, compute_capability=None):
+        saved = {n: CpuPlatform.__dict__[n] for n in ("is_cuda", "get_device_capability") if n in CpuPlatform.__dict__}
+        CpuPlatform.is_cuda = lambda self: True
+        CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(cc() // 10, cc() % 10))
+        try:
+            return marlin_supported(cls, compute_capability)
+        finally:
+            for n in ("is_cuda", "get_device_capability"):
+                if n in saved:
+                    setattr(CpuPlatform, n, saved[n])
+                else:
+                    delattr(CpuPlatform, n)
+
+    MARLIN.is_supported = classmethod(marlin_emulated)
+    vops.gptq_marlin_repack = gptq_marlin_repack
+
     # PATCH 1: is_supported answers "requires CUDA" on CPU; run the original with the emulated capability.
     original = KERNEL.is_supported.__func__
     KERNEL.is_supported = classmethod(lambda cls, compute_capability=None: original(cls, compute_capability or cc()))
@@ -233,7 +269,7 @@ def patch() -> None:
         saved = {n: CpuPlatform.__dict__[n] for n in names if n in CpuPlatform.__dict__}
         flags = {n: getattr(vutils_fi, n) for n in dir(vutils_fi) if n.startswith("has_flashinfer")}
         CpuPlatform.is_cuda = lambda self: True
-        CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(major, 0))
+        CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(major, cc() % 10))
         for n in flags:
             setattr(vutils_fi, n, lambda: True)
         try:
@@ -273,14 +309,6 @@ def transform_state(layer, prefix: str) -> dict[str, torch.Tensor]:
 
 NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths",
               "is_w4a16_nvfp4", "flashinfer_gemm_backend")
-
-
-def layer_tensors(layer) -> dict[str, torch.Tensor]:
-    """Every tensor a layer holds after its load: parameters (each of its names: vLLM 0.34 registers one Parameter
-    under two, ``weight_packed`` and ``weight``), buffers and plain tensor attributes."""
-    found = {**layer._parameters, **layer._buffers}
-    found.update({k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor)})
-    return {k: v for k, v in found.items() if v is not None}
 
 
 def tensor_info(layer, name: str, value: torch.Tensor) -> dict:
@@ -371,7 +399,7 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     # a later model's tensor at a freed address would be left unnormalized
     HadamardTransform.scaled_data_ptrs.clear()
     cfg = EngineArgs(
-        model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, load_format="safetensors",
+        model=ckpt, dtype=MARLIN_ARCHS.get(MOE_ARCH.get(arch, arch), "bfloat16"), max_model_len=128, enforce_eager=True, load_format="safetensors",
         linear_backend=backend, tensor_parallel_size=tp, distributed_executor_backend="mp",
         enable_expert_parallel=ep,
     ).create_engine_config()
@@ -386,45 +414,25 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
         if moe:
             dump_moe(model, out, rank)
-        (dump_w4a4 if is_w4a4(arch) else dump)(model, out, rank)
+        marlin = MOE_ARCH.get(arch, arch) in MARLIN_ARCHS
+        (dump_w4a4 if is_w4a4(arch) or marlin else dump)(model, out, rank)
 
 
-def run_jobs(jobs: list[str], tp: int, rank: int, out: Path) -> None:
-    patch()
+def load_recording(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
+    """:func:`load`, and the transform methods vLLM chose (Humming's on 0.34 cannot load on CPU: its choice is the
+    record), in ``methods.json``, whether vLLM loads the checkpoint or refuses it."""
+    _current["methods"] = []
     try:
-        for job in jobs:
-            name, _, rest = job.partition("=")
-            ckpt, _, arch = rest.rpartition(":")
-            folder = out / name
-            folder.mkdir(parents=True, exist_ok=True)
-            _current["methods"] = []
-            try:
-                load(ckpt, arch, tp, rank, folder)
-            except Exception as exc:  # vLLM refused the checkpoint: the test compares with our refusal
-                (folder / "refused.txt").write_text(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            # the transform methods vLLM chose (Humming's on 0.34 cannot load on CPU: its choice is the record)
-            (folder / "methods.json").write_text(json.dumps(_current["methods"]))
+        load(ckpt, arch, tp, rank, out)
     finally:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+        (out / "methods.json").write_text(json.dumps(_current["methods"]))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--job", action="append", required=True, help="NAME=CKPT:ARCH")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--rank", type=int, default=None, help="internal: run one rank of --tp")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.rank is None and args.tp > 1:  # one process per rank, as vLLM runs them
-        ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r)]) for r in range(args.tp)]
-        return max(p.wait() for p in ranks)
-    run_jobs(args.job, args.tp, args.rank or 0, out)
-    return 0
+def cleanup() -> None:
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 if __name__ == "__main__":
     with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+        sys.exit(main(__file__, load_recording, patch, cleanup))

@@ -27,15 +27,10 @@ packages_of() { grep -v '^#' "$(requirements_of "$1")" | sort; }  # the list wit
 stamp_of() { sha256sum < "$(requirements_of "$1")" | cut -d' ' -f1; }
 fresh() { [ -f "$(venv_of "$1")/.requirements.sha256" ] && [ "$(cat "$(venv_of "$1")/.requirements.sha256")" = "$(stamp_of "$1")" ]; }
 
+source "$here/../oracle_venv.sh"
+
 build() {  # version: a venv of its own, every package installed
-    local version=$1 venv
-    venv=$(venv_of "$version")
-    fresh "$version" && return 0
-    rm -rf "$venv"
-    python -m venv "$venv"
-    "$venv/bin/python" -m pip install -q torch==2.13.0 -r "$(requirements_of "$version")"
-    "$venv/bin/python" -m pip install -q --no-deps "vllm==$version.0"
-    stamp_of "$version" > "$venv/.requirements.sha256"
+    build_venv "$(venv_of "$1")" "$(requirements_of "$1")" "vllm==$1.0"
 }
 
 derive() {  # version base: a hard-linked copy of base's venv with vLLM replaced (pip unlinks, never rewrites, files)

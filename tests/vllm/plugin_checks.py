@@ -93,11 +93,16 @@ def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a
          ep: bool = False, **engine: object) -> nn.Module:
     """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces; MoE:
     vLLM's auto NVFP4 MoE backend on that capability); ``w4a4``: vLLM's auto among its W4A4 kernels (else the
-    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs."""
-    arch = "sm120" if target == "sm120" else "sm100"
-    _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
+    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs. Marlin
+    targets (sm80, sm75): vLLM's auto over its CUDA list on that capability, in its dtype (sm75: fp16)."""
+    if target in harness.MARLIN_ARCHS:
+        _, backend = harness.select(target)
+    else:
+        arch = "sm120" if target == "sm120" else "sm100"
+        _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
-    config = EngineArgs(model=str(model), dtype="bfloat16", max_model_len=128, enforce_eager=True,
+    engine = {"dtype": harness.MARLIN_ARCHS.get(target, "bfloat16"), **engine}
+    config = EngineArgs(model=str(model), max_model_len=128, enforce_eager=True,
                         load_format=load_format, linear_backend=backend, tensor_parallel_size=tp_size,
                         enable_expert_parallel=ep, **engine).create_engine_config()
     with set_current_vllm_config(config):
@@ -639,6 +644,11 @@ def test_refuses_another_tp_size(vllm_world, tmp_path):
     assert "--tensor-parallel-size 2 or re-convert with --tp 1" in _refused(tmp_path / "bundle" / "rank-0")
 
 
+def test_refuses_an_sglang_bundle(vllm_world, tmp_path):
+    convert(PRODUCERS / "modelopt_nvfp4", "sm100", tmp_path / "bundle", engine="sglang")
+    assert "holds sglang's state (sglang-modelopt-w4a4-v1), not vLLM's" in _refused(tmp_path / "bundle", w4a4=True)
+
+
 def test_refuses_an_unfused_bundle(vllm_world, tmp_path):
     convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "bundle")
     assert "re-convert with --fuse" in _refused(tmp_path / "bundle")
@@ -829,3 +839,38 @@ def test_plugin_refuses_a_bundle_for_another_vllm_version(vllm_world, tmp_path):
     _edit_json(bundle / "manifest.json", lambda manifest: manifest.update(engines={"vllm": ["0.34"]}))
     message = _refused(bundle)
     assert "the bundle is for vLLM 0.34, but vLLM 0.33.0 is running" in message and "--vllm 0.33" in message
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm75"])
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_marlin_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    """Marlin bundles (W4A4 checkpoints too: vLLM serves them weight-only there) against vLLM's auto load of the source
+    on an emulated A100 / T4: every parameter and buffer, MarlinNvFp4LinearKernel and what it reads; no repack."""
+    source = _source(tmp_path, fixture)
+    bundle = tmp_path / "bundle"
+    convert(source, target, bundle, fuse=True)
+    expected = layer_state(load(source, "safetensors", target))
+    _delete_weights(source)
+    got = layer_state(load(bundle, LOAD_FORMAT, target))
+    assert {v for k, v in expected.items() if k.endswith(":kernel")} == {"MarlinNvFp4LinearKernel"}
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+@pytest.mark.parametrize("fixture", MOE_FIXTURES + ["ct_moe_i48_nvfp4"])
+def test_marlin_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture):
+    """A Marlin MoE bundle (sm80: MarlinExperts, one scale factor per layer) against vLLM's auto load of the source:
+    every parameter and buffer of every module, the MoE backend and experts class."""
+    source = _source(tmp_path, fixture)
+    convert(source, "sm80", tmp_path / "bundle", fuse=True)
+    expected = layer_state(load(source, "safetensors", "sm80"))
+    assert expected["model.layers.0.mlp.experts.routed_experts:backend"] == "MARLIN"
+    _delete_weights(source)
+    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, "sm80"))
+    assert not _differences(got, expected), f"{fixture}: differs in {_differences(got, expected)[:8]}"
+
+
+def test_marlin_bundle_refuses_another_dtype(vllm_world, tmp_path):
+    """sm75's bundle holds fp16 Marlin scales (no rescale, fp16's exponent bias): served in bf16 it is refused."""
+    convert(_source(tmp_path, "ct_nvfp4a16"), "sm75", tmp_path / "bundle", fuse=True)
+    with pytest.raises(RepackError, match="scales are for float16 activations; serve it with --dtype float16"):
+        load(tmp_path / "bundle", LOAD_FORMAT, "sm75", dtype="bfloat16")

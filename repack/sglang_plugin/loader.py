@@ -1,0 +1,132 @@
+"""``--load-format nvfp4_repack``: SGLang builds its model from a bundle, and no layer's NVFP4 weights are processed.
+
+SGLang's normal load builds the model, feeds checkpoint tensors through each parameter's weight loader (fusing
+q/k/v and gate/up, cutting this rank's shard), then runs each quantization method's ``process_weights_after_loading``
+(per-partition scalars folded, weights padded, scales swizzled). A ``convert --engine sglang`` bundle holds that
+post-load state for this rank, under SGLang's names, so this loader:
+
+1. refuses, in one line, a bundle this SGLang cannot serve (another engine's, another GPU family's, another TP
+   size, or a dense FP4 backend that holds other bytes: :func:`open_rank_bundle`);
+2. builds SGLang's model as ``DefaultModelLoader`` does (from the bundle's config.json, its quantization config);
+3. loads every other tensor through SGLang's own weight loaders (``model.load_weights``);
+4. gives each bundle layer the bundle's tensors, under SGLang's names, with the aliases SGLang makes
+   (``weight_scale_interleaved`` sharing ``weight_scale``'s storage) and the state it keeps beside them
+   (``weights_padding_cols``), instead of running its ``process_weights_after_loading``; every other module's
+   post-load runs as in a load from the source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.layers.quantization.fp4_utils import get_fp4_gemm_runner_backend
+from sglang.srt.model_loader.loader import (
+    DefaultModelLoader,
+    _get_quantization_config,
+    _initialize_model,
+    _modules_with_quant_method,
+    device_loading_context,
+    set_default_torch_dtype,
+)
+from sglang.srt.runtime_context import get_parallel, get_platform
+from torch import nn
+
+from ..bundle.manifest import MANIFEST_NAME
+from ..bundle.reader import Bundle, open_bundle, rank_dir
+from ..errors import RepackError
+from ..targets.sglang import ALIASES, ENGINE, KEEPS_PADDING, SAME_STATE_BACKENDS
+from . import LOAD_FORMAT
+
+
+def route_load_format(original: Callable, config: LoadConfig) -> None:
+    """Around ``LoadConfig._verify_load_format``: ``nvfp4_repack`` becomes :class:`BundleModelLoader` (a loader class,
+    which ``get_model_loader`` instantiates); every other name goes through SGLang's check."""
+    if isinstance(config.load_format, str) and config.load_format.lower() == LOAD_FORMAT:
+        config.load_format = BundleModelLoader
+        return None
+    return original(config)
+
+
+def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int, capability: tuple[int, int] | None,
+                     backend: str) -> Bundle:
+    """This rank's SGLang bundle under ``path``, or a one-line refusal naming what to run instead."""
+    root = Path(path)
+    folder = rank_dir(root, tp_rank)
+    if not (folder / MANIFEST_NAME).is_file():
+        raise RepackError(f"{root} is not an nvfp4-repack bundle (no {MANIFEST_NAME}); convert it first with "
+                          f"'nvfp4-repack convert {root} --target TARGET --engine sglang --tp {tp_size}', or serve "
+                          "the source with --load-format auto")
+    bundle = open_bundle(folder)
+    manifest, target = bundle.manifest, bundle.target
+    if target.engine != ENGINE:
+        raise RepackError(f"{folder}: the bundle holds {target.engine}'s state ({manifest.layout_id}), not SGLang's; "
+                          f"re-convert with --engine sglang, or serve it with {target.engine}")
+    if (manifest.tp_size, manifest.tp_rank) != (tp_size, tp_rank if manifest.tp_size > 1 else 0):
+        raise RepackError(f"{folder}: the bundle is rank {manifest.tp_rank} of tensor-parallel size {manifest.tp_size}, "
+                          f"but SGLang runs rank {tp_rank} of --tp {tp_size}; serve it with --tp {manifest.tp_size} "
+                          f"or re-convert with --tp {tp_size}")
+    if capability is not None and capability not in target.compute_capabilities:
+        have = f"sm{capability[0]}{capability[1]}"
+        raise RepackError(f"{folder}: the bundle is for {target.name} but this GPU is {have}; convert the source with "
+                          f"--target {have} --engine sglang")
+    if backend not in SAME_STATE_BACKENDS:
+        raise RepackError(f"{folder}: --fp4-gemm-backend {backend} holds other bytes than the bundle's "
+                          f"({manifest.kernels[0]}); serve it with --fp4-gemm-backend {manifest.kernels[0]}")
+    return bundle
+
+
+def _install(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], padding: int | None) -> None:
+    """The layer's post-load state: each tensor under its name (an existing parameter keeps its class), the aliases
+    SGLang makes where the bundle stores one tensor for two names, and ``weights_padding_cols``."""
+    for name, tensor in tensors.items():
+        param = getattr(module, name, None)
+        if isinstance(param, nn.Parameter):
+            param.data = tensor
+            param.requires_grad_(False)
+        else:
+            setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    for alias, name in aliases.items():
+        if alias not in tensors:
+            setattr(module, alias, getattr(module, name))
+    if padding is not None:
+        module.weights_padding_cols = padding
+
+
+class BundleModelLoader(DefaultModelLoader):
+    """Loads a ``convert --engine sglang`` bundle (see the module docstring)."""
+
+    def load_model(self, *, model_config, device_config) -> nn.Module:
+        parallel = get_parallel()
+        platform = get_platform()
+        capability = tuple(platform.device_capability) if platform.is_cuda else None
+        bundle = open_rank_bundle(model_config.model_path, parallel.tp_size, parallel.tp_rank, capability,
+                                  get_fp4_gemm_runner_backend().value)
+        target_device = torch.device(device_config.device)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(model_config, self.load_config, quant_config)
+            model.load_weights(self._passthrough(bundle))
+            layers, fmt = bundle.manifest.layers, bundle.target.source_format
+            for prefix, module in model.named_modules():
+                if prefix in layers:
+                    tensors = {part: bundle.read(f"{prefix}.{part}").to(target_device) for part in layers[prefix].tensors}
+                    _install(module, tensors, ALIASES[fmt], layers[prefix].weights_padding_cols if KEEPS_PADDING[fmt] else None)
+            missing = set(layers) - {prefix for prefix, _ in model.named_modules()}
+            if missing:
+                raise RepackError(f"{bundle.root}: SGLang's model has no module {sorted(missing)[0]}; the bundle was "
+                                  "converted from another architecture")
+            served = {id(m) for p, m in model.named_modules() if p in layers}
+            for module, quant_method in _modules_with_quant_method(model):
+                if id(module) not in served:
+                    with device_loading_context(module, target_device):
+                        quant_method.process_weights_after_loading(module)
+        return model.eval()
+
+    @staticmethod
+    def _passthrough(bundle: Bundle) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in bundle.manifest.passthrough:
+            yield name, bundle.read(name)

@@ -1,0 +1,164 @@
+"""SGLang 0.5.23 as the oracle, on CPU: load a checkpoint through SGLang's own model loader (``get_model``: its
+config, quantization method, weight loaders, fusion, ``process_weights_after_loading``) and dump every tensor each
+NVFP4 linear layer holds after it.
+
+Runs in the SGLang virtualenv (tests/sglang/make_env.sh), never in the project's env, and imports nothing from the
+project. The GPU is emulated through SGLang's own platform override (``override_platform``: ``is_sm100`` /
+``is_sm120``, ``is_blackwell``, the capability), and ``initialize_fp4_gemm_config`` runs under it, as the scheduler
+runs it, so SGLang's ``auto`` picks the dense FP4 backend of that GPU. Replaced, in the blocks marked PATCH: the
+``.cuda()`` that ends ModelOpt's scale swizzle, torch.cuda's capability (read by compressed-tensors' scheme check), and the rotary embedding's choice of vLLM's custom op (a module of
+another engine, taken on a non-CUDA build; RoPE holds no NVFP4 state). torchvision (image processing, CUDA builds
+only for this torch) is stubbed (tests/sglang/stubs.py). Every patched name is asserted to exist and the versions
+are pinned, so that an upgrade fails loudly instead of testing something else.
+
+    python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
+        ARCH: sm100 | sm120 (dense NVFP4: SGLang's auto backend on that GPU); ARCH-plugin: CKPT is a bundle, loaded
+        with --load-format nvfp4_repack through the project's SGLang plugin (registered as SGLang's plugin loader
+        runs it: the one job kind that imports the project)
+
+writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.<name>``: each tensor's whole storage, as uint8) and
+``OUT/NAME/rank-R.json`` (per layer: its quantization method and backend, its non-tensor state, each tensor's dtype,
+shape, stride, offset and the earlier name whose storage it shares, if any), or ``OUT/NAME/refused.txt`` with
+SGLang's error when it refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: oracle_cli
+import stubs  # noqa: E402
+
+stubs.install()
+
+import sglang  # noqa: E402
+import torch  # noqa: E402
+from oracle_cli import layer_tensors, main, storage_bytes, view_record  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from sglang.srt.configs.device_config import DeviceConfig  # noqa: E402
+from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.distributed import (  # noqa: E402
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from sglang.srt.layers.quantization import fp4_utils  # noqa: E402
+from sglang.srt.layers.quantization import modelopt_quant  # noqa: E402
+from sglang.srt.layers.rotary_embedding import base as rope  # noqa: E402
+from sglang.srt.model_loader import get_model  # noqa: E402
+from sglang.srt.runtime_context import SpawnRanks, override_platform, publish  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+assert sglang.__version__ == "0.5.23", sglang.__version__
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert isinstance(rope._is_cpu, bool)
+assert hasattr(modelopt_quant.ModelOptFp4LinearMethod, "process_weights_after_loading")
+
+# Our arch -> SGLang's platform facts for that GPU (the names its probes answer under override_platform).
+PLATFORMS = {
+    "sm100": dict(is_sm100=True, is_sm120=False, is_blackwell=True, device_capability=(10, 0), device_sm=100),
+    "sm120": dict(is_sm100=False, is_sm120=True, is_blackwell=True, device_capability=(12, 0), device_sm=120),
+}
+_current = {"capability": (10, 0)}  # the job's emulated GPU
+NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths")
+
+
+def patch() -> None:
+    # PATCH 1: ModelOpt's dense post-processing ends its scale swizzle in .cuda(); run SGLang's own method with
+    # Tensor.cuda an identity.
+    method = modelopt_quant.ModelOptFp4LinearMethod
+    process = method.process_weights_after_loading
+
+    def process_on_cpu(self, layer):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return process(self, layer)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    method.process_weights_after_loading = process_on_cpu
+
+    # PATCH 2: on a build that is neither CUDA nor SGLang's CPU engine, RotaryEmbedding imports vLLM's custom op;
+    # the CPU engine's answer (torch RoPE) instead. Not NVFP4 state.
+    rope._is_cpu = True
+
+    # PATCH 3: compressed-tensors' scheme check asks torch.cuda for the capability; the emulated GPU's.
+    torch.cuda.get_device_capability = lambda device=None: _current["capability"]
+
+
+def nvfp4_layers(model):
+    """``(prefix, layer)`` of every dense NVFP4 linear module (FusedMoE modules hold ``w13_*`` instead)."""
+    for prefix, layer in model.named_modules():
+        names = set(layer_tensors(layer))
+        if names & {"weight_scale", "weight_scale_interleaved"} and "w13_weight" not in names:
+            yield prefix, layer
+
+
+def dump(model, out: Path, rank: int, backend: str) -> None:
+    tensors, meta = {}, {}
+    for prefix, layer in nvfp4_layers(model):
+        scheme = getattr(layer, "scheme", None)
+        info = {"method": type(scheme or layer.quant_method).__name__, "backend": backend, "tensors": {}}
+        info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+        seen: dict[tuple[int, int], str] = {}
+        for name, value in sorted(layer_tensors(layer).items()):
+            key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
+            record = view_record(value)
+            if key in seen:
+                record["alias"] = seen[key]
+            else:
+                seen[key] = name
+                tensors[f"{prefix}.{name}"] = storage_bytes(value)
+            info["tensors"][name] = record
+        meta[prefix] = info
+    save_file(tensors, out / f"rank-{rank}.safetensors")
+    (out / f"rank-{rank}.json").write_text(json.dumps(meta, indent=2))
+
+
+def register_plugin() -> None:
+    """The project's SGLang plugin, as ``load_plugins`` runs an entry point's function, then SGLang's hooks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from repack.sglang_plugin import register
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    register()
+    HookRegistry.apply_hooks()
+
+
+def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
+    plugin = arch.endswith("-plugin")
+    if plugin:
+        register_plugin()
+    arch = arch.removesuffix("-plugin")
+    args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
+                      load_format="nvfp4_repack" if plugin else "auto")
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    _current["capability"] = PLATFORMS[arch]["device_capability"]
+    with override_platform(**PLATFORMS[arch]):
+        if not torch.distributed.is_initialized():
+            init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"file://{out.parent / 'dist-init'}")
+            initialize_model_parallel(backend="gloo")
+        fp4_utils.FP4_GEMM_RUNNER_BACKEND = None
+        fp4_utils.initialize_fp4_gemm_config()  # as the scheduler does, on the emulated GPU
+        model = get_model(model_config=ModelConfig.from_server_args(args),
+                          load_config=LoadConfig(load_format=args.load_format), device_config=DeviceConfig("cpu"))
+        dump(model, out, rank, fp4_utils.get_fp4_gemm_runner_backend().value)
+
+
+def cleanup() -> None:
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SGLANG_LOGGING_LEVEL", "ERROR")
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main(__file__, load, patch, cleanup))

@@ -1,0 +1,121 @@
+"""Marlin's layouts on CPU (repack/targets/marlin.py, moe_marlin.py): the repack against an independent port of the
+CUDA kernel's index arithmetic (tests/vllm/ports.py, the conformance harness's leaf), exact inverses, the scale
+factor and flush, and the MoE layout's index formulas. vLLM's own load: tests/test_vllm_marlin_conformance.py; the
+CUDA op itself: tests/test_gpu_marlin.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from repack.errors import RepackError
+from repack.nvfp4 import NVFP4Weight, dequantize
+from repack.targets import marlin, moe, moe_marlin, resolve_target
+
+from .conftest import ODD_SHAPES
+
+sys.path.insert(0, str(Path(__file__).parent / "vllm"))
+from ports import gptq_marlin_repack  # noqa: E402
+
+REPACK_SHAPES = [(64, 16), (64, 128), (128, 64), (192, 48), (320, 80), (448, 272), (960, 112)]
+
+
+@pytest.mark.parametrize("n,k", REPACK_SHAPES)
+def test_repack_is_the_cuda_kernels_index_arithmetic(n, k, random_seed):
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(random_seed))
+    packed = marlin.repack_codes(codes, n, k)
+    assert torch.equal(packed, gptq_marlin_repack(codes.view(torch.int32).T.contiguous(), k, n, 4))
+    assert torch.equal(marlin.unrepack_codes(packed, n, k), codes)
+
+
+def test_repack_in_slabs_is_the_whole_repack(monkeypatch, random_seed):
+    """Large layers are repacked a slab of k tiles at a time (bounded temporaries): the same bytes."""
+    codes = torch.randint(0, 256, (192, 200), dtype=torch.uint8, generator=torch.Generator().manual_seed(random_seed))
+    whole = marlin.repack_codes(codes, 256, 448)
+    monkeypatch.setattr(marlin, "SLAB_NIBBLES", 3 * 16 * 256)  # 3 k tiles a slab: 28 tiles in 10 slabs
+    assert torch.equal(marlin.repack_codes(codes, 256, 448), whole)
+    assert torch.equal(whole, gptq_marlin_repack(torch.nn.functional.pad(codes, (0, 24, 0, 64)).view(torch.int32).T
+                                                 .contiguous(), 448, 256, 4))
+
+
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
+def test_padding_is_vllms_cheaper_tile_family(n, k):
+    n_padded, k_padded = marlin.padded_nk(n, k)
+    assert (n_padded % 64, k_padded % 128) == (0, 0) or (n_padded % 128, k_padded % 64) == (0, 0)
+    assert (n_padded, k_padded) in ((-(-n // 64) * 64, -(-k // 128) * 128), (-(-n // 128) * 128, -(-k // 64) * 64))
+
+
+def test_scale_factor_lifts_the_largest_scale_near_448_and_flushes_the_rest_as_marlin_does():
+    scales = torch.tensor([[3.0, 2.0**-9, 0.0, 1.5]]).to(torch.float8_e4m3fn)
+    assert marlin.scale_factor(scales, torch.bfloat16) == 128.0  # 3 * 128 = 384 <= 448 < 768
+    assert marlin.scale_factor(scales, torch.float16) == 1.0  # fp16 activations: never rescaled
+    weight = NVFP4Weight(torch.zeros((1, 32), dtype=torch.uint8), scales, torch.tensor([1e-3]))
+    assert marlin.read_as(weight, torch.bfloat16).block_scales.float().tolist() == [[3.0, 2.0**-9, 0.0, 1.5]]
+    assert marlin.read_as(weight, torch.float16).block_scales.float().tolist() == [[3.0, 0.0, 0.0, 1.5]]  # < 2^-6
+    sm80 = resolve_target("sm80")
+    held = sm80.to_runtime(weight)
+    assert float(held.weight_global_scale) == pytest.approx(1e-3 * 2.0**119 / 128, rel=1e-7)
+    back = sm80.from_runtime(held, 1, 64)
+    assert torch.equal(dequantize(back), dequantize(sm80.as_read(weight)))
+    assert torch.equal(back.multiplier, weight.multiplier)
+
+
+def test_a_multiplier_that_overflows_marlins_global_scale_is_refused():
+    weight = NVFP4Weight(torch.zeros((64, 8), dtype=torch.uint8), torch.ones((64, 1)).to(torch.float8_e4m3fn),
+                         torch.tensor([1e9]))
+    with pytest.raises(RepackError, match="overflows Marlin's global scale"):
+        resolve_target("sm80").to_runtime(weight)
+
+
+def _stack(experts: int, hidden: int, inter: int, gen: torch.Generator) -> moe.ExpertStack:
+    def codes(n: int, k: int) -> torch.Tensor:
+        return torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
+
+    def scales(n: int, k: int, top: float) -> torch.Tensor:
+        return (torch.rand((experts, n, k // 16), generator=gen) * top).to(torch.float8_e4m3fn)
+
+    return moe.ExpertStack(codes(2 * inter, hidden), scales(2 * inter, hidden, 60), torch.rand(experts, 2) + 0.1,
+                           torch.ones(experts, 2), codes(hidden, inter), scales(hidden, inter, 2),
+                           torch.rand(experts) + 0.1, torch.ones(experts))
+
+
+@pytest.mark.parametrize("experts,hidden,inter", [(2, 128, 48), (3, 192, 64), (2, 64, 128), (1, 256, 80)])
+def test_moe_layout_round_trips_and_matches_its_index_formulas(experts, hidden, inter, random_seed):
+    stack = _stack(experts, hidden, inter, torch.Generator().manual_seed(random_seed))
+    held = moe_marlin.to_runtime(stack)
+    specs = moe_marlin.runtime_specs(experts, hidden, inter)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in held.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
+    back, read = moe_marlin.from_runtime(held, hidden, inter), moe_marlin.read_as(stack)
+    for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
+        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(read, name).view(torch.uint8)), name
+    for e in range(experts):
+        for which in ("w13", "w2"):
+            codes, scales = moe_marlin.decode_expert(held, e, which, hidden, inter)
+            assert torch.equal(codes, getattr(stack, f"{which}_codes")[e]), (e, which)
+            own = stack.w13_multiplier[e, 0] if which == "w13" else stack.w2_multiplier[e]
+            got = dequantize(NVFP4Weight(codes, scales, torch.ones(1))) * moe_marlin.expert_multiplier(held, e, which)
+            want = dequantize(NVFP4Weight(codes, getattr(read, f"{which}_scales")[e], own.reshape(1)))
+            assert torch.allclose(got, want, rtol=1e-6, atol=0), (e, which)
+
+
+def test_moe_chunks_share_the_layers_scale_factor(random_seed):
+    """convert writes a large layer a chunk of experts at a time: each chunk with the whole layer's largest
+    scales gives that chunk's rows of the whole layer's tensors."""
+    stack = _stack(4, 128, 64, torch.Generator().manual_seed(random_seed))
+    whole = moe_marlin.to_runtime(stack)
+    top = moe_marlin.largest_scales(stack)
+    part = moe.ExpertStack(*(getattr(stack, f)[2:] for f in ("w13_codes", "w13_scales", "w13_multiplier",
+                                                             "w13_input_scale", "w2_codes", "w2_scales",
+                                                             "w2_multiplier", "w2_input_scale")), largest_scales=top)
+    for name, tensor in moe_marlin.to_runtime(part).items():
+        assert torch.equal(tensor.view(torch.uint8), whole[name][2:].view(torch.uint8)), name
+
+
+def test_moe_shapes_vllm_refuses_are_refused():
+    with pytest.raises(RepackError, match="hidden size a multiple of 64"):
+        moe_marlin.check_shape(2, 96, 64)
+    with pytest.raises(RepackError, match="multiple of 16"):
+        moe_marlin.check_shape(2, 128, 40)

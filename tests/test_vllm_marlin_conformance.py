@@ -1,0 +1,216 @@
+"""vLLM 0.33.0 as the oracle for Marlin: every tensor vLLM's own load leaves on every NVFP4 linear layer
+(``MarlinNvFp4LinearKernel``) and FusedMoE module (``MarlinExperts``), per TP rank, byte for byte against our
+bundles, with vLLM's ``auto`` choosing under an emulated sm80 (A100 .. L40S), sm75 (T4, fp16) or sm120 (a
+weight-only checkpoint); vLLM's refusals are ours.
+
+vLLM runs through tests/vllm/harness.py in its own virtualenv with one leaf replaced: the CUDA
+``gptq_marlin_repack`` by the torch port of its index arithmetic in tests/vllm/ports.py (tests/test_marlin.py:
+the port is our layout's repack; tests/test_gpu_marlin.py: our repack is the CUDA op, bit for bit, on the H200).
+Everything else (kernel and MoE backend selection, scale permutation, the S0E5M3 conversion, global-scale folding,
+padding, fusion, TP slicing) is vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from repack.bundle.reader import open_bundle
+from repack.cli import main
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.formats import read_source
+from repack.formats.moe import expert_groups
+from repack.sample.synthetic import write_llama
+from repack.targets import moe_marlin
+from repack.verify import verify_output
+
+from .conftest import PRODUCERS, seeded_folder
+from .test_vllm_conformance import HERE, SYNTHETIC, SYNTHETIC_FORMATS, _vllm_python
+from .test_vllm_moe_conformance import _assert_rank_state
+
+DENSE = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
+MOE = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4", "ct_qwen2_moe_nvfp4"]
+KEPT = {"weight_multiplier"}  # in the bundle for the inverse (the scale factor), not loaded into vLLM
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    gen, root, _ = seeded_folder(tmp_path_factory, "vllm-marlin-ckpts")
+    out = {name: PRODUCERS / name for name in DENSE + MOE}
+    for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
+        for fmt, w4a4 in SYNTHETIC_FORMATS.items():
+            out[f"{shape}-{fmt}"] = write_llama(root / f"{shape}-{fmt}", fmt, hidden=hidden, heads=heads, kv_heads=kv,
+                                                intermediate=inter, generator=gen, layers=2, w4a4=w4a4)
+    return out
+
+
+SYNTHETIC_NAMES = [f"{s}-{f}" for s in SYNTHETIC for f in SYNTHETIC_FORMATS]
+# (name, harness arch, our target, TP): sm80 and its fp16 sibling sm75; sm120-auto: vLLM's own pick on sm120
+DENSE_CASES = ([(n, "sm80", "sm80", tp) for n in DENSE + SYNTHETIC_NAMES for tp in (1, 2)]
+               + [(n, "sm75", "sm75", 1) for n in DENSE + SYNTHETIC_NAMES[:2]]
+               + [(n, "sm120-auto", "sm80", 1) for n in ("modelopt_w4a16_nvfp4", "ct_nvfp4a16")])
+MOE_CASES = [(n, tp) for n in MOE for tp in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints, tmp_path_factory) -> dict:
+    """vLLM's state per (kind, TP): dense jobs in one process per TP size, MoE jobs in their own."""
+    python = _vllm_python()
+    out = {}
+    for kind, tp, jobs in (("dense", 1, [(n, a) for n, a, _, t in DENSE_CASES if t == 1]),
+                           ("dense", 2, [(n, a) for n, a, _, t in DENSE_CASES if t == 2]),
+                           ("moe", 1, [(n, "sm80-moe") for n, t in MOE_CASES if t == 1]),
+                           ("moe", 2, [(n, "sm80-moe") for n, t in MOE_CASES if t == 2])):
+        folder = tmp_path_factory.mktemp(f"vllm-marlin-{kind}-{tp}")
+        args = [a for name, arch in jobs for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
+        subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
+                       check=True, timeout=1500, stdout=subprocess.DEVNULL)
+        out[kind, tp] = folder
+    return out
+
+
+def _assert_marlin_rank_identical(bundle_dir, dumped, rank: int) -> int:
+    """Every tensor vLLM holds on every NVFP4 linear layer (Marlin's three; a W4A4 checkpoint's activation scalars,
+    which its method computes before the kernel's load), by name, dtype, shape, strides, offset and the bytes of its
+    whole storage, is the bundle's tensor of that name; the kernel class is the manifest's; nothing else is held."""
+    bundle = open_bundle(bundle_dir)
+    theirs = load_file(dumped / f"rank-{rank}.safetensors")
+    meta = json.loads((dumped / f"rank-{rank}.json").read_text())
+    assert set(meta) == set(bundle.manifest.layers)
+    for prefix, info in meta.items():
+        record = bundle.manifest.layers[prefix]
+        assert info["kernel"] == "MarlinNvFp4LinearKernel" == bundle.manifest.kernels[0], (prefix, info["kernel"])
+        assert "weights_padding_cols" not in info, prefix  # Marlin pads activations inside its apply
+        # besides the layout's tensors vLLM holds a layer's bias (Qwen2's q/k/v), passthrough in the bundle
+        assert set(info["tensors"]) - {"bias"} == set(record.tensors) - KEPT, prefix
+        assert (info["input_size_per_partition"], info["output_size_per_partition"]) == (record.k, record.n), prefix
+        for part, view in info["tensors"].items():
+            if part == "bias":
+                continue
+            ours = bundle.read(f"{prefix}.{part}")
+            got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
+            assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, part)
+            assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{part}"]), (prefix, part)
+    return len(meta)
+
+
+@pytest.mark.parametrize("name,arch,target,tp", DENSE_CASES, ids=[f"{n}-{a}-tp{t}" for n, a, _, t in DENSE_CASES])
+def test_marlin_bundle_is_byte_identical_to_vllm_or_both_refuse(name, arch, target, tp, checkpoints, oracle,
+                                                                tmp_path):
+    dumped, out = oracle["dense", tp] / f"{name}-{arch}", tmp_path / "bundle"
+    refused = dumped / "refused.txt"
+    if tp == 2 and (name.startswith("ct_") or refused.exists()):
+        # as for the other layouts: ct's per-rank K of 88 (vLLM builds shifted block scales), odd's 5 heads
+        with pytest.raises(RepackError, match="--tp 2"):
+            convert(checkpoints[name], target, out, tp=2)
+        assert refused.exists() or name.startswith("ct_"), "we refuse what vLLM loads"
+        return
+    assert not refused.exists(), refused.read_text()[:2000]
+    if tp == 1:
+        convert(checkpoints[name], target, out, fuse=True)
+        assert _assert_marlin_rank_identical(out, dumped, 0) == 8
+    else:
+        convert(checkpoints[name], target, out, tp=2)
+        for rank in range(2):
+            assert _assert_marlin_rank_identical(out / f"rank-{rank}", dumped, rank) == 8
+    assert verify_output(out).passed
+
+
+@pytest.mark.parametrize("name,tp", MOE_CASES, ids=[f"{n}-tp{t}" for n, t in MOE_CASES])
+def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, tp, checkpoints, oracle, tmp_path, capsys):
+    """``convert --fuse`` / ``--tp 2`` to sm80: every FusedMoE module of every rank (``MarlinExperts``: repacked
+    experts, one scale factor per layer, folded global scales; compressed-tensors' loaded global scales kept) and
+    every dense layer beside them, byte for byte; where vLLM refuses, one line and nothing written."""
+    dumped, out = oracle["moe", tp] / f"{name}-sm80-moe", tmp_path / "out"
+    code = main(["convert", str(checkpoints[name]), "-t", "sm80", "--fuse", "--tp", str(tp), "-o", str(out)])
+    err = capsys.readouterr().err
+    source = read_source(checkpoints[name])
+    group = next(iter(expert_groups(source).values()))
+    if (group.intermediate // tp) % 16:  # per-rank 24: vLLM 0.33 cuts block scales misaligned; refused, as for dense
+        assert code == 1 and "not a multiple of 16" in err and err.count("\n") == 1, err
+        return
+    if (dumped / "refused.txt").exists():
+        assert code == 1 and err.startswith("Error: ") and err.count("\n") == 1, err
+        assert not out.exists()
+        return
+    assert code == 0, err
+    for rank in range(tp):
+        folder = out / f"rank-{rank}" if tp > 1 else out
+        bundle = open_bundle(folder)
+        assert bundle.manifest.layout_id.startswith("marlin-v1")
+        held = {module: ({k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT},
+                         record.expert_map) for module, record in bundle.moe_layers().items()}
+        _assert_rank_state(dumped, rank, moe_marlin, held, source, (rank, "cli"))
+        assert _assert_marlin_rank_identical(folder, dumped, rank) == len(bundle.manifest.layers)
+    assert verify_output(out).passed
+
+
+def test_vllm_auto_serves_weight_only_checkpoints_on_sm120_with_marlin(oracle):
+    """What ``--target sm120`` should write for a W4A16 checkpoint: vLLM 0.33's auto picks Marlin there (the
+    cute-dsl W4A16 kernel only on sm100 / sm103), the same bytes as sm80 (docs/marlin.md)."""
+    for name in ("modelopt_w4a16_nvfp4", "ct_nvfp4a16"):
+        meta = json.loads((oracle["dense", 1] / f"{name}-sm120-auto" / "rank-0.json").read_text())
+        assert {info["kernel"] for info in meta.values()} == {"MarlinNvFp4LinearKernel"}
+
+
+# vLLM 0.34: the same kernel-read tensors; it keeps more names beside them (compressed-tensors' weight_packed as an
+# alias of weight, retired per-partition scales, the MoE methods' loaded scales), bookkeeping the plugin reproduces
+V034_DENSE = [(n, a, t) for n in DENSE for a, t in (("sm80", "sm80"), ("sm75", "sm75"))]
+V034_MOE = MOE[:4]
+
+
+@pytest.fixture(scope="module")
+def oracle_034(checkpoints, tmp_path_factory) -> dict:
+    python = _vllm_python("0.34")
+    out = {}
+    for kind, jobs in (("dense", [(n, a) for n, a, _ in V034_DENSE]), ("moe", [(n, "sm80-moe") for n in V034_MOE])):
+        folder = tmp_path_factory.mktemp(f"vllm034-marlin-{kind}")
+        args = [a for name, arch in jobs for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
+        subprocess.run([str(python), str(HERE / "harness.py"), "--out", str(folder), *args], check=True, timeout=1500,
+                       stdout=subprocess.DEVNULL)
+        out[kind] = folder
+    return out
+
+
+def _assert_held_034(ours: dict[str, torch.Tensor], info: dict, theirs: dict, prefix: str) -> None:
+    """Every tensor of the bundle's layer (or module) is held by vLLM 0.34 under its name, byte for byte (what else
+    0.34 holds beside them is its bookkeeping, not checked here)."""
+    for part, tensor in ours.items():
+        view = info["tensors"][part]
+        assert (str(tensor.dtype).replace("torch.", ""), list(tensor.shape)) == (view["dtype"], view["shape"]), part
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{part}"].reshape(-1).view(
+            torch.uint8)), (prefix, part)
+
+
+@pytest.mark.parametrize("name,arch,target", V034_DENSE, ids=[f"{n}-{a}" for n, a, _ in V034_DENSE])
+def test_marlin_bundle_holds_vllm_034s_kernel_tensors(name, arch, target, checkpoints, oracle_034, tmp_path):
+    dumped = oracle_034["dense"] / f"{name}-{arch}"
+    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
+    convert(checkpoints[name], target, tmp_path / "bundle", fuse=True, vllm="0.34")
+    bundle = open_bundle(tmp_path / "bundle")
+    theirs, meta = load_file(dumped / "rank-0.safetensors"), json.loads((dumped / "rank-0.json").read_text())
+    assert set(meta) == set(bundle.manifest.layers)
+    for prefix, info in meta.items():
+        assert info["kernel"] == "MarlinNvFp4LinearKernel", info["kernel"]
+        held = {part: bundle.read(f"{prefix}.{part}") for part in set(bundle.manifest.layers[prefix].tensors) - KEPT}
+        _assert_held_034(held, info, theirs, prefix)
+
+
+@pytest.mark.parametrize("name", V034_MOE)
+def test_marlin_moe_bundle_holds_vllm_034s_kernel_tensors(name, checkpoints, oracle_034, tmp_path):
+    dumped = oracle_034["moe"] / f"{name}-sm80-moe"
+    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
+    convert(checkpoints[name], "sm80", tmp_path / "bundle", fuse=True, vllm="0.34")
+    bundle = open_bundle(tmp_path / "bundle")
+    theirs = load_file(dumped / "moe-rank-0.safetensors")
+    meta = json.loads((dumped / "moe-rank-0.json").read_text())
+    assert sorted(meta) == sorted(bundle.moe_layers())
+    for module, info in meta.items():
+        assert (info["backend"], info["experts"]) == ("MARLIN", "MarlinExperts"), info
+        held = {k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT}
+        _assert_held_034(held, info, theirs, module)
