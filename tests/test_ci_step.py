@@ -21,6 +21,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import SourceModel
 from repack.targets import TARGETS
+from repack.targets.families import FAMILIES
 
 from .test_convert import check_bundle_against_source
 
@@ -263,7 +264,7 @@ def test_a_model_folder_holding_a_target_folder_is_still_a_model(make_model, tmp
 
 
 def test_verify_on_a_gpu_names_the_bundles_of_other_gpus(make_model, tmp_path, monkeypatch, capsys):
-    """``verify OUT --device cuda`` on an H200 after ``convert -t all``: one line naming the sm100 / sm120 folders,
+    """``verify OUT --device cuda`` on an H200 after ``convert -t all``: one line naming the other families' folders,
     before any work (the GPU's capability is faked: the CPU suite has no GPU)."""
     import repack.runtime.backends as backends
 
@@ -275,7 +276,8 @@ def test_verify_on_a_gpu_names_the_bundles_of_other_gpus(make_model, tmp_path, m
     assert main(["verify", str(out), "--device", "cuda"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert f"{out / 'sm100'}, {out / 'sm120'}: not for this sm90 GPU" in " ".join(err.split()), err
+    others = ", ".join(str(out / f.name) for f in FAMILIES if f.name != "sm90")  # sm100, sm120 and Marlin's
+    assert f"{others}: not for this sm90 GPU" in " ".join(err.split()), err
 
 
 # --- Hub repo ids, from a cache in the hub's layout, offline --------------------------------------------------------

@@ -31,6 +31,7 @@ from repack.nvfp4 import BLOCK_SIZE, NVFP4Weight, dequantize
 from repack.runtime import patch_model
 from repack.runtime.formulas import decode
 from repack.targets import TARGETS
+from repack.targets.families import W4A4_LAYOUT_ID
 
 from .conftest import MOE_FIXTURES, PRODUCERS, require
 
@@ -147,12 +148,15 @@ def test_bundle_decodes_to_the_base_model_and_the_producers_weights(fixture, tar
 @pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "ct_nvfp4"])
 def test_w4a4_patched_model_logits_against_the_base_model(fixture, target, tmp_path):
     """A W4A4 bundle (the producers' calibrated input scales) in the base model: logits near the base model's
-    (weight and activation quantization error), and off the weight-only producer model's by the activations'."""
+    (weight and activation quantization error), and off the weight-only producer model's by the activations' where
+    the kernel quantizes them (FP4 x FP4); Marlin serves a W4A4 checkpoint weight-only, within bf16 of that model."""
     convert(PRODUCERS / fixture, target.name, tmp_path / "bundle")
     unused, got, base, peer = patched_logits(fixture, tmp_path / "bundle")
     assert unused == []
     assert float((got - base).norm() / base.norm()) < LOGITS_VS_BASE
-    assert float((got - peer).norm() / peer.norm()) > LOGITS_VS_PEER  # the activations were quantized
+    off_peer = float((got - peer).norm() / peer.norm())
+    quantizes = target.for_scheme("W4A4").layout_key == W4A4_LAYOUT_ID
+    assert off_peer > LOGITS_VS_PEER if quantizes else off_peer < LOGITS_VS_PEER, (off_peer, quantizes)
 
 
 def patched_logits(fixture: str, bundle) -> tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]:
