@@ -16,6 +16,7 @@ from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.targets import marlin, moe, moe_marlin, resolve_target
 
 from .conftest import ODD_SHAPES
+from .test_moe import assert_round_trip
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from ports import gptq_marlin_repack  # noqa: E402
@@ -85,12 +86,8 @@ def _stack(experts: int, hidden: int, inter: int, gen: torch.Generator) -> moe.E
 @pytest.mark.parametrize("experts,hidden,inter", [(2, 128, 48), (3, 192, 64), (2, 64, 128), (1, 256, 80)])
 def test_moe_layout_round_trips_and_matches_its_index_formulas(experts, hidden, inter, random_seed):
     stack = _stack(experts, hidden, inter, torch.Generator().manual_seed(random_seed))
-    held = moe_marlin.to_runtime(stack)
-    specs = moe_marlin.runtime_specs(experts, hidden, inter)
-    assert {k: (v.dtype, tuple(v.shape)) for k, v in held.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
-    back, read = moe_marlin.from_runtime(held, hidden, inter), moe_marlin.read_as(stack)
-    for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
-        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(read, name).view(torch.uint8)), name
+    read = moe_marlin.read_as(stack)
+    held = assert_round_trip(moe_marlin, stack, read, hidden, inter)
     for e in range(experts):
         for which in ("w13", "w2"):
             codes, scales = moe_marlin.decode_expert(held, e, which, hidden, inter)

@@ -62,18 +62,25 @@ LAYOUTS = [moe_cutlass, moe_trtllm]
 TRTLLM_SHAPES = [(2, 64, 48), (3, 272, 16)]
 
 
+def assert_round_trip(layout, stack: moe.ExpertStack, want: moe.ExpertStack, hidden: int, intermediate: int) -> dict:
+    """``layout``'s tensors of ``stack``, after checking their specs and names and that ``from_runtime`` gives back
+    ``want`` byte for byte (the stack itself, or as the layout's kernel reads it)."""
+    held = layout.to_runtime(stack)
+    specs = layout.runtime_specs(stack.experts, hidden, intermediate)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in held.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
+    assert set(held) == set(layout.TENSORS)
+    back = layout.from_runtime(held, hidden, intermediate)
+    for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
+        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(want, name).view(torch.uint8)), name
+    return held
+
+
 @pytest.mark.parametrize("layout,experts,hidden,intermediate",
                          [(m, *s) for m in LAYOUTS for s in SHAPES] + [(moe_trtllm, *s) for s in TRTLLM_SHAPES],
                          ids=lambda v: getattr(v, "LAYOUT_ID", str(v)))
 def test_moe_layout_round_trips_and_matches_its_index_formulas(layout, experts, hidden, intermediate, random_seed):
     stack = random_stack(experts, hidden, intermediate, torch.Generator().manual_seed(random_seed))
-    held = layout.to_runtime(stack)
-    specs = layout.runtime_specs(experts, hidden, intermediate)
-    assert {k: (v.dtype, tuple(v.shape)) for k, v in held.items()} == {k: (s.dtype, s.shape) for k, s in specs.items()}
-    assert set(held) == set(layout.TENSORS)
-    back = layout.from_runtime(held, hidden, intermediate)
-    for name in ("w13_codes", "w13_scales", "w2_codes", "w2_scales"):
-        assert torch.equal(getattr(back, name).view(torch.uint8), getattr(stack, name).view(torch.uint8)), name
+    held = assert_round_trip(layout, stack, stack, hidden, intermediate)
     for e in range(experts):
         for which in ("w13", "w2"):
             codes, scales = layout.decode_expert(held, e, which, hidden, intermediate)
