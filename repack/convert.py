@@ -436,8 +436,7 @@ def _pass_experts(source: SourceModel, reader: HashingReader, module: str, taker
     group = plans[0].group
     scales = [expert_input_scales(source, plan) for plan in plans]
     layout = moe_layout(takers[0].output.plan.target)
-    largest = [largest_expert_scales(source, plan, MARLIN_SCALE_CHUNK) if hasattr(layout, "largest_scales") else None
-               for plan in plans]  # Marlin: one scale factor per layer, from the block scales of all the rank's experts
+    largest = [largest_expert_scales(source, plan, layout, MARLIN_SCALE_CHUNK) for plan in plans]  # Marlin's factor
     tensors = takers[0].output.plan.units[module]  # one layout: the same parts, in the same order, in every bundle
     weights = [i for i, t in enumerate(tensors) if t.part in MADE_FROM]  # the layouts list them before the scalars
     scalars = [i for i, t in enumerate(tensors) if t.part not in MADE_FROM]

@@ -74,7 +74,7 @@ def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
         held = rows_of(held)
     scales = expert_input_scales(source, plan)
     # Marlin: one scale factor per layer, from the largest block scales of all of the rank's experts
-    largest = largest_expert_scales(source, plan, CHECK_EXPERTS) if hasattr(layout, "largest_scales") else None
+    largest = largest_expert_scales(source, plan, layout, CHECK_EXPERTS)
     problems, odd = _check_scalars(source, plan, held, layout, scales, largest)
     weights = [name for name in specs if name in MADE_FROM]
     per_expert = sum(math.prod(specs[name].shape[1:]) * specs[name].dtype.itemsize for name in weights)

@@ -534,9 +534,13 @@ def expert_multipliers(source: SourceModel, prefixes: tuple[str, ...]) -> torch.
     return values
 
 
-def largest_expert_scales(source: SourceModel, plan: ExpertPlan, step: int) -> tuple[float, float]:
+def largest_expert_scales(source: SourceModel, plan: ExpertPlan, layout: object,
+                          step: int) -> tuple[float, float] | None:
     """The largest w13 and w2 block scale among the plan's experts (its rows; --rescale's folded gate/up scales),
-    ``step`` experts read at a time: Marlin's MoE layout takes one scale factor per layer from them."""
+    ``step`` experts read at a time, for a MoE ``layout`` that takes one scale factor per layer from them (Marlin's:
+    it has ``largest_scales``); None for every other layout, without reading anything."""
+    if not hasattr(layout, "largest_scales"):
+        return None
     top = [0.0, 0.0]
     for first in range(plan.experts[0], plan.experts[1], step):
         chunk = (first, min(first + step, plan.experts[1]))
