@@ -199,8 +199,7 @@ class _Writing:
 
     def _queue_layer(self, layer: OutputLayer, transformed: Future) -> None:
         runtime = transformed.result()
-        kept = runtime.weight_multiplier  # Marlin holds the multiplier rescaled; the record keeps the source's
-        self.global_scales[layer.prefix] = float(runtime.weight_global_scale if kept is None else kept)
+        self.global_scales[layer.prefix] = float(runtime.source_multiplier)
         values = runtime.bundle_tensors()
         for tensor in self.output.plan.units[layer.prefix]:
             value = values[tensor.part]

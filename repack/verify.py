@@ -424,8 +424,7 @@ def _check_layer(bundle: Bundle, loaded, prefix: str, src: SourceModel | None, n
         for name in restated_differences(bundle.target, runtime, record.n, record.k):
             check.fail(f"{prefix}.{name}: not what {bundle.target.engine} derives from the layer's codes, scales and "
                        "kept scalars", "exactness")
-    kept = runtime.weight_multiplier  # Marlin holds the multiplier folded; the record (and the bundle) keep the source's
-    held_scale = float((runtime.weight_global_scale if kept is None else kept).reshape(()))
+    held_scale = float(runtime.source_multiplier.reshape(()))
     if record.global_scale != held_scale:  # inspect shows the record's: it must be the tensor's
         check.fail(f"{prefix}: the manifest's global_scale {record.global_scale:.8g} is not the layer's "
                    f"weight_global_scale {held_scale:.8g}")

@@ -57,6 +57,12 @@ class RuntimeLayer:
     weight_multiplier: torch.Tensor | None = None  # Marlin: the source multiplier, kept beside vLLM's state
     named: dict[str, torch.Tensor] | None = None  # another engine's tensors of this layer, by its names (SGLang)
 
+    @property
+    def source_multiplier(self) -> torch.Tensor:
+        """The source's global scale multiplier (what the manifest records): ``weight_global_scale``, except where
+        the layout holds it folded (Marlin) and keeps the source's as ``weight_multiplier``."""
+        return self.weight_global_scale if self.weight_multiplier is None else self.weight_multiplier
+
     def bundle_tensors(self) -> dict[str, torch.Tensor]:
         """What a bundle stores for the layer: its tensors by the names its engine holds them under (``named``, else
         vLLM's: :meth:`tensors`)."""

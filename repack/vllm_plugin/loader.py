@@ -372,8 +372,8 @@ class BundleModelLoader(BaseModelLoader):
         device = getattr(module, packed).device
         getattr(module, packed).data = runtime.weight.to(device)
         getattr(module, scales).data = runtime.weight_scale.to(device)
-        multiplier = runtime.weight_global_scale.to(device)
-        source = multiplier if runtime.weight_multiplier is None else runtime.weight_multiplier.to(device)  # Marlin
+        multiplier = runtime.weight_global_scale.to(device)  # the kernel's (Marlin: folded)
+        source = runtime.source_multiplier.to(device)
         getattr(module, partition_scale).data.fill_(float(_stored_reciprocal(source) if reciprocal else source))
         if bundle.target.scheme == "W4A4":  # the scheme's max over these is the bundle's scale (or inverse)
             stored = runtime.input_global_scale_inv if reciprocal else runtime.input_global_scale
