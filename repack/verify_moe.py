@@ -92,6 +92,32 @@ def scalar_names(layout: ModuleType) -> list[str]:
     return [name for name, spec in layout.runtime_specs(1, BLOCK_SIZE, BLOCK_SIZE).items() if len(spec.shape) == 1]
 
 
+def engine_expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor],
+                           weight_rows: RowsOf, layout: ModuleType) -> list[str]:
+    """Exactness of another engine's FusedMoE layer (SGLang's: its names, its loaded scales kept, its own scalars):
+    every non-weight tensor (``held``) against the one the layout makes from the source's stored scales, byte for
+    byte, then the experts' codes, block scales and padding (``weight_rows``), ``CHECK_EXPERTS`` at a time, as for
+    vLLM's layouts. The problems, one line each."""
+    first, last = plan.experts
+    plan = replace(plan, stored=True)
+    expected = layout.to_runtime(assemble_experts(source, plan, fields=("multipliers",)), plan.prefix, list(held))
+    problems = [f"{plan.prefix}: {name} is not what SGLang computes from the source's scales"
+                for name, tensor in held.items() if _differs_whole(tensor, expected[name])]
+    weights = [name for name in layout.runtime_specs(last - first, plan.group.hidden, plan.intermediate)
+               if name in MADE_FROM]
+    scales = expert_input_scales(source, plan)
+    for start in range(first, last, CHECK_EXPERTS):
+        chunk = (start, min(start + CHECK_EXPERTS, last))
+        part = {name: weight_rows(name, chunk[0] - first, chunk[1] - first) for name in weights}
+        problems += _check_chunk(source, plan, chunk, part, layout, scales)
+    return problems
+
+
+def _differs_whole(held: torch.Tensor, want: torch.Tensor) -> bool:
+    return held.dtype != want.dtype or held.shape != want.shape or not torch.equal(
+        held.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
+
+
 def _check_scalars(source: SourceModel, plan: ExpertPlan, held: RowsOf, layout: ModuleType,
                    scales: tuple[torch.Tensor, torch.Tensor],
                    largest: tuple[float, float] | None = None) -> tuple[list[str], set[int]]:

@@ -21,7 +21,8 @@ SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_inp
 # The weight tensors each layout holds, and the one ExpertStack field each is made from, expert by expert (the
 # scalars are made from the multipliers and input scales): a layout asked for some of its tensors reads only these.
 MADE_FROM = {"w13_weight": "w13_codes", "w13_weight_scale": "w13_scales", "w2_weight": "w2_codes",
-             "w2_weight_scale": "w2_scales"}
+             "w2_weight_scale": "w2_scales",  # and SGLang's swizzled scales beside its loaded ones (targets/sglang.py)
+             "w13_blockscale_swizzled": "w13_scales", "w2_blockscale_swizzled": "w2_scales"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class ExpertStack:
         w2_multiplier: float32 ``[E]``; w2_input_scale: float32 ``[E']``.
         largest_scales: the largest w13 and w2 block scale among all of the layer's (rank's) experts, where the
             stack holds some of them (Marlin's one scale factor per layer); ``None``: the stack's own.
+        stored: the global scales as the checkpoint stores them (float32; compressed-tensors' are the reciprocals of
+            the multipliers and input scales above), for an engine that keeps them as loaded (SGLang):
+            ``(w13 weight [E, 2], w13 input [E', 2], w2 weight [E], w2 input [E'])``; ``None`` where not read.
     """
 
     w13_codes: torch.Tensor
@@ -51,6 +55,7 @@ class ExpertStack:
     w2_multiplier: torch.Tensor
     w2_input_scale: torch.Tensor
     largest_scales: tuple[float, float] | None = None
+    stored: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def experts(self) -> int:
@@ -123,6 +128,10 @@ def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     on sm90 (Humming's MoE) and sm75."""
     from . import moe_cutlass, moe_marlin, moe_trtllm
 
+    if not isinstance(target, str) and target.engine == "sglang":
+        from .sglang import moe_variant
+
+        return moe_variant(target)  # type: ignore[return-value]  # the layout modules' interface
     family = target if isinstance(target, str) else target.name
     scheme = scheme if isinstance(target, str) else target.scheme
     if family == "sm90":
