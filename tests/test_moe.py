@@ -385,8 +385,6 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         find_expert_groups(layers)
     with pytest.raises(RepackError, match="--tp 8: .* not a multiple of 16"):
         plan_experts(source, 8, 0)
-    with pytest.raises(RepackError, match="NVFP4A16 MoE .* Marlin; supported: W4A4"):
-        plan_experts(read_source(PRODUCERS / "ct_moe_nvfp4a16"))  # llm-compressor's W4A16 MoE
     with pytest.raises(RepackError, match="--ep: .* give --tp N with N > 1"):
         plan_layers(source, fuse=True, ep=True)
     unnamed = dataclasses.replace(source, layers={p: v for p, v in source.layers.items() if ".experts." not in p})
@@ -525,6 +523,9 @@ def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, tar
     assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120", "sm80"]
     assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4")]) == 0
     assert "possible targets: sm100, sm120, sm80 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
-    assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4a16"), "--json"]) == 0  # W4A16 experts: Marlin's, refused
-    info = json.loads(capsys.readouterr().out)
-    assert info["targets"] == [] and "weight-only experts) is not supported" in info["moe"]["unsupported"]
+    for name in ("ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"):  # W4A16 experts: vLLM's Marlin MoE on each
+        assert main(["inspect", str(PRODUCERS / name), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["targets"] == ["sm100", "sm120", "sm80"], name
+        assert info["moe"]["layouts"] == {"sm100": "moe-marlin-v1", "sm120": "moe-marlin-v1", "sm90": None,
+                                          "sm80": "moe-marlin-v1", "sm75": None}, name

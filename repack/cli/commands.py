@@ -379,7 +379,6 @@ def _activation_scales(source) -> list[str]:
 
 def _moe_summary(source) -> dict | None:
     """formats' MoE summary plus the layout each target family's vLLM ``auto`` uses for it (``None``: refused)."""
-    from ..bundle.layers import check_moe_scheme
     from ..errors import RepackError
     from ..formats.moe import moe_summary
     from ..targets.moe import moe_layout
@@ -387,10 +386,6 @@ def _moe_summary(source) -> dict | None:
     summary = moe_summary(source)
     if summary is None or "unsupported" in summary:
         return summary
-    try:
-        check_moe_scheme(source)
-    except RepackError as err:
-        return {"unsupported": str(err)}
     layouts = {}
     for family in FAMILIES:
         try:
