@@ -38,7 +38,6 @@ KERNEL = "TrtLlmNvFp4ExpertsMonolithic"
 # vLLM 0.33 takes the modular class instead where the monolithic kernel lacks the routing (softmax top-k without
 # renormalization, Qwen2-MoE's norm_topk_prob false: RoutingMethodType.Default); the held tensors are the same.
 KERNELS = (KERNEL, "TrtLlmNvFp4ExpertsModular")
-FAMILIES = ("sm100",)
 WEIGHT_ONLY = False  # FP4 x FP4: the layer holds its input scale and folded alphas (moe_marlin.WEIGHT_ONLY)
 LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_marlin.LAYER_SCALE_FACTOR)
 INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
