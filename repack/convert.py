@@ -45,7 +45,7 @@ from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader, file_hexdigest
 from .formats.hub import hub_sha256
-from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups, read_input_scales
+from .formats.moe import expert_groups, input_scale_scope, read_input_scales
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
@@ -321,7 +321,7 @@ def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: 
         hidden=plan.group.hidden, intermediate=plan.intermediate,
         members={"gate": list(plan.group.gate[local]), "up": list(plan.group.up[local]),
                  "down": list(plan.group.down[local])},
-        input_scales="all" if GLOBAL_INPUT_SCALES[source.format] else "local", tensors=tensors,
+        input_scales=input_scale_scope(source), tensors=tensors,
         expert_map=plan.expert_map if plan.ep else None,
         top_k=top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None,
         rescale_error=rescale_error,

@@ -44,7 +44,7 @@ from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
 from .formats.hashing import file_hexdigest, new_digest
-from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, kept_scales
+from .formats.moe import ExpertGroup, expert_groups, input_scale_scope, kept_scales
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, map_chunks, map_tensor, read_rows, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
@@ -533,7 +533,7 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     if plan is None:
         check.fail(problem, "exactness")
         return check
-    if record.input_scales != ("all" if GLOBAL_INPUT_SCALES[src.format] else "local"):
+    if record.input_scales != input_scale_scope(src):
         check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
     if getattr(layout, "engine", "vllm") != "vllm":  # SGLang's state: exactness, tensor by tensor
         held = {name: bundle.read(f"{module}.{name}") for name in specs if name not in MADE_FROM}
@@ -556,7 +556,7 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     experts = numerics_experts(record.local_experts, findings.odd, numerics, gen)
     check.numerics_experts = len(experts)
     if experts:
-        w4a4 = "w13_input_scale" in specs  # Marlin: weight-only experts
+        w4a4 = not layout.WEIGHT_ONLY  # Marlin: weight-only experts
         errors = expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=w4a4)
         check.max_rel_error = max(errors.values())
         bound, kind = (EXPERT_W4A4_REL_ERROR, "FP4 x FP4") if w4a4 else (EXPERT_REL_ERROR, "weight-only")

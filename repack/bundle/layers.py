@@ -272,8 +272,6 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
     dense_source = replace(source, layers=dense)  # the experts are the FusedMoE layers'
-    if moe:
-        check_moe_scheme(source)
     unequal = {prefix: _unequal_gate_up(source, group, rescale) for prefix, group in moe.items()}
     multipliers = _multipliers(dense_source)
     plans = []
@@ -443,13 +441,6 @@ def expert_range(experts: int, ranks: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def check_moe_scheme(source: SourceModel) -> None:
-    """Only W4A4 experts have an MoE layout here: vLLM 0.33 serves weight-only NVFP4 MoE with Marlin."""
-    if source.activation_scheme != "W4A4":
-        raise RepackError(f"{source.quant_algo} MoE (weight-only experts) is not supported: vLLM 0.33 serves it "
-                          "with Marlin; supported: W4A4 (NVFP4) MoE checkpoints")
-
-
 def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False,
                  stored: bool = False, rank_alignment: int = 1) -> dict[str, ExpertPlan]:
     """The FusedMoE layers of rank ``rank`` of ``tp``: every expert with the intermediate size split, or (``ep``,
@@ -457,7 +448,6 @@ def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = Fal
     scales (:attr:`ExpertPlan.stored`). ``rank_alignment``: an engine that pads each rank's share ``I / tp`` up to
     a multiple of it before loading (SGLang's TRT-LLM-gen: 64) cuts the checkpoint's rows at that padded share, the
     last ranks holding fewer (their padding zeros)."""
-    check_moe_scheme(source)
     plans = {}
     for prefix, group in expert_groups(source).items():
         if ep:
@@ -532,8 +522,10 @@ def expert_input_scales(source: SourceModel, plan: ExpertPlan) -> tuple[torch.Te
     """float32 ``[E', 2]`` (w1, w3) and ``[E']`` (w2): the activation scales of the experts whose largest the layer
     holds. vLLM's FlashInfer MoE backends quantize the inputs of all of a rank's experts with the largest input
     scale it loaded: every expert's for ModelOpt, the rank's own for compressed-tensors (the same without expert
-    parallelism)."""
+    parallelism). ``E' = 0`` for weight-only experts (Marlin reads none)."""
     group = plan.group
+    if source.activation_scheme != "W4A4":  # weight-only experts: none (only the W4A4 layouts read them)
+        return torch.zeros((0, 2), dtype=torch.float32), torch.zeros((0,), dtype=torch.float32)
     scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else slice(*plan.experts)
     return (read_input_scales(source, group.gate[scope] + group.up[scope]).view(2, -1).T.contiguous(),
             read_input_scales(source, group.down[scope]))
@@ -553,9 +545,9 @@ def expert_multipliers(source: SourceModel, prefixes: tuple[str, ...]) -> torch.
 def largest_expert_scales(source: SourceModel, plan: ExpertPlan, layout: object,
                           step: int) -> tuple[float, float] | None:
     """The largest w13 and w2 block scale among the plan's experts (its rows; --rescale's folded gate/up scales),
-    ``step`` experts read at a time, for a MoE ``layout`` that takes one scale factor per layer from them (Marlin's:
-    it has ``largest_scales``); None for every other layout, without reading anything."""
-    if not hasattr(layout, "largest_scales"):
+    ``step`` experts read at a time, for a MoE ``layout`` that takes one scale factor per layer from them (its
+    ``LAYER_SCALE_FACTOR``: Marlin's); None for every other layout, without reading anything."""
+    if not layout.LAYER_SCALE_FACTOR:
         return None
     top = [0.0, 0.0]
     for first in range(plan.experts[0], plan.experts[1], step):

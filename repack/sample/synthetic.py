@@ -188,9 +188,10 @@ def write_qwen_moe(
     root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
     layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
     shared_scales: bool = True, shared_expert: int = 0, dense_layers: tuple[int, ...] = (), shards: int = 1,
-    shared_input_scales: bool = False,
+    w4a4: bool = True, shared_input_scales: bool = False,
 ) -> Path:
-    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build (Qwen2-MoE with ``shared_expert``, the intermediate size of
+    """A tiny W4A4 (``w4a4`` False: weight-only, ModelOpt ``W4A16_NVFP4`` / compressed-tensors ``NVFP4A16``) Qwen3-MoE
+    checkpoint vLLM can build (Qwen2-MoE with ``shared_expert``, the intermediate size of
     its dense shared expert): NVFP4 attention and routed experts, every layer's input scale random (so that the
     largest, which vLLM's MoE kernels share among experts, is some expert's), bf16 routers, norms and embeddings.
     ``shared_scales``: each expert's gate and up share one multiplier, as the producers write them (else vLLM keeps
@@ -225,7 +226,7 @@ def write_qwen_moe(
             bias = torch.randn(rows * head_dim, generator=generator) * 0.1  # Qwen2's attention has q/k/v biases
             plain[f"model.layers.{i}.self_attn.{proj}.bias"] = bias.to(torch.bfloat16)
     drawn: dict[str, torch.Tensor] = {}
-    for prefix in quantized:  # random activation scales in the producer's convention (overriding the constants)
+    for prefix in quantized if w4a4 else ():  # random activation scales in the producer's convention
         scale = drawn[prefix] = torch.rand((), generator=generator) * 1e-2 + 1e-3
         if shared_input_scales and prefix.endswith(".up_proj"):
             scale = drawn[prefix.removesuffix("up_proj") + "gate_proj"].clone()
@@ -245,4 +246,4 @@ def write_qwen_moe(
     }
     ignore = (["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"] if fmt != "modelopt"
               else ["lm_head", "*.mlp.gate", "*.shared_expert_gate"])
-    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config, ignore=ignore, shards=shards)
+    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=ignore, shards=shards)

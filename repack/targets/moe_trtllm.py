@@ -38,7 +38,9 @@ KERNEL = "TrtLlmNvFp4ExpertsMonolithic"
 # vLLM 0.33 takes the modular class instead where the monolithic kernel lacks the routing (softmax top-k without
 # renormalization, Qwen2-MoE's norm_topk_prob false: RoutingMethodType.Default); the held tensors are the same.
 KERNELS = (KERNEL, "TrtLlmNvFp4ExpertsModular")
-FAMILIES = ("sm100",)
+WEIGHT_ONLY = False  # FP4 x FP4: the layer holds its input scale and folded alphas (moe_marlin.WEIGHT_ONLY)
+LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_marlin.LAYER_SCALE_FACTOR)
+INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
 HIDDEN_ALIGNMENT = 256  # trtllm_nvfp4_hidden_alignment for gated layers with per-tensor activation scales
 INTERMEDIATE_ALIGNMENT = 64  # gated: 2 x Ip a multiple of 128, as FlashInfer's block-scale shuffle asserts
 SHUFFLE_BLOCK = 32  # get_shuffle_block_size(epilogue_tile_m=128)

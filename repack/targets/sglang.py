@@ -220,6 +220,7 @@ class MoELayout:
     source_format: str
     family: str
     engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
+    WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS = False, False, ()  # as moe_trtllm's / moe_cutlass's
 
     @property
     def trtllm(self) -> bool:
