@@ -30,7 +30,7 @@ from repack.targets.moe import moe_layout
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
-from .test_sglang_conformance import HERE, _sglang_python
+from .test_sglang_conformance import HERE, _sglang_python, assert_same_state
 
 ARCHS = ("sm100", "sm120")
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
@@ -175,3 +175,46 @@ def test_moe_architectures_not_written_for_sglang_are_refused_in_one_line(fixtur
         convert(PRODUCERS / fixture, "sm100", tmp_path / "out", engine="sglang")
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
+
+
+# The plugin: each bundle (TP 1 and 2) loaded by SGLang through --load-format nvfp4_repack (with the MoE runner backend
+# it is for), against SGLang's own load of the source; and its refusal of another MoE runner backend.
+def _served(oracle: dict[int, Path], name: str, arch: str, tp: int) -> bool:
+    return _refused(oracle[tp] / f"{name}-{arch}") is None and not (tp == 2 and "i48" in name)
+
+
+@pytest.fixture(scope="module")
+def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
+    """SGLang's state after loading each served job's bundle with --load-format nvfp4_repack, per TP size (and, at
+    TP 1, the ModelOpt sm120 bundle under SGLang's plain auto, ``backend-mismatch``): ``{tp: folder}``."""
+    python = _sglang_python()
+    bundles = tmp_path_factory.mktemp("sglang-moe-bundles")
+    out = {}
+    for tp in (1, 2):
+        jobs = []
+        for name, arch in JOBS:
+            if _served(oracle, name, arch, tp):
+                folder = bundles / f"{name}-{arch}-tp{tp}"
+                convert(checkpoints[name], arch, folder, tp=tp, engine="sglang")
+                arch_plugin = _spec(name, arch).replace(arch, f"{arch}-plugin", 1)
+                jobs.append(f"{name}-{arch}={folder}:{arch_plugin}")
+        if tp == 1:
+            jobs.append(f"backend-mismatch={bundles / 'modelopt_moe_nvfp4-sm120-tp1'}:sm120-plugin")
+        out[tp] = tmp_path_factory.mktemp(f"sglang-moe-plugin-tp{tp}")
+        _run_harness(python, tp, out[tp], jobs)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
+def test_plugin_loads_sglangs_own_moe_state(name, arch, tp, oracle, plugin_oracle):
+    if not _served(oracle, name, arch, tp):
+        pytest.skip("refused (test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse)")
+    for rank in range(tp):
+        assert_same_state(plugin_oracle[tp] / f"{name}-{arch}", oracle[tp] / f"{name}-{arch}", rank)
+
+
+def test_plugin_refuses_another_moe_runner_backend_in_one_line(plugin_oracle):
+    refused = (plugin_oracle[1] / "backend-mismatch" / "refused.txt").read_text()
+    first = refused.splitlines()[0]
+    assert first.startswith("RepackError: ") and "serve it with --moe-runner-backend flashinfer_cutlass" in first

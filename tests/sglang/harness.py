@@ -128,6 +128,19 @@ def nvfp4_layers(model):
             yield prefix, layer
 
 
+def moe_state(layer) -> dict:
+    """A FusedMoE module's non-tensor post-load state: the CUTLASS SwiGLU parameters (None, or their shapes), the
+    dispatcher's quant config (each value None, or the module's tensor it is), whether the packed names remain."""
+    names = {id(v): k for k, v in layer_tensors(layer).items()}
+    out = {"packed": sorted(n for n in ("w13_weight_packed", "w2_weight_packed") if hasattr(layer, n))}
+    if hasattr(layer, "_cutlass_swiglu_params"):
+        out["cutlass_swiglu_params"] = [None if t is None else list(t.shape) for t in layer._cutlass_swiglu_params]
+    config = getattr(getattr(layer, "dispatcher", None), "quant_config", None)
+    if isinstance(config, dict):
+        out["dispatcher_quant_config"] = {k: None if v is None else names.get(id(v), "?") for k, v in config.items()}
+    return out
+
+
 def moe_layers(model):
     """``(prefix, layer)`` of every NVFP4 FusedMoE module."""
     for prefix, layer in model.named_modules():
@@ -146,6 +159,7 @@ def dump(model, out: Path, rank: int, backend: str) -> None:
             info = {"method": type(scheme or layer.quant_method).__name__, "backend": moe_backend, "moe": True,
                     "tensors": {}}
             info.update({k: getattr(layer, k) for k in MOE_NON_TENSOR if hasattr(layer, k)})
+            info.update(moe_state(layer))
         else:
             info = {"method": type(scheme or layer.quant_method).__name__, "backend": backend, "tensors": {}}
             info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
