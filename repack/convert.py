@@ -693,10 +693,11 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                else [engine_target(t, engine.engine, source) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        sglang_moe = engine.engine == "sglang" and bool(expert_groups(source))
+        sglang_moe = moe_layout(targets[0]) if engine.engine == "sglang" and expert_groups(source) else None
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
                                   partition_scales=engine.engine != "vllm",
-                                  moe_rank_alignment=moe_layout(targets[0]).TP_ALIGNMENT if sglang_moe else 1)
+                                  **({} if sglang_moe is None else {"moe_rank_alignment": sglang_moe.TP_ALIGNMENT,
+                                                                    "moe_gate_up": sglang_moe.GATE_UP_REFUSAL}))
         if layer_plans[0].experts:
             moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]

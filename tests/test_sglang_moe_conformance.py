@@ -7,8 +7,9 @@ CUTLASS on sm120, ``--moe-runner-backend flashinfer_cutlass``; compressed-tensor
 both); SGLang's refusals are ours, and its plugin loads each bundle into that state.
 
 Checkpoints: the producers' Qwen3-MoE fixtures (hidden 64: refused by SGLang's TRT-LLM-gen; intermediate 128 and 48)
-and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 per rank, CUTLASS refuses ModelOpt's 2I =
-192; hidden 256 with five experts), in both formats. SGLang runs in its venv through tests/sglang/harness.py.
+and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 at TP 1 and to 64 per rank at TP 2, where
+SGLang cuts the rows 64 + 32; CUTLASS refuses ModelOpt's 2I = 192; hidden 256 with five experts; gate and up
+multipliers apart), in both formats, each expert's gate and up input scales equal as the producers calibrate them. SGLang runs in its venv through tests/sglang/harness.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from .test_sglang_conformance import HERE, _sglang_python, assert_same_state
 
 ARCHS = ("sm100", "sm120")
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
-SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256)}
+# "apart": gate and up multipliers that differ, which only ModelOpt's TRT-LLM-gen state holds (g1_alphas_up,
+# g1_scale_c); SGLang's CUTLASS paths scale both halves with gate's (we refuse those)
+SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256),
+             "apart": dict(hidden=128, experts=4, intermediate=128, shared_scales=False)}
 FORMATS = ("modelopt", "compressed-tensors")
 NAMES = PRODUCER_FIXTURES + [f"{shape}-{fmt}" for shape in SYNTHETIC for fmt in FORMATS]
 JOBS = [(name, arch) for name in NAMES for arch in ARCHS]
@@ -123,6 +127,11 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     return len(moe)
 
 
+def _gate_up_refused(name: str, arch: str) -> bool:
+    """Our refusal of differing gate / up multipliers where SGLang mis-scales up (it loads them)."""
+    return name.startswith("apart") and (_format(name), arch) != ("modelopt", "sm100")
+
+
 def _refused(folder: Path) -> str | None:
     path = folder / "refused.txt"
     return path.read_text() if path.exists() else None
@@ -134,6 +143,11 @@ def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, c
     dumped, out = oracle[tp] / f"{name}-{arch}", tmp_path / "bundle"
     if tp == 2 and "i48" in name:  # per-rank intermediate 24: not whole scale blocks (refused as for vLLM)
         with pytest.raises(RepackError, match="--tp 2"):
+            convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
+        return
+    if _gate_up_refused(name, arch):
+        assert _refused(dumped) is None
+        with pytest.raises(RepackError, match="scales both halves with gate_proj's and would mis-scale up_proj"):
             convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
         return
     refused = _refused(dumped)
@@ -180,7 +194,8 @@ def test_moe_architectures_not_written_for_sglang_are_refused_in_one_line(fixtur
 # The plugin: each bundle (TP 1 and 2) loaded by SGLang through --load-format nvfp4_repack (with the MoE runner backend
 # it is for), against SGLang's own load of the source; and its refusal of another MoE runner backend.
 def _served(oracle: dict[int, Path], name: str, arch: str, tp: int) -> bool:
-    return _refused(oracle[tp] / f"{name}-{arch}") is None and not (tp == 2 and "i48" in name)
+    return (_refused(oracle[tp] / f"{name}-{arch}") is None and not (tp == 2 and "i48" in name)
+            and not _gate_up_refused(name, arch))
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +233,13 @@ def test_plugin_refuses_another_moe_runner_backend_in_one_line(plugin_oracle):
     refused = (plugin_oracle[1] / "backend-mismatch" / "refused.txt").read_text()
     first = refused.splitlines()[0]
     assert first.startswith("RepackError: ") and "serve it with --moe-runner-backend flashinfer_cutlass" in first
+
+
+def test_modelopt_gate_and_up_input_scales_that_differ_are_refused_for_sglang(tmp_path):
+    """SGLang's FusedMoE loader writes each of a ModelOpt expert's w1 / w3 input_scale into both halves of its
+    w13_input_scale (the last read stays): a state that depends on its load order is not written."""
+    gen = torch.Generator().manual_seed(0)
+    ckpt = write_qwen_moe(tmp_path / "ckpt", "modelopt", hidden=128, experts=2, intermediate=64, generator=gen)
+    with pytest.raises(RepackError, match=r"experts.0.gate_proj: input_scale .* is not .*up_proj's .* both halves") as e:
+        convert(ckpt, "sm100", tmp_path / "out", engine="sglang")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

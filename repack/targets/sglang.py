@@ -227,6 +227,15 @@ class MoELayout:
         return self.BACKEND == "flashinfer_trtllm"
 
     @property
+    def GATE_UP_REFUSAL(self) -> str | None:  # noqa: N802
+        """Why experts whose gate and up multipliers differ are refused (bundle.layers' ``moe_gate_up``): SGLang's
+        CUTLASS paths scale both halves with gate's alpha; TRT-LLM-gen holds both (``g1_alphas``, ``g1_scale_c``)."""
+        if self.trtllm:
+            return None
+        return ("SGLang 0.5.23's FlashInfer CUTLASS MoE scales both halves with {gate}'s and would mis-scale {up} "
+                "(its FlashInfer TRT-LLM-gen, ModelOpt on sm100, holds both)")
+
+    @property
     def TP_ALIGNMENT(self) -> int:  # noqa: N802
         """TRT-LLM-gen pads each rank's intermediate share to 64 before loading (``create_weights``), so the loader
         cuts the checkpoint's rows at that padded share (bundle.layers.plan_experts)."""
