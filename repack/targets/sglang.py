@@ -15,7 +15,11 @@ compressed-tensors (``CompressedTensorsW4A4Fp4``): ``weight_packed`` not padded,
 ``weight_global_scale`` and ``input_global_scale`` the partitions' largest as stored (float32 ``[]``), ``alpha =
 1 / (input_global_scale * weight_global_scale)``.
 
-Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s and :mod:`.layout`'s.
+NVFP4 MoE (FusedMoE): :class:`MoELayout`, the bytes of :mod:`.moe_trtllm` (ModelOpt, sm100: no hidden padding, the
+intermediate size padded per rank before loading) and :mod:`.moe_cutlass` (ModelOpt sm120, compressed-tensors) under
+SGLang's names and scalars (docs/sglang.md).
+
+Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s, :mod:`.layout`'s and the MoE layouts'.
 """
 
 from __future__ import annotations
