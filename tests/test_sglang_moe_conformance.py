@@ -80,12 +80,12 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
     python = _sglang_python()
     out = {}
-    for tp in (1, 2):
-        out[tp] = tmp_path_factory.mktemp(f"sglang-moe-tp{tp}")
-        jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}" for name, arch in JOBS]
-        if tp == 1:
+    for key, tp, ep in ((1, 1, ""), (2, 2, ""), ("ep", 2, "+ep")):
+        out[key] = tmp_path_factory.mktemp(f"sglang-moe-{key}")
+        jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}{ep}" for name, arch in JOBS]
+        if key == 1:
             jobs += [f"{job}={checkpoints[name]}:{arch}" for job, (name, arch) in AUTO_JOBS.items()]
-        _run_harness(python, tp, out[tp], jobs)
+        _run_harness(python, tp, out[key], jobs)
     return out
 
 
@@ -162,12 +162,31 @@ def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, c
     assert verify_output(out).passed
 
 
+@pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
+def test_ep_ranks_are_byte_identical_to_sglang_or_both_refuse(name, arch, checkpoints, oracle, tmp_path):
+    """Expert parallelism (SGLang ``--ep-size 2`` = ``--tp 2``; ``convert --tp 2 --ep``): each rank's experts whole;
+    ModelOpt's input scales every expert's, compressed-tensors' the rank's; SGLang's refusals (experts not a
+    multiple of the ranks, its backends' shapes) are ours."""
+    dumped, out = oracle["ep"] / f"{name}-{arch}", tmp_path / "bundle"
+    if _refused(dumped) is not None or _gate_up_refused(name, arch):
+        with pytest.raises(RepackError) as ours:
+            convert(checkpoints[name], arch, out, tp=2, ep=True, engine="sglang")
+        assert "\n" not in str(ours.value) and not out.exists()
+        return
+    convert(checkpoints[name], arch, out, tp=2, ep=True, engine="sglang")
+    for rank in range(2):
+        assert assert_rank_identical(out / f"rank-{rank}", dumped, rank) == 2
+    assert verify_output(out).passed
+
+
 def test_sglang_refuses_what_we_refuse(oracle):
-    """The refusals the test above matches are SGLang's own (not a harness failure): its TRT-LLM-gen on a hidden size of
-    64, its CUTLASS path on ModelOpt's 2I = 192."""
+    """The refusals the tests above match are SGLang's own (not a harness failure): its TRT-LLM-gen on a hidden size of
+    64, its CUTLASS path on ModelOpt's 2I = 192, its expert parallelism on 3 experts over 2 ranks."""
     trtllm, cutlass = (_refused(oracle[1] / job) for job in ("modelopt_moe_nvfp4-sm100", "h128-modelopt-sm120"))
     assert trtllm is not None and "get_shuffle_matrix_sf_a_row_indices" in trtllm and "M % 128 == 0" in trtllm
     assert cutlass is not None and "The intermediate size required padding" in cutlass
+    ep = _refused(oracle["ep"] / "h128-compressed-tensors-sm100")
+    assert ep is not None and "_num_global_routed % storage_ep_size == 0" in ep
 
 
 def test_sglang_auto_on_sm120_leaves_a_state_its_runner_does_not_read(oracle):
@@ -193,8 +212,8 @@ def test_moe_architectures_not_written_for_sglang_are_refused_in_one_line(fixtur
 
 # The plugin: each bundle (TP 1 and 2) loaded by SGLang through --load-format nvfp4_repack (with the MoE runner backend
 # it is for), against SGLang's own load of the source; and its refusal of another MoE runner backend.
-def _served(oracle: dict[int, Path], name: str, arch: str, tp: int) -> bool:
-    return (_refused(oracle[tp] / f"{name}-{arch}") is None and not (tp == 2 and "i48" in name)
+def _served(oracle: dict, name: str, arch: str, key) -> bool:
+    return (_refused(oracle[key] / f"{name}-{arch}") is None and not (key == 2 and "i48" in name)
             and not _gate_up_refused(name, arch))
 
 
@@ -205,34 +224,37 @@ def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
     python = _sglang_python()
     bundles = tmp_path_factory.mktemp("sglang-moe-bundles")
     out = {}
-    for tp in (1, 2):
+    for key, tp, ep in ((1, 1, ""), (2, 2, ""), ("ep", 2, "+ep")):
         jobs = []
         for name, arch in JOBS:
-            if _served(oracle, name, arch, tp):
-                folder = bundles / f"{name}-{arch}-tp{tp}"
-                convert(checkpoints[name], arch, folder, tp=tp, engine="sglang")
+            if _served(oracle, name, arch, key):
+                folder = bundles / f"{name}-{arch}-{key}"
+                convert(checkpoints[name], arch, folder, tp=tp, ep=bool(ep), engine="sglang")
                 arch_plugin = _spec(name, arch).replace(arch, f"{arch}-plugin", 1)
-                jobs.append(f"{name}-{arch}={folder}:{arch_plugin}")
-        if tp == 1:
-            jobs.append(f"backend-mismatch={bundles / 'modelopt_moe_nvfp4-sm120-tp1'}:sm120-plugin")
-        out[tp] = tmp_path_factory.mktemp(f"sglang-moe-plugin-tp{tp}")
-        _run_harness(python, tp, out[tp], jobs)
+                jobs.append(f"{name}-{arch}={folder}:{arch_plugin}{ep}")
+        if key == 1:
+            jobs.append(f"backend-mismatch={bundles / 'modelopt_moe_nvfp4-sm120-1'}:sm120-plugin")
+        if key == "ep":  # a --tp bundle (rows split) under SGLang's expert parallelism
+            jobs.append(f"ep-mismatch={bundles / 'ct_moe_nvfp4-sm100-2'}:sm100-plugin+ep")
+        out[key] = tmp_path_factory.mktemp(f"sglang-moe-plugin-{key}")
+        _run_harness(python, tp, out[key], jobs)
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("key", [1, 2, "ep"])
 @pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
-def test_plugin_loads_sglangs_own_moe_state(name, arch, tp, oracle, plugin_oracle):
-    if not _served(oracle, name, arch, tp):
-        pytest.skip("refused (test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse)")
-    for rank in range(tp):
-        assert_same_state(plugin_oracle[tp] / f"{name}-{arch}", oracle[tp] / f"{name}-{arch}", rank)
+def test_plugin_loads_sglangs_own_moe_state(name, arch, key, oracle, plugin_oracle):
+    if not _served(oracle, name, arch, key):
+        pytest.skip("refused (the byte-identity tests)")
+    for rank in range(1 if key == 1 else 2):
+        assert_same_state(plugin_oracle[key] / f"{name}-{arch}", oracle[key] / f"{name}-{arch}", rank)
 
 
-def test_plugin_refuses_another_moe_runner_backend_in_one_line(plugin_oracle):
-    refused = (plugin_oracle[1] / "backend-mismatch" / "refused.txt").read_text()
-    first = refused.splitlines()[0]
-    assert first.startswith("RepackError: ") and "serve it with --moe-runner-backend flashinfer_cutlass" in first
+@pytest.mark.parametrize("key,job,says", [(1, "backend-mismatch", "serve it with --moe-runner-backend flashinfer_cutlass"),
+                                          ("ep", "ep-mismatch", "serve it without --ep-size")])
+def test_plugin_refuses_another_moe_placement_in_one_line(key, job, says, plugin_oracle):
+    first = (plugin_oracle[key] / job / "refused.txt").read_text().splitlines()[0]
+    assert first.startswith("RepackError: ") and says in first, first
 
 
 def test_modelopt_gate_and_up_input_scales_that_differ_are_refused_for_sglang(tmp_path):

@@ -660,9 +660,11 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str
 
 
 def stored_expert_scales(source: SourceModel, plan: ExpertPlan, local: slice) -> tuple[torch.Tensor, ...]:
-    """:attr:`ExpertStack.stored` of experts ``local``: the weight global scales and every expert's input scales
-    (an engine loads those for all experts), as the checkpoint stores them, in float32, 4 bytes read each."""
+    """:attr:`ExpertStack.stored` of experts ``local``: the weight global scales and the input scales SGLang loads
+    (ModelOpt's of every expert, compressed-tensors' of the rank's: ``GLOBAL_INPUT_SCALES``), as the checkpoint
+    stores them, in float32, 4 bytes read each."""
     group = plan.group
+    scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else slice(*plan.experts)
 
     def read(names: tuple[str, ...], input_scale: bool) -> torch.Tensor:
         return torch.stack([source.checkpoint.read(source.input_scale_name(p) if input_scale
@@ -672,5 +674,5 @@ def stored_expert_scales(source: SourceModel, plan: ExpertPlan, local: slice) ->
     def pairs(gate: tuple[str, ...], up: tuple[str, ...], input_scale: bool) -> torch.Tensor:
         return torch.stack([read(gate, input_scale), read(up, input_scale)], 1)
 
-    return (pairs(group.gate[local], group.up[local], False), pairs(group.gate, group.up, True),
-            read(group.down[local], False), read(group.down, True))
+    return (pairs(group.gate[local], group.up[local], False), pairs(group.gate[scope], group.up[scope], True),
+            read(group.down[local], False), read(group.down[scope], True))

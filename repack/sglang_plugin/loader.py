@@ -107,6 +107,16 @@ def check_moe_backend(bundle: Bundle, running: str) -> None:
                               f"SGLang runs --moe-runner-backend {running}; serve it with{flag or ' the default'}")
 
 
+def check_expert_parallelism(bundle: Bundle, bundle_ep: bool, ep_size: int) -> None:
+    """An ``--ep`` bundle holds each rank's experts whole, a ``--tp`` one every expert's rank rows: SGLang must place
+    them as the bundle does (``--ep-size`` = ``--tp``, or none)."""
+    if bundle_ep != (ep_size > 1):
+        tp = bundle.manifest.tp_size
+        raise RepackError(f"{bundle.root}: the bundle's MoE layers are " + (
+            f"split by expert (--ep), but SGLang runs --ep-size {ep_size}; serve it with --ep-size {tp}" if bundle_ep
+            else f"split by rows (--tp), but SGLang runs --ep-size {ep_size}; serve it without --ep-size"))
+
+
 def _install_moe(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
     """A FusedMoE module's post-load state: its tensors and aliases (compressed-tensors' packed names dropped, as
     SGLang renames them), then what SGLang's MoE post-load sets beside them."""
@@ -161,6 +171,7 @@ class BundleModelLoader(DefaultModelLoader):
                     _install(module, tensors, ALIASES[fmt], layers[prefix].weights_padding_cols if KEEPS_PADDING[fmt] else None)
                 elif prefix in moe:
                     record = moe[prefix]
+                    check_expert_parallelism(bundle, record.expert_map is not None, module.moe_ep_size)
                     tensors = {part: bundle.read(f"{prefix}.{part}").to(target_device) for part in record.tensors}
                     _install_moe(module, tensors, bundle.moe_layout.aliases(record.hidden, record.intermediate))
             missing = (set(layers) | set(moe)) - {prefix for prefix, _ in model.named_modules()}

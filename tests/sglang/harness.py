@@ -13,7 +13,8 @@ are pinned, so that an upgrade fails loudly instead of testing something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
         ARCH: sm100 | sm120 (SGLang's auto backends on that GPU: dense FP4 GEMM and NVFP4 MoE), optionally
-        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``); ARCH-plugin: CKPT is a bundle, loaded
+        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``) and a trailing ``+ep`` (``--ep-size`` = TP: expert
+        parallelism); ARCH-plugin: CKPT is a bundle, loaded
         with --load-format nvfp4_repack through the project's SGLang plugin (registered as SGLang's plugin loader
         runs it: the one job kind that imports the project)
 
@@ -189,7 +190,8 @@ def register_plugin() -> None:
 
 
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
-    arch, _, moe_backend = arch.partition("@")
+    ep = arch.endswith("+ep")
+    arch, _, moe_backend = arch.removesuffix("+ep").partition("@")
     plugin = arch.endswith("-plugin")
     if plugin:
         register_plugin()
@@ -198,7 +200,8 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     with override_platform(**PLATFORMS[arch]):
         # resolved on the emulated GPU (its MoE runner backend choice reads the platform), as on that GPU
         args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
-                          load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto")
+                          load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto",
+                          ep_size=tp if ep else 1)
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
         moe_utils.initialize_moe_config()  # as the scheduler does
         if not torch.distributed.is_initialized():
