@@ -25,10 +25,13 @@ from safetensors.torch import load_file
 from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
+from repack.formats import read_source
+from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets.engines import SGLANG_MOE_BACKENDS
-from repack.targets.moe import moe_layout
-from repack.verify import verify_output
+from repack.targets.moe import MADE_FROM, moe_layout
+from repack.verify import expert_plan, verify_output
+from repack.verify_moe import engine_expert_findings
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
 from .test_sglang_conformance import HERE, _sglang_python, assert_same_state
@@ -265,3 +268,33 @@ def test_modelopt_gate_and_up_input_scales_that_differ_are_refused_for_sglang(tm
     with pytest.raises(RepackError, match=r"experts.0.gate_proj: input_scale .* is not .*up_proj's .* both halves") as e:
         convert(ckpt, "sm100", tmp_path / "out", engine="sglang")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt,arch", [("modelopt", "sm100"), ("modelopt", "sm120"), ("compressed-tensors", "sm100")])
+def test_verify_fails_an_sglang_moe_tensor_that_is_not_sglangs(fmt, arch, tmp_path):
+    """verify's exactness restates every SGLang MoE tensor from the source: a scalar SGLang computes otherwise, or an
+    expert's codes, is named."""
+    gen = torch.Generator().manual_seed(1)
+    ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen,
+                          shared_input_scales=True)
+    convert(ckpt, arch, tmp_path / "out", engine="sglang")
+    bundle, source = open_bundle(tmp_path / "out"), read_source(ckpt)
+    module = "model.layers.0.mlp.experts"
+    record, layout = bundle.manifest.moe[module], bundle.moe_layout
+    plan, _ = expert_plan(record, expert_groups(source))
+    names = [n for n in record.tensors if n not in MADE_FROM]
+    held = {n: bundle.read(f"{module}.{n}") for n in names}
+    weights = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n in MADE_FROM}
+
+    def rows(name, first, last):
+        return weights[name][first:last]
+
+    assert engine_expert_findings(source, plan, held, rows, layout) == []
+    scalar = "g1_alphas" if fmt == "modelopt" else "w13_input_scale_quant"
+    wrong = {**held, scalar: held[scalar] * 2}
+    assert engine_expert_findings(source, plan, wrong, rows, layout) == [
+        f"{module}: {scalar} is not what SGLang computes from the source's scales"]
+    weights["w2_weight"] = weights["w2_weight"].clone()
+    weights["w2_weight"][1, 0, 0] ^= 0x11
+    problems = engine_expert_findings(source, plan, held, rows, layout)
+    assert problems == [f"{module}.1.down_proj: codes differ"], problems
