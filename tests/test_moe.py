@@ -28,7 +28,7 @@ from repack.formats import read_source
 from repack.formats.moe import expert_groups, find_expert_groups
 from repack.nvfp4 import BLOCK_SIZE
 from repack.sample.synthetic import write_qwen_moe
-from repack.targets import moe, moe_cutlass, moe_marlin, moe_trtllm
+from repack.targets import moe, moe_cutlass, moe_marlin, moe_trtllm, resolve_target
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
 from repack.verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
@@ -158,6 +158,9 @@ def test_block_scale_interleave_port_is_flashinfers_128x4(experts, rows, cols, r
 def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
     assert moe.moe_layout("sm100") is moe_trtllm and moe.moe_layout("sm120") is moe_cutlass
     assert moe.moe_layout("sm80") is moe.moe_layout("sm100", "W4A16") is moe.moe_layout("sm120", "W4A16") is moe_marlin
+    sm120 = resolve_target("sm120")  # --weight-only on sm120: Marlin's dense W4A4 variant, so Marlin's MoE too
+    assert moe.moe_layout(sm120.for_scheme("W4A4")) is moe_cutlass
+    assert moe.moe_layout(sm120.for_scheme("W4A4", weight_only=True)) is moe_marlin
     with pytest.raises(RepackError, match=r"--target sm90: .* Humming's MoE, whose weight transform is a GPU op not "
                                           r"ported here\); .* convert with --target sm80$"):
         moe.moe_layout("sm90")

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE
+from .families import MARLIN
 from .layout import round_up, swizzle_128x4, swizzle_128x4_offsets, unswizzle_128x4
 
 if TYPE_CHECKING:
@@ -124,7 +125,8 @@ def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     from . import moe_cutlass, moe_marlin, moe_trtllm
 
     family = target if isinstance(target, str) else target.name
-    scheme = scheme if isinstance(target, str) else target.scheme
+    if not isinstance(target, str):  # a dense layout of Marlin (sm120 --weight-only: its W4A4 variant) is weight-only
+        scheme = "W4A16" if target.kernels == MARLIN else target.scheme
     if family == "sm90":
         raise RepackError("--target sm90: NVFP4 MoE layers are not supported there (vLLM 0.33 serves them with "
                           "Humming's MoE, whose weight transform is a GPU op not ported here); vLLM also serves "
