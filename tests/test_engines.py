@@ -41,8 +41,11 @@ def test_every_layout_written_is_held_by_every_vllm_version():
 
 
 def test_every_sglang_layout_written_is_held_by_its_sglang_version():
-    written = {t.layout_id for target in TARGETS for t in target.layouts if t.engine == "sglang"}
-    assert written == set(engines.SGLANG_0523.layouts) == set(engines.SGLANG_LAYOUTS.values())
+    sglang = [t for target in TARGETS for t in target.layouts if t.engine == "sglang"]
+    written = {t.layout_id for t in sglang}
+    moe = {moe_layout(t).LAYOUT_ID for t in sglang}
+    assert written == set(engines.SGLANG_LAYOUTS.values()) and moe == set(engines.SGLANG_MOE_LAYOUTS.values())
+    assert written | moe == set(engines.SGLANG_0523.layouts)
 
 
 @pytest.mark.parametrize("fixture,options", [

@@ -19,7 +19,7 @@ from rich.table import Table
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
 from ..targets.engines import ENGINES, SGLANG_0523, SGLANG_DENSE_BACKENDS, engine_versions, resolve_version
-from ..targets.families import AUTO, BACKEND_LAYOUTS, LINEAR_BACKENDS
+from ..targets.families import AUTO, BACKEND_LAYOUTS, LINEAR_BACKENDS, MOE_LAYOUTS
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
@@ -389,7 +389,6 @@ def _activation_scales(source) -> list[str]:
 
 def _moe_summary(source) -> dict | None:
     """formats' MoE summary plus the layout each target family's vLLM ``auto`` uses for it (``None``: refused)."""
-    from ..bundle.layers import check_moe_scheme
     from ..errors import RepackError
     from ..formats.moe import moe_summary
     from ..targets.moe import moe_layout
@@ -397,10 +396,6 @@ def _moe_summary(source) -> dict | None:
     summary = moe_summary(source)
     if summary is None or "unsupported" in summary:
         return summary
-    try:
-        check_moe_scheme(source)
-    except RepackError as err:
-        return {"unsupported": str(err)}
     layouts = {}
     for family in FAMILIES:
         try:
@@ -456,7 +451,8 @@ def targets(as_json: JsonOpt = False) -> None:
     A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
     share), a weight-only one into its W4A16 layout (sm120: Marlin's, vLLM's auto there); sm90 (no FP4 tensor cores)
     is weight-only for every checkpoint, and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps
-    its activation scalars unused).
+    its activation scalars unused). MoE layers (convert --fuse / --tp N) take the family's MoE layout for the
+    checkpoint's scheme (weight-only experts: Marlin's on sm80, sm100 and sm120); sm90 and sm75 refuse MoE.
     """
     rows = [
         {
@@ -467,6 +463,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "layout_id": t.layout_id,
             "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels), "engines": _holding(layout_id)}
                         for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
+            "moe_layouts": MOE_LAYOUTS.get(t.name, {}),
             "description": t.description,
         }
         for t in FAMILIES
@@ -475,7 +472,8 @@ def targets(as_json: JsonOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "served by", "GPUs"):
+    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
+                   "GPUs"):
         table.add_column(column)
     for row in rows:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
@@ -483,8 +481,9 @@ def targets(as_json: JsonOpt = False) -> None:
                   for engine, versions in layout["engines"].items()}
         if row["name"] in SGLANG_DENSE_BACKENDS:  # W4A4 with --engine sglang (docs/sglang.md)
             served.add(f"sglang {SGLANG_0523.version} (W4A4, --engine sglang)")
+        moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
+                      row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)), row["description"])
     stdout.print(table)
     for family, backend, scheme, layout_id in BACKEND_LAYOUTS:
         stdout.print(f"{family} --linear-backend {backend} ({scheme} checkpoints): {layout_id}", highlight=False)

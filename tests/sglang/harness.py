@@ -12,9 +12,15 @@ only for this torch) is stubbed (tests/sglang/stubs.py). Every patched name is a
 are pinned, so that an upgrade fails loudly instead of testing something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
-        ARCH: sm100 | sm120 (dense NVFP4: SGLang's auto backend on that GPU); ARCH-plugin: CKPT is a bundle, loaded
+        ARCH: sm100 | sm120 (SGLang's auto backends on that GPU: dense FP4 GEMM and NVFP4 MoE), optionally
+        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``); ARCH-plugin: CKPT is a bundle, loaded
         with --load-format nvfp4_repack through the project's SGLang plugin (registered as SGLang's plugin loader
         runs it: the one job kind that imports the project)
+
+FusedMoE layers: ServerArgs is resolved on the emulated GPU (SGLang's MoE runner backend choice reads the platform and
+the checkpoint: ``_moe_runner_backend_quant_constraints``, the model overrides) and ``initialize_moe_config`` seeds
+the MoE flags from it, as the scheduler does. FlashInfer (SGLang's pin, 0.7.2) runs its row permutations as is; its
+``nvfp4_block_scale_interleave`` (a JIT-built CUDA op) is the torch port of tests/vllm/ports.py (PATCH MoE 1).
 
 writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.<name>``: each tensor's whole storage, as uint8) and
 ``OUT/NAME/rank-R.json`` (per layer: its quantization method and backend, its non-tensor state, each tensor's dtype,
@@ -35,6 +41,7 @@ import stubs  # noqa: E402
 
 stubs.install()
 
+import flashinfer  # noqa: E402
 import sglang  # noqa: E402
 import torch  # noqa: E402
 from oracle_cli import layer_tensors, main, storage_bytes, view_record  # noqa: E402
@@ -50,12 +57,15 @@ from sglang.srt.distributed import (  # noqa: E402
 )
 from sglang.srt.layers.quantization import fp4_utils  # noqa: E402
 from sglang.srt.layers.quantization import modelopt_quant  # noqa: E402
+from sglang.srt.layers.moe import utils as moe_utils  # noqa: E402
 from sglang.srt.layers.rotary_embedding import base as rope  # noqa: E402
 from sglang.srt.model_loader import get_model  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, override_platform, publish  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 assert sglang.__version__ == "0.5.23", sglang.__version__
+assert flashinfer.__version__ == "0.7.2", flashinfer.__version__
+assert hasattr(flashinfer, "nvfp4_block_scale_interleave") and hasattr(moe_utils, "initialize_moe_config")
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert isinstance(rope._is_cpu, bool)
 assert hasattr(modelopt_quant.ModelOptFp4LinearMethod, "process_weights_after_loading")
@@ -67,6 +77,19 @@ PLATFORMS = {
 }
 _current = {"capability": (10, 0)}  # the job's emulated GPU
 NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths")
+MOE_NON_TENSOR = ("intermediate_size_per_partition", "num_local_experts", "num_experts", "moe_ep_size", "moe_ep_rank",
+                  "moe_tp_size", "trtllm_padded_hidden_size")
+
+
+def _ports():
+    """tests/vllm/ports.py (torch only), by its path: the torch ports of FlashInfer's CUDA-only leaf calls the vLLM
+    oracle uses, shared (``tests/vllm`` is not importable as ``vllm`` here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ports", Path(__file__).resolve().parent.parent / "vllm" / "ports.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def patch() -> None:
@@ -92,6 +115,10 @@ def patch() -> None:
     # PATCH 3: compressed-tensors' scheme check asks torch.cuda for the capability; the emulated GPU's.
     torch.cuda.get_device_capability = lambda device=None: _current["capability"]
 
+    # PATCH MoE 1: FlashInfer's nvfp4_block_scale_interleave is a JIT-built CUDA op; its torch port (SGLang's
+    # prepare_static_weights_for_trtllm_fp4_moe imports it from flashinfer at call time).
+    flashinfer.nvfp4_block_scale_interleave = _ports().block_scale_interleave
+
 
 def nvfp4_layers(model):
     """``(prefix, layer)`` of every dense NVFP4 linear module (FusedMoE modules hold ``w13_*`` instead)."""
@@ -101,12 +128,27 @@ def nvfp4_layers(model):
             yield prefix, layer
 
 
+def moe_layers(model):
+    """``(prefix, layer)`` of every NVFP4 FusedMoE module."""
+    for prefix, layer in model.named_modules():
+        names = set(layer_tensors(layer))
+        if "w13_weight" in names and "w13_weight_scale" in names:
+            yield prefix, layer
+
+
 def dump(model, out: Path, rank: int, backend: str) -> None:
     tensors, meta = {}, {}
-    for prefix, layer in nvfp4_layers(model):
+    moe_backend = moe_utils.get_moe_runner_backend().value
+    layers = [(p, l, False) for p, l in nvfp4_layers(model)] + [(p, l, True) for p, l in moe_layers(model)]
+    for prefix, layer, moe in layers:
         scheme = getattr(layer, "scheme", None)
-        info = {"method": type(scheme or layer.quant_method).__name__, "backend": backend, "tensors": {}}
-        info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+        if moe:
+            info = {"method": type(scheme or layer.quant_method).__name__, "backend": moe_backend, "moe": True,
+                    "tensors": {}}
+            info.update({k: getattr(layer, k) for k in MOE_NON_TENSOR if hasattr(layer, k)})
+        else:
+            info = {"method": type(scheme or layer.quant_method).__name__, "backend": backend, "tensors": {}}
+            info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
         seen: dict[tuple[int, int], str] = {}
         for name, value in sorted(layer_tensors(layer).items()):
             key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
@@ -133,15 +175,18 @@ def register_plugin() -> None:
 
 
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
+    arch, _, moe_backend = arch.partition("@")
     plugin = arch.endswith("-plugin")
     if plugin:
         register_plugin()
     arch = arch.removesuffix("-plugin")
-    args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
-                      load_format="nvfp4_repack" if plugin else "auto")
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     _current["capability"] = PLATFORMS[arch]["device_capability"]
     with override_platform(**PLATFORMS[arch]):
+        # resolved on the emulated GPU (its MoE runner backend choice reads the platform), as on that GPU
+        args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
+                          load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto")
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+        moe_utils.initialize_moe_config()  # as the scheduler does
         if not torch.distributed.is_initialized():
             init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")
