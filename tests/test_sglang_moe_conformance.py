@@ -273,7 +273,7 @@ def test_modelopt_gate_and_up_input_scales_that_differ_are_refused_for_sglang(tm
 @pytest.mark.parametrize("fmt,arch", [("modelopt", "sm100"), ("modelopt", "sm120"), ("compressed-tensors", "sm100")])
 def test_verify_fails_an_sglang_moe_tensor_that_is_not_sglangs(fmt, arch, tmp_path):
     """verify's exactness restates every SGLang MoE tensor from the source: a scalar SGLang computes otherwise, or an
-    expert's codes, is named."""
+    expert's codes (through the layout's inverse and, for the first and last expert, its index formulas), is named."""
     gen = torch.Generator().manual_seed(1)
     ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen,
                           shared_input_scales=True)
@@ -297,4 +297,5 @@ def test_verify_fails_an_sglang_moe_tensor_that_is_not_sglangs(fmt, arch, tmp_pa
     weights["w2_weight"] = weights["w2_weight"].clone()
     weights["w2_weight"][1, 0, 0] ^= 0x11
     problems = engine_expert_findings(source, plan, held, rows, layout)
-    assert problems == [f"{module}.1.down_proj: codes differ"], problems
+    assert problems == [f"{module}.1.down_proj: codes differ", f"{module}.1.down_proj: codes or block scales read by "
+                        f"the {record.layout_id} index formulas differ from the source's"], problems
