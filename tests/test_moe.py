@@ -168,9 +168,7 @@ def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
     with pytest.raises(RepackError, match=r"--target sm90: .* Humming's MoE, whose weight transform is a GPU op not "
                                           r"ported here\); .* convert with --target sm80$"):
         moe.moe_layout("sm90")
-    assert moe.moe_layout("sm75", "W4A16") is moe_marlin.FP16  # T4: Marlin in fp16 (its own bytes)
-    with pytest.raises(RepackError, match=r"--target sm75: W4A4 .* pass --weight-only .* convert with --target sm80"):
-        moe.moe_layout("sm75", "W4A4")
+    assert moe.moe_layout("sm75", "W4A16") is moe.moe_layout("sm75") is moe_marlin.FP16  # T4: fp16 (its own bytes)
     for scheme in ("W4A4", "W4A16"):
         with pytest.raises(RepackError, match=r"--target sm90: .* convert with --target sm80$"):
             moe.moe_layout("sm90", scheme)
@@ -487,7 +485,7 @@ def test_inspect_shows_experts_top_k_and_each_familys_moe_layout(capsys):
         "fused_moe_layers": 2, "experts": [4], "top_k": 2, "hidden": 64, "intermediate": [48],
         "shared_expert_modules": 0,
         "layouts": {"sm100": moe_trtllm.LAYOUT_ID, "sm120": moe_cutlass.LAYOUT_ID, "sm90": None,
-                    "sm80": moe_marlin.LAYOUT_ID, "sm75": None}}
+                    "sm80": moe_marlin.LAYOUT_ID, "sm75": moe_marlin.FP16_LAYOUT_ID}}
     assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4")]) == 0
     assert "MoE: 2 FusedMoE layers of 4 experts (top-2)" in " ".join(capsys.readouterr().out.split())
     assert main(["inspect", str(PRODUCERS / "ct_nvfp4"), "--json"]) == 0
@@ -531,9 +529,9 @@ def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, tar
     assert err.startswith("Error: ") and message in err and err.count("\n") == 1, err
     assert not out.exists()
     assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120", "sm80"]
+    assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120", "sm80", "sm75"]
     assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4")]) == 0
-    assert "possible targets: sm100, sm120, sm80 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
+    assert "possible targets: sm100, sm120, sm80, sm75 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
     for name in ("ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"):  # W4A16 experts: vLLM's Marlin MoE on each
         assert main(["inspect", str(PRODUCERS / name), "--json"]) == 0
         info = json.loads(capsys.readouterr().out)

@@ -73,7 +73,7 @@ SYNTHETIC_NAMES = [f"{s}-{f}" for s in SYNTHETIC for f in SYNTHETIC_FORMATS]
 # (name, harness arch, our target, TP): sm80 and its fp16 sibling sm75 (sm120: SM120_CASES)
 DENSE_CASES = ([(n, "sm80", "sm80", tp) for n in DENSE + SYNTHETIC_NAMES for tp in (1, 2)]
                + [(n, "sm75", "sm75", 1) for n in DENSE + SYNTHETIC_NAMES[:2]])
-MOE_CASES = [(n, tp) for n in MOE for tp in (1, 2)]
+MOE_CASES = [(n, a, tp) for n in MOE for a in ("sm80", "sm75") for tp in (1, 2)]  # sm75: fp16 Marlin MoE
 WEIGHT_ONLY_CASES = [(n, a, m) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS for m in ("tp1", "tp2", "ep")]
 
 
@@ -84,8 +84,8 @@ def oracle(checkpoints, tmp_path_factory) -> dict:
     out = {}
     for kind, tp, jobs in (("dense", 1, [(n, a) for n, a, _, t in DENSE_CASES if t == 1]),
                            ("dense", 2, [(n, a) for n, a, _, t in DENSE_CASES if t == 2]),
-                           ("moe", 1, [(n, "sm80-moe") for n, t in MOE_CASES if t == 1]),
-                           ("moe", 2, [(n, "sm80-moe") for n, t in MOE_CASES if t == 2]),
+                           ("moe", 1, [(n, f"{a}-moe") for n, a, t in MOE_CASES if t == 1]),
+                           ("moe", 2, [(n, f"{a}-moe") for n, a, t in MOE_CASES if t == 2]),
                            *((f"wo-{m}", 1 if m == "tp1" else 2,
                               [(n, f"{a}-moe{'-ep' * (m == 'ep')}") for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS])
                              for m in ("tp1", "tp2", "ep"))):
@@ -144,13 +144,13 @@ def test_marlin_bundle_is_byte_identical_to_vllm_or_both_refuse(name, arch, targ
     assert verify_output(out).passed
 
 
-@pytest.mark.parametrize("name,tp", MOE_CASES, ids=[f"{n}-tp{t}" for n, t in MOE_CASES])
-def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, tp, checkpoints, oracle, tmp_path, capsys):
+@pytest.mark.parametrize("name,arch,tp", MOE_CASES, ids=[f"{n}-{a}-tp{t}" for n, a, t in MOE_CASES])
+def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, arch, tp, checkpoints, oracle, tmp_path, capsys):
     """``convert --fuse`` / ``--tp 2`` to sm80: every FusedMoE module of every rank (``MarlinExperts``: repacked
     experts, one scale factor per layer, folded global scales; compressed-tensors' loaded global scales kept) and
     every dense layer beside them, byte for byte; where vLLM refuses, one line and nothing written."""
-    dumped, out = oracle["moe", tp] / f"{name}-sm80-moe", tmp_path / "out"
-    code = main(["convert", str(checkpoints[name]), "-t", "sm80", "--fuse", "--tp", str(tp), "-o", str(out)])
+    dumped, out = oracle["moe", tp] / f"{name}-{arch}-moe", tmp_path / "out"
+    code = main(["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "-o", str(out)])
     err = capsys.readouterr().err
     source = read_source(checkpoints[name])
     group = next(iter(expert_groups(source).values()))
@@ -165,10 +165,12 @@ def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, tp, checkpoint
     for rank in range(tp):
         folder = out / f"rank-{rank}" if tp > 1 else out
         bundle = open_bundle(folder)
-        assert bundle.manifest.layout_id.startswith("marlin-v1")
+        layout = moe_marlin.FP16 if arch == "sm75" else moe_marlin  # T4: fp16 activations, its own scale bytes
+        assert bundle.manifest.layout_id.startswith("marlin-fp16-v1" if arch == "sm75" else "marlin-v1")
         held = {module: ({k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT},
                          record.expert_map) for module, record in bundle.moe_layers().items()}
-        _assert_rank_state(dumped, rank, moe_marlin, held, source, (rank, "cli"))
+        assert all(r.layout_id == layout.LAYOUT_ID for r in bundle.moe_layers().values())
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, "cli"))
         assert _assert_marlin_rank_identical(folder, dumped, rank) == len(bundle.manifest.layers)
     assert verify_output(out).passed
 

@@ -139,8 +139,8 @@ def moe_specs(layout: ModuleType, experts: int, hidden: int, intermediate: int, 
 def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     """The MoE layout module for ``target`` (a Target, or a family name with the checkpoint's ``scheme``): the one
     vLLM's ``auto`` holds there for that scheme (``families.MOE_LAYOUTS``: sm100 W4A4 FlashInfer TRT-LLM-gen, sm120 W4A4
-    FlashInfer CUTLASS, Marlin for sm80 and for weight-only experts on sm100 / sm120 / sm75); a one-line refusal on
-    sm90 (Humming's MoE) and for W4A4 experts on sm75."""
+    FlashInfer CUTLASS, Marlin for sm80 and sm75 (fp16) and for weight-only experts on sm100 / sm120); a one-line
+    refusal on sm90 (Humming's MoE)."""
     from .families import MOE_LAYOUTS
 
     if not isinstance(target, str) and target.engine == "sglang":
@@ -153,10 +153,6 @@ def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     if family in MOE_REFUSALS:
         raise RepackError(MOE_REFUSALS[family])
     layout_id = MOE_LAYOUTS.get(family, {}).get(scheme)
-    if layout_id is None and MOE_LAYOUTS.get(family):
-        raise RepackError(f"--target {family}: {scheme} NVFP4 MoE layers are not supported there yet (not checked "
-                          f"against vLLM's load); pass --weight-only (vLLM serves them weight-only there) or convert "
-                          f"with --target sm80 for Ampere+")
     if layout_id is None:
         raise RepackError(f"--target {family}: NVFP4 MoE layers are not supported there; supported for MoE: "
                           f"{', '.join(MOE_LAYOUTS)}")

@@ -897,16 +897,17 @@ def test_marlin_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, tar
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
 
 
+@pytest.mark.parametrize("target", ["sm80", "sm75"])
 @pytest.mark.parametrize("fixture", MOE_FIXTURES + ["ct_moe_i48_nvfp4"])
-def test_marlin_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture):
-    """A Marlin MoE bundle (sm80: MarlinExperts, one scale factor per layer) against vLLM's auto load of the source:
-    every parameter and buffer of every module, the MoE backend and experts class."""
+def test_marlin_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    """A Marlin MoE bundle (sm80: MarlinExperts, one scale factor per layer; sm75: in fp16) against vLLM's auto load
+    of the source: every parameter and buffer of every module, the MoE backend and experts class."""
     source = _source(tmp_path, fixture)
-    convert(source, "sm80", tmp_path / "bundle", fuse=True)
-    expected = layer_state(load(source, "safetensors", "sm80"))
+    convert(source, target, tmp_path / "bundle", fuse=True)
+    expected = layer_state(load(source, "safetensors", target))
     assert expected["model.layers.0.mlp.experts.routed_experts:backend"] == "MARLIN"
     _delete_weights(source)
-    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, "sm80"))
+    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, target))
     assert not _differences(got, expected), f"{fixture}: differs in {_differences(got, expected)[:8]}"
 
 
