@@ -693,7 +693,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
-                                  partition_scales=engine.engine != "vllm")
+                                  partition_scales=engine.engine != "vllm" and input_scales)
         if layer_plans[0].experts:
             moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
@@ -728,8 +728,9 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
 def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: bool) -> None:
     """One-line refusals of what another engine's bundles cannot hold."""
     if weight_only:
-        raise RepackError(f"--engine {engine} --weight-only: not written yet (SGLang serves NVFP4 weight-only layers "
-                          "with Marlin or FlashInfer's bf16 x fp4 GEMM); convert W4A4 checkpoints for SGLang")
+        raise RepackError(f"--engine {engine} --weight-only: SGLang serves a W4A4 checkpoint weight-only where its auto "
+                          "backend is FP4 Marlin (-t sm90, sm80: written so without --weight-only); elsewhere only "
+                          "under --fp4-gemm-backend marlin, not written here")
     if rescale:
         raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
                           "rescaled bundle would not be its state; convert without --rescale")
@@ -739,17 +740,14 @@ def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: 
 
 def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
     """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
-    if source.activation_scheme != "W4A4":
-        raise RepackError(f"--engine {engine}: {source.quant_algo} (weight-only) checkpoints are not written for "
-                          "SGLang yet (SGLang serves them with Marlin or FlashInfer's bf16 x fp4 GEMM)")
     if source.transforms.layers:
         raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
     if expert_groups(source):
         raise RepackError(f"--engine {engine}: NVFP4 MoE experts are not written for SGLang yet")
-    target = family.for_engine(engine, source.format)
+    target = family.for_engine(engine, source.format, source.activation_scheme)
     if target is None:
-        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves NVFP4 there with Marlin, whose "
-                          "layout is not written for SGLang here; -t sm100 or sm120")
+        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
+                          "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
     return target
 
 

@@ -42,7 +42,9 @@ def test_every_layout_written_is_held_by_every_vllm_version():
 
 def test_every_sglang_layout_written_is_held_by_its_sglang_version():
     written = {t.layout_id for target in TARGETS for t in target.layouts if t.engine == "sglang"}
-    assert written == set(engines.SGLANG_0523.layouts) == set(engines.SGLANG_LAYOUTS.values())
+    assert written == set(engines.SGLANG_0523.layouts) == {*engines.SGLANG_LAYOUTS.values(),
+                                                           *engines.SGLANG_MARLIN_LAYOUTS.values(),
+                                                           engines.SGLANG_BF16_FP4_LAYOUT}
 
 
 @pytest.mark.parametrize("fixture,options", [

@@ -18,7 +18,14 @@ from rich.table import Table
 
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
-from ..targets.engines import ENGINES, SGLANG_0523, SGLANG_DENSE_BACKENDS, engine_versions, resolve_version
+from ..targets.engines import (
+    ENGINES,
+    SGLANG_0523,
+    SGLANG_DENSE_BACKENDS,
+    SGLANG_WEIGHT_ONLY_FAMILIES,
+    engine_versions,
+    resolve_version,
+)
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
@@ -176,7 +183,7 @@ def convert(
         "--weight-only")] = False,
     engine: Annotated[Engine, typer.Option(
         "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
-                         "W4A4 checkpoints, its fused modules under its names; docs/sglang.md).")] = Engine.vllm,
+                         "dense W4A4 and weight-only checkpoints, its fused modules under its names; docs/sglang.md).")] = Engine.vllm,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
         "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
@@ -470,8 +477,9 @@ def targets(as_json: JsonOpt = False) -> None:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
         served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
                   for engine, versions in layout["engines"].items()}
-        if row["name"] in SGLANG_DENSE_BACKENDS:  # W4A4 with --engine sglang (docs/sglang.md)
-            served.add(f"sglang {SGLANG_0523.version} (W4A4, --engine sglang)")
+        if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
+            schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
+            served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
                       row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
     stdout.print(table)

@@ -68,7 +68,19 @@ VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS
 SGLANG_LAYOUTS = {"modelopt": "sglang-modelopt-w4a4-v1", "compressed-tensors": "sglang-ct-w4a4-v1"}
 SGLANG_DENSE_BACKENDS = {"sm100": "flashinfer_cutedsl", "sm120": "flashinfer_cutlass"}
 SGLANG_SAME_STATE_BACKENDS = ("flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_cudnn")
-SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", tuple(SGLANG_LAYOUTS.values()))
+# SGLang's weight-only state (targets/sglang.py: Marlin's and FlashInfer's bf16 x fp4 layouts under its names), per
+# (source format, the checkpoint's activation scheme): FP4 Marlin for ModelOpt W4A16_NVFP4 on every GPU and for every
+# checkpoint where its auto backend is Marlin (sm80-sm90: W4A4 checkpoints served weight-only); compressed-tensors
+# NVFP4A16 on sm100 takes FlashInfer's bf16 x fp4 GEMM (prepare_bf16_fp4_weights, cute-dsl), elsewhere Marlin
+SGLANG_MARLIN_LAYOUTS = {("modelopt", "W4A16"): "sglang-modelopt-marlin-v1",
+                         ("compressed-tensors", "W4A16"): "sglang-ct-marlin-v1",
+                         ("modelopt", "W4A4"): "sglang-modelopt-w4a4-marlin-v1",
+                         ("compressed-tensors", "W4A4"): "sglang-ct-w4a4-marlin-v1"}
+SGLANG_BF16_FP4_LAYOUT = "sglang-ct-w4a16-cutedsl-v1"
+SGLANG_MARLIN_FAMILIES = ("sm90", "sm80")  # auto dense backend marlin: compute capability 8.0 to 9.x
+SGLANG_WEIGHT_ONLY_FAMILIES = ("sm100", "sm120", *SGLANG_MARLIN_FAMILIES)  # sm75: SGLang's FP4 Marlin needs sm80
+SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (*SGLANG_LAYOUTS.values(), *SGLANG_MARLIN_LAYOUTS.values(),
+                                                           SGLANG_BF16_FP4_LAYOUT))
 
 ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
 ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang
