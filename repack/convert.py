@@ -45,7 +45,7 @@ from .formats import SourceModel, read_source
 from .formats.checkpoint import BUNDLE_CONFIG_KEY
 from .formats.hashing import HashingReader, file_hexdigest
 from .formats.hub import hub_sha256
-from .formats.moe import GLOBAL_INPUT_SCALES, expert_groups
+from .formats.moe import expert_groups, input_scale_scope, read_input_scales
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, tensor_bytes
 from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
@@ -54,6 +54,7 @@ from .targets import FAMILIES, Target, resolve_families, resolve_target, several
 from .targets.families import W4A4_LAYOUT_ID
 from .targets.engines import ENGINE_NAMES, HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
+from .targets.sglang import check_sglang_moe_architecture
 from .targets.w4a4 import runs_humming
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
@@ -320,7 +321,7 @@ def _moe_record(source: SourceModel, target: Target, plan: ExpertPlan, tensors: 
         hidden=plan.group.hidden, intermediate=plan.intermediate,
         members={"gate": list(plan.group.gate[local]), "up": list(plan.group.up[local]),
                  "down": list(plan.group.down[local])},
-        input_scales="all" if GLOBAL_INPUT_SCALES[source.format] else "local", tensors=tensors,
+        input_scales=input_scale_scope(source), tensors=tensors,
         expert_map=plan.expert_map if plan.ep else None,
         top_k=top_k if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None,
         rescale_error=rescale_error,
@@ -692,8 +693,10 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                else [engine_target(t, engine.engine, source) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
+        sglang_moe = engine.engine == "sglang" and bool(expert_groups(source))
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
-                                  partition_scales=engine.engine != "vllm" and input_scales)
+                                  partition_scales=engine.engine != "vllm" and input_scales,
+                                  moe_rank_alignment=moe_layout(targets[0]).TP_ALIGNMENT if sglang_moe else 1)
         if layer_plans[0].experts:
             moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
@@ -743,12 +746,29 @@ def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
     if source.transforms.layers:
         raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
     if expert_groups(source):
-        raise RepackError(f"--engine {engine}: NVFP4 MoE experts are not written for SGLang yet")
+        check_sglang_moe_architecture(source.checkpoint.config)
+        _check_sglang_moe_input_scales(source)
     target = family.for_engine(engine, source.format, source.activation_scheme)
     if target is None:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
                           "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
     return target
+
+
+def _check_sglang_moe_input_scales(source: SourceModel) -> None:
+    """SGLang 0.5.23's FusedMoE loader writes a ModelOpt expert's w1 and w3 ``input_scale`` each into both halves of
+    its ``w13_input_scale`` (``_load_single_value``: the one read last stays), so the two must agree (they do where
+    the producer calibrated them on their one input); a one-line refusal naming the first that does not."""
+    if source.format != "modelopt":
+        return
+    for group in expert_groups(source).values():
+        gate, up = (read_input_scales(source, names) for names in (group.gate, group.up))
+        differ = (gate != up).nonzero()
+        if len(differ):
+            e = int(differ[0])
+            raise RepackError(f"{group.gate[e]}: input_scale {float(gate[e]):.6g} is not {group.up[e]}'s "
+                              f"{float(up[e]):.6g}; SGLang 0.5.23 loads one of them into both halves of "
+                              "w13_input_scale (the one it reads last), so its state would depend on its load order")
 
 
 def _layout_ids(plan: BundlePlan) -> list[str]:

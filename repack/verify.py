@@ -44,7 +44,7 @@ from .errors import RepackError
 from .formats import SourceModel, read_source
 from .formats.checkpoint import contained_file
 from .formats.hashing import file_hexdigest, new_digest
-from .formats.moe import GLOBAL_INPUT_SCALES, ExpertGroup, expert_groups, kept_scales
+from .formats.moe import ExpertGroup, expert_groups, input_scale_scope, kept_scales
 from .formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, map_chunks, map_tensor, read_rows, tensor_bytes
 from .formats.transforms import load_matrix, runtime_matrix
 from .lane import one_torch_thread
@@ -56,7 +56,9 @@ from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
 from .targets.sglang import restated_differences
 from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
-from .verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, expert_findings, expert_numerics, scalar_names
+from .targets.moe import MADE_FROM
+from .verify_moe import (EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, engine_expert_findings, expert_findings,
+                         expert_numerics, scalar_names)
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -531,8 +533,14 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     if plan is None:
         check.fail(problem, "exactness")
         return check
-    if record.input_scales != ("all" if GLOBAL_INPUT_SCALES[src.format] else "local"):
+    if record.input_scales != input_scale_scope(src):
         check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
+    if getattr(layout, "engine", "vllm") != "vllm":  # SGLang's state: exactness, tensor by tensor
+        held = {name: bundle.read(f"{module}.{name}") for name in specs if name not in MADE_FROM}
+        for problem in engine_expert_findings(src, plan, held, lambda name, first, last: read_rows(
+                entries[name], first, last), layout):
+            check.fail(problem, "exactness")
+        return check
     for name in sorted(set(kept_scales(src, plan.group, plan.experts)) - set(bundle.manifest.passthrough)):
         check.fail(f"{name}: missing from the bundle (vLLM keeps it on {module} as loaded)", "exactness")
     scalars = {name: read_rows(entries[name], 0, record.local_experts) for name in scalar_names(layout)}
@@ -548,7 +556,7 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     experts = numerics_experts(record.local_experts, findings.odd, numerics, gen)
     check.numerics_experts = len(experts)
     if experts:
-        w4a4 = "w13_input_scale" in specs  # Marlin: weight-only experts
+        w4a4 = not layout.WEIGHT_ONLY  # Marlin: weight-only experts
         errors = expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=w4a4)
         check.max_rel_error = max(errors.values())
         bound, kind = (EXPERT_W4A4_REL_ERROR, "FP4 x FP4") if w4a4 else (EXPERT_REL_ERROR, "weight-only")

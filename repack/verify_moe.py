@@ -82,7 +82,7 @@ def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
     for start in range(first, last, step):
         chunk = (start, min(start + step, last))
         part = {name: held(name, chunk[0] - first, chunk[1] - first)
-                for name in (*weights, *getattr(layout, "INVERSE_READS", ()))}  # Marlin: what gives its factor
+                for name in (*weights, *layout.INVERSE_READS)}  # Marlin: what gives its factor
         problems += _check_chunk(source, plan, chunk, part, layout, scales, largest)
     return ExpertFindings(problems, odd)
 
@@ -90,6 +90,32 @@ def expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
 def scalar_names(layout: ModuleType) -> list[str]:
     """The layout's per-expert scalars (float32 ``[E]``): the folded alphas and input scales (sm100: ``g1_scale_c``)."""
     return [name for name, spec in layout.runtime_specs(1, BLOCK_SIZE, BLOCK_SIZE).items() if len(spec.shape) == 1]
+
+
+def engine_expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor],
+                           weight_rows: RowsOf, layout: ModuleType) -> list[str]:
+    """Exactness of another engine's FusedMoE layer (SGLang's: its names, its loaded scales kept, its own scalars):
+    every non-weight tensor (``held``) against the one the layout makes from the source's stored scales, byte for
+    byte, then the experts' codes, block scales and padding (``weight_rows``), ``CHECK_EXPERTS`` at a time, as for
+    vLLM's layouts. The problems, one line each."""
+    first, last = plan.experts
+    plan = replace(plan, stored=True)
+    expected = layout.to_runtime(assemble_experts(source, plan, fields=("multipliers",)), plan.prefix, list(held))
+    problems = [f"{plan.prefix}: {name} is not what SGLang computes from the source's scales"
+                for name, tensor in held.items() if _differs_whole(tensor, expected[name])]
+    weights = [name for name in layout.runtime_specs(last - first, plan.group.hidden, plan.intermediate)
+               if name in MADE_FROM]
+    scales = expert_input_scales(source, plan)
+    for start in range(first, last, CHECK_EXPERTS):
+        chunk = (start, min(start + CHECK_EXPERTS, last))
+        part = {name: weight_rows(name, chunk[0] - first, chunk[1] - first) for name in weights}
+        problems += _check_chunk(source, plan, chunk, part, layout, scales)
+    return problems
+
+
+def _differs_whole(held: torch.Tensor, want: torch.Tensor) -> bool:
+    return held.dtype != want.dtype or held.shape != want.shape or not torch.equal(
+        held.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _check_scalars(source: SourceModel, plan: ExpertPlan, held: RowsOf, layout: ModuleType,
@@ -130,7 +156,7 @@ def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], 
     are ``held`` (compared with the source's as the layout's kernel reads them: Marlin flushes its smallest
     scales)."""
     stack = replace(assemble_experts(source, plan, chunk=chunk, input_scales=scales), largest_scales=largest)
-    source_stack = layout.read_as(stack) if hasattr(layout, "read_as") else stack
+    source_stack = layout.read_as(stack) if layout.LAYER_SCALE_FACTOR else stack
     group, inter = plan.group, plan.intermediate
     ours = layout.from_runtime(held, group.hidden, inter)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
@@ -167,7 +193,8 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
                     layout: ModuleType, experts: list[int], generator: torch.Generator, tokens: int = 8,
                     w4a4: bool = False) -> dict[str, float]:
     """Relative L2 error of ``x @ Wᵀ`` per sampled expert (indices among the plan's) and projection, the held side
-    decoded by the layout's index formulas alone (``decode_expert``), against the float64 dequantized source, each
+    decoded by the layout's index formulas alone (``decode_expert``), against the float64 dequantized source (as the
+    layout's kernel reads it: Marlin's ``read_as``), each
     projection with its own multiplier (so a w3 multiplier that differs from w1's, which vLLM drops, shows up).
 
     Weight-only (default): the held multiplier is read back as ``w*_weight_scale_2 / w*_input_scale``. ``w4a4``: as
@@ -179,14 +206,16 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
     (other activation codes) or alpha shows up as it would on the GPU, and nothing else does. ``held``: the tensors
     or a function giving rows of them (one expert's are read at a time)."""
     rows_held = held if callable(held) else rows_of(held)
-    group, inter = plan.group, plan.intermediate
+    group, inter, weight_only = plan.group, plan.intermediate, layout.WEIGHT_ONLY  # Marlin: its own multiplier
     input_scales = expert_input_scales(source, plan)
+    largest = largest_expert_scales(source, plan, layout, CHECK_EXPERTS)  # Marlin: the layer's one scale factor
     errors = {}
     for e in experts:
         at = plan.experts[0] + e
         source_stack = assemble_experts(source, plan, chunk=(at, at + 1), input_scales=input_scales)  # it alone
+        if layout.LAYER_SCALE_FACTOR:  # as the kernel reads it: Marlin flushes the scales below its factor's range
+            source_stack = layout.read_as(replace(source_stack, largest_scales=largest))
         for which, projs in (("w13", ("gate", "up")), ("w2", ("down",))):
-            weight_only = hasattr(layout, "expert_multiplier")  # Marlin: no input scales, its own multiplier
             one = {f"{which}_{part}": rows_held(f"{which}_{part}", e, e + 1)
                    for part in ("weight", "weight_scale", "weight_scale_2", "input_scale")[:3 if weight_only else 4]}
             codes, scales = layout.decode_expert(one, 0, which, group.hidden, inter)
@@ -197,8 +226,6 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
             ref_codes = getattr(source_stack, f"{which}_codes")[0]
             ref_scales = getattr(source_stack, f"{which}_scales")[0]
             own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)
-            source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
-            source_gs = 1.0 / source_scale
             rows = codes.shape[0] // len(projs)
             for i, proj in enumerate(projs):
                 part = slice(i * rows, (i + 1) * rows)
@@ -206,6 +233,8 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
                 ref = NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1))
                 x = torch.randn(tokens, ref.k, generator=generator)
                 if w4a4:  # activations in the range the scale was calibrated for (amax = 2688 x input scale)
+                    source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
+                    source_gs = 1.0 / source_scale
                     x = (x * (CALIBRATED_STD * E2M1_MAX * E4M3_MAX) * source_scale.double()).to(torch.bfloat16)
                     x_codes, x_scales = quantize_activations(x, (1.0 / a_scale).reshape(1))
                     x_held = dequantize(NVFP4Weight(x_codes, x_scales, torch.ones(1)), torch.float64)

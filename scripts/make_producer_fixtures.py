@@ -103,6 +103,7 @@ MOE_FIXTURES = [
     "ct_moe_nvfp4a16",
     "ct_moe_i48_nvfp4",
     "modelopt_moe_nvfp4",
+    "modelopt_moe_w4a16_nvfp4",
     "modelopt_moe_i48_nvfp4",
 ]
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]  # llm-compressor's Qwen3-MoE examples: the router stays bf16
@@ -431,6 +432,10 @@ def make_ct_moe_i48_nvfp4(name):
 
 def make_modelopt_moe_nvfp4(name):
     _modelopt(name, "NVFP4_DEFAULT_CFG", shard=False, base="base_moe_bf16")
+
+
+def make_modelopt_moe_w4a16_nvfp4(name):
+    _modelopt(name, "W4A16_NVFP4_CFG", shard=False, base="base_moe_bf16")
 
 
 def make_modelopt_moe_i48_nvfp4(name):

@@ -8,8 +8,9 @@
 #                                          # (its engines build meanwhile, measure once the tests end); then poll for S
 #                                          # seconds (default 540)
 #   bash scripts/vllm_gpu_run.sh poll [S]  # wait up to S seconds more (default 570) for both; logs into $OUT
-# GPU_TESTS overrides the test files (pytest arguments); BENCH_JOBS, BENCH_PARALLEL and BENCH_BUDGET the benchmark's
-# jobs, wave size and time (seconds); NO_BENCH=1 runs the tests only. STAGE, SITE and TREE (default /tmp/stage,
+# GPU_TESTS overrides the tests (pytest arguments; groups separated by ';' run as that many pytest processes at once,
+# each logging to tests-N.log: the engines' compiles are CPU-bound, the GPU is mostly idle); BENCH_JOBS, BENCH_PARALLEL
+# and BENCH_BUDGET the benchmark's jobs, wave size and time (seconds); NO_BENCH=1 runs the tests only. STAGE, SITE and TREE (default /tmp/stage,
 # /tmp/site, /tmp/tree) and RUN (its logs and markers, default /tmp) keep two kits apart on one machine (vLLM 0.34:
 # /tmp/stage034, /tmp/site034, /tmp/tree034, /tmp/run034).
 set -uo pipefail
@@ -23,6 +24,7 @@ TESTS=${GPU_TESTS:-"tests/test_gpu_vllm.py tests/test_gpu_runtime.py"}
 step=${1:?usage: vllm_gpu_run.sh prep|go|poll [seconds]}
 
 collect() {  # what comes back: at most 8 files
+  cat "$RUN"/tests-*.log >"$RUN"/tests.log 2>/dev/null
   cp "$RUN"/tests.log "$RUN"/bench.log "$RUN"/bench.json "$RUN"/bench-prep.log "$OUT"/ 2>/dev/null
   tar czf "$OUT/bench-logs.tgz" -C "$RUN"/bench logs 2>/dev/null
   grep -hE "passed|failed|^FAILED|^ERROR|^E  |mean \||greedy vs|split at|^\[vLLM " "$RUN"/tests.log 2>/dev/null | tail -40
@@ -46,6 +48,19 @@ PY
 
 finished() { [ -e "$RUN"/tests.done ] && [ -e "$RUN"/bench.done ]; }
 
+run_tests() {  # each ';'-separated group of $TESTS in its own pytest process, all at once; tests.done once all end
+  local i=0 group
+  rm -f "$RUN"/tests-*.log
+  IFS=';' read -ra groups <<<"$TESTS"
+  for group in "${groups[@]}"; do
+    [ -n "${group// /}" ] || continue
+    (eval "timeout 1500 python3 -m pytest -q -p no:cacheprovider -rs -s $group" >"$RUN/tests-$i.log" 2>&1) &
+    i=$((i + 1))
+  done
+  wait
+  touch "$RUN"/tests.done
+}
+
 case $step in
   prep)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; df -h /tmp | tail -1
@@ -61,8 +76,7 @@ case $step in
     # typer needs pydantic, which comes with the kit
     export PYTHONPATH=$TREE:$SITE
     cd "$TREE"
-    setsid nohup bash -c "timeout 1500 python3 -m pytest -q -p no:cacheprovider -rs -s $TESTS >$RUN/tests.log 2>&1; \
-      touch $RUN/tests.done" >/dev/null 2>&1 &
+    GPU_TESTS=$TESTS setsid nohup bash "$TREE"/scripts/vllm_gpu_run.sh tests >/dev/null 2>&1 &
     if [ -n "${NO_BENCH:-}" ]; then
       touch "$RUN"/bench.done
     else
@@ -76,6 +90,7 @@ case $step in
     end=$((SECONDS + ${2:-540}))
     until finished || [ $SECONDS -ge $end ]; do sleep 5; done
     collect ;;
+  tests) run_tests ;;
   poll)
     end=$((SECONDS + ${2:-570}))
     until finished || [ $SECONDS -ge $end ]; do sleep 5; done

@@ -7,6 +7,7 @@ interpreter, so nothing this test process imported can hide an import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from repack import __version__
+from repack.errors import RepackError
 from repack.targets import TARGETS
+from repack.targets.moe import moe_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +46,15 @@ def test_help_version_and_targets_never_import_torch(argv):
     assert not heavy, f"{' '.join(argv)} imported {heavy[:5]}"
 
 
+def _moe_layouts(family: str) -> dict[str, str]:
+    """Per checkpoint scheme, the MoE layout module convert picks on ``family`` (none where it refuses MoE)."""
+    out = {}
+    for scheme in ("W4A4", "W4A16"):
+        with contextlib.suppress(RepackError):
+            out[scheme] = moe_layout(family, scheme).LAYOUT_ID
+    return out
+
+
 def test_targets_lists_the_capability_table_without_the_layouts():
     """``targets`` reads the table's torch-free rows: they are the very facts the layouts' Targets carry."""
     run = subprocess.run([sys.executable, "-m", "repack.cli", "targets", "--json"], capture_output=True, text=True,
@@ -54,7 +66,7 @@ def test_targets_lists_the_capability_table_without_the_layouts():
                  "layouts": {layout.scheme: {"layout_id": layout.layout_id, "kernels": list(layout.kernels),
                                              "engines": {"vllm": ["0.33", "0.34"]}}
                              for layout in t.layouts if layout.engine == "vllm"},
-                 "description": t.description} for t in TARGETS]
+                 "moe_layouts": _moe_layouts(t.name), "description": t.description} for t in TARGETS]
     assert json.loads(run.stdout) == expected
 
 

@@ -29,6 +29,7 @@ from repack.formats.moe import expert_groups, find_expert_groups
 from repack.nvfp4 import BLOCK_SIZE
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets import moe, moe_cutlass, moe_marlin, moe_trtllm
+from repack.targets.families import MOE_LAYOUTS
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
 from repack.verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, check_experts, expert_numerics
@@ -158,11 +159,17 @@ def test_block_scale_interleave_port_is_flashinfers_128x4(experts, rows, cols, r
 def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
     assert moe.moe_layout("sm100") is moe_trtllm and moe.moe_layout("sm120") is moe_cutlass
     assert moe.moe_layout("sm80") is moe.moe_layout("sm100", "W4A16") is moe.moe_layout("sm120", "W4A16") is moe_marlin
+    assert moe.moe_layout("sm80", "W4A16") is moe_marlin  # weight-only experts: Marlin wherever vLLM has an MoE (issue 36)
+    for family, schemes in MOE_LAYOUTS.items():  # the torch-free table names layout modules
+        assert all(moe.moe_layout_by_id(layout_id) is moe.moe_layout(family, s) for s, layout_id in schemes.items())
     with pytest.raises(RepackError, match=r"--target sm90: .* Humming's MoE, whose weight transform is a GPU op not "
                                           r"ported here\); .* convert with --target sm80$"):
         moe.moe_layout("sm90")
-    with pytest.raises(RepackError, match=r"--target sm75: .* convert with --target sm80"):
-        moe.moe_layout("sm75")
+    for scheme in ("W4A4", "W4A16"):
+        with pytest.raises(RepackError, match=r"--target sm75: .* convert with --target sm80"):
+            moe.moe_layout("sm75", scheme)
+        with pytest.raises(RepackError, match=r"--target sm90: .* convert with --target sm80$"):
+            moe.moe_layout("sm90", scheme)
 
 
 @pytest.mark.parametrize("intermediate", [48, 96, 8])
@@ -385,8 +392,6 @@ def test_refusals_are_one_line(tmp_path, random_seed):
         find_expert_groups(layers)
     with pytest.raises(RepackError, match="--tp 8: .* not a multiple of 16"):
         plan_experts(source, 8, 0)
-    with pytest.raises(RepackError, match="NVFP4A16 MoE .* Marlin; supported: W4A4"):
-        plan_experts(read_source(PRODUCERS / "ct_moe_nvfp4a16"))  # llm-compressor's W4A16 MoE
     with pytest.raises(RepackError, match="--ep: .* give --tp N with N > 1"):
         plan_layers(source, fuse=True, ep=True)
     unnamed = dataclasses.replace(source, layers={p: v for p, v in source.layers.items() if ".experts." not in p})
@@ -525,6 +530,9 @@ def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, tar
     assert json.loads(capsys.readouterr().out)["targets"] == ["sm100", "sm120", "sm80"]
     assert main(["inspect", str(PRODUCERS / "modelopt_moe_nvfp4")]) == 0
     assert "possible targets: sm100, sm120, sm80 (with --fuse or --tp N)" in " ".join(capsys.readouterr().out.split())
-    assert main(["inspect", str(PRODUCERS / "ct_moe_nvfp4a16"), "--json"]) == 0  # W4A16 experts: Marlin's, refused
-    info = json.loads(capsys.readouterr().out)
-    assert info["targets"] == [] and "weight-only experts) is not supported" in info["moe"]["unsupported"]
+    for name in ("ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"):  # W4A16 experts: vLLM's Marlin MoE on each
+        assert main(["inspect", str(PRODUCERS / name), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["targets"] == ["sm100", "sm120", "sm80"], name
+        assert info["moe"]["layouts"] == {"sm100": "moe-marlin-v1", "sm120": "moe-marlin-v1", "sm90": None,
+                                          "sm80": "moe-marlin-v1", "sm75": None}, name

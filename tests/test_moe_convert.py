@@ -22,7 +22,7 @@ from repack.convert import convert
 from repack.errors import Interrupted, RepackError
 from repack.formats import read_source
 from repack.sample.synthetic import write_qwen_moe
-from repack.targets import moe_cutlass, moe_trtllm
+from repack.targets import moe_cutlass, moe_marlin, moe_trtllm
 from repack.targets.moe import w3w1
 
 from .conftest import PRODUCERS
@@ -242,7 +242,8 @@ def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeyp
 @pytest.mark.parametrize("name,args,code,message", [
     ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there"),
     ("ct_moe_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: NVFP4 MoE layers are not supported there"),
-    ("ct_moe_nvfp4a16", ["-t", "sm120", "--tp", "2"], 1, "Error: NVFP4A16 MoE (weight-only experts) is not supported"),
+    ("ct_moe_nvfp4a16", ["-t", "sm90", "--tp", "2"], 1, "(--moe-backend marlin): convert with --target sm80"),
+    ("modelopt_moe_w4a16_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: NVFP4 MoE layers are not"),
     ("ct_moe_i48_nvfp4", ["-t", "sm120", "--fuse"], 1,  # 2I with its numbers, and no word of the hidden size (issue 38)
      "vLLM 0.33 does: 2 x intermediate size per rank (2 x 48 = 96) must be a multiple of 128\n"),
     ("ct_moe_nvfp4", ["-t", "sm100", "--fuse", "--ep"], 2, "--ep places whole experts on tensor-parallel ranks"),
@@ -259,7 +260,7 @@ def test_moe_refusals_are_one_line_and_write_nothing(tmp_path, capsys, name, arg
     ("experts", [3, 5], "experts \\[3, 5\\] \\(2 local\\) of 4 or rows"),
     ("local_experts", 3, "experts \\[2, 4\\] \\(3 local\\) of 4"),
     ("expert_map", [0, 1, -1], "expert_map must give each of the 4 experts"),
-    ("input_scales", "some", "input_scales must be all or local"),
+    ("input_scales", "some", "input_scales must be all, local or none"),
     ("members", {"gate": [], "up": [], "down": []}, "members must name each held expert"),
     ("layout_id", "moe-flashinfer-cutlass-v1", "is not sm100's \\(moe-flashinfer-trtllm-v1\\)"),
     ("tensors", "drop g1_scale_c", "are not the moe-flashinfer-trtllm-v1 layout's"),
@@ -398,3 +399,59 @@ def test_a_layer_missing_its_last_experts_is_refused_against_the_config(tmp_path
         assert err == (f"Error: model.layers.{layers[0]}.mlp.experts: config.json's num_experts is 4 but expert 3 has "
                        "no NVFP4 gate_proj; expected experts 0..3, each with gate_proj, up_proj, down_proj\n")
         assert not (tmp_path / "out").exists()
+
+
+WEIGHT_ONLY = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"]  # llm-compressor's NVFP4A16, ModelOpt's W4A16_NVFP4
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm100", "sm120"])
+@pytest.mark.parametrize("name,tp,ep", [(WEIGHT_ONLY[0], 1, False), (WEIGHT_ONLY[1], 2, False),
+                                        (WEIGHT_ONLY[0], 2, True), (WEIGHT_ONLY[1], 2, True)])
+def test_weight_only_moe_converts_to_marlin_moe_on_every_family_vllm_serves_it(tmp_path, capsys, name, tp, ep, target):
+    """Weight-only experts (no input scales) get vLLM's auto MoE backend for them on sm80, sm100 and sm120, Marlin's
+    (issue 36): each rank's FusedMoE tensors are moe_marlin's of its experts (one scale factor over the rank's),
+    the record says so and holds no input scales, compressed-tensors' kept global scales ride along (no input
+    ones: the source has none), and verify passes, then names a corrupted expert."""
+    out = tmp_path / "out"
+    args = ["convert", str(PRODUCERS / name), "-t", target, "--fuse", "--tp", str(tp), "-o", str(out)]
+    assert main(args + ["--ep"] * ep) == 0, capsys.readouterr().err
+    source = read_source(PRODUCERS / name)
+    for rank in range(tp):
+        bundle = open_bundle(out / f"rank-{rank}" if tp > 1 else out)
+        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is moe_marlin
+        for module, record in bundle.moe_layers().items():
+            plan = plan_experts(source, tp, rank, ep)[record.source]
+            assert (record.layout_id, record.backend, record.input_scales) == ("moe-marlin-v1", "MARLIN", "none")
+            stack = assemble_experts(source, plan)
+            assert stack.w13_input_scale.shape == (0, 2) and stack.w2_input_scale.shape == (0,)
+            want = moe_marlin.to_runtime(stack, plan.prefix)
+            held = bundle.moe_tensors(module)
+            assert set(held) == set(want), module
+            for part, tensor in want.items():
+                assert torch.equal(held[part].view(torch.uint8), tensor.view(torch.uint8)), (rank, module, part)
+        kept = [n for n in bundle.manifest.passthrough if ".experts." in n]
+        held_experts = 4 // tp if ep else 4
+        assert all(n.endswith(".weight_global_scale") for n in kept), kept
+        assert len(kept) == (0 if name.startswith("modelopt") else 2 * 3 * held_experts), kept  # layers x projs x experts
+    assert _verify(out, capsys)[0] == 0
+    rank = out / "rank-1" if tp > 1 else out
+    held = open_bundle(rank).moe_tensors(MODULE)
+    w2 = held["w2_weight"].clone()
+    w2[-1].view(-1)[100] ^= 0x22  # the last expert of the (last) rank: global expert 3
+    rewrite_consistently(rank, f"{MODULE}.w2_weight", w2)
+    code, text = _verify(out, capsys)
+    assert code == 1 and "model.layers.1.mlp.experts.3.down_proj: codes differ" in text, text
+
+
+def test_weight_only_moe_synthetic_shapes_round_trip_through_marlin(tmp_path):
+    """Fresh weight-only MoE checkpoints of both formats, a hidden size Marlin pads I to 128 for (192) and I = 96:
+    every bundle verifies against its source."""
+    gen = torch.Generator().manual_seed(36)
+    for fmt in ("modelopt", "compressed-tensors"):
+        src = write_qwen_moe(tmp_path / fmt, fmt, hidden=192, experts=3, intermediate=96, generator=gen, layers=2,
+                             w4a4=False)
+        assert read_source(src).activation_scheme == "W4A16"
+        for target in ("sm80", "sm100"):
+            convert(src, target, tmp_path / f"{fmt}-{target}", tp=2)
+            assert open_bundle(tmp_path / f"{fmt}-{target}" / "rank-0").moe_layout is moe_marlin
+            assert main(["verify", str(tmp_path / f"{fmt}-{target}")]) == 0

@@ -221,7 +221,6 @@ def test_plugin_refuses_in_one_line(job, plugin_oracle):
 @pytest.mark.parametrize("fixture,options,says", [
     ("modelopt_nvfp4", {"weight_only": True}, "--weight-only"),
     ("modelopt_nvfp4", {"rescale": True}, "--rescale"),
-    ("modelopt_moe_nvfp4", {}, "MoE"),
     ("ct_quip_vu_had32_nvfp4", {}, "online transforms"),
 ])
 def test_what_sglang_bundles_do_not_hold_is_refused_in_one_line(fixture, options, says, tmp_path):

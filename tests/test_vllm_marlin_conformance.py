@@ -25,7 +25,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups
-from repack.sample.synthetic import write_llama
+from repack.sample.synthetic import write_llama, write_qwen_moe
 from repack.targets import moe_marlin
 from repack.verify import verify_output
 
@@ -36,12 +36,20 @@ from .test_vllm_moe_conformance import _assert_rank_state
 DENSE = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
 MOE = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4", "ct_qwen2_moe_nvfp4"]
 KEPT = {"weight_multiplier"}  # in the bundle for the inverse (the scale factor), not loaded into vLLM
+# Weight-only MoE checkpoints (issue 36): vLLM's auto serves their experts with Marlin on sm80, sm100 and sm120 alike.
+# "wo-*": fresh synthetic ones, hidden 192 (Marlin pads I to 128 when H is not a multiple of 128), I 96 (48 per rank
+# at TP 2), 3 experts (2 + 1 under --ep).
+WEIGHT_ONLY_MOE = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4", "wo-modelopt", "wo-compressed-tensors"]
+WEIGHT_ONLY_SHAPE = dict(hidden=192, experts=3, intermediate=96, layers=2, w4a4=False)
+WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120")  # harness "<family>-moe": the family's capability, vLLM's auto MoE
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     gen, root, _ = seeded_folder(tmp_path_factory, "vllm-marlin-ckpts")
-    out = {name: PRODUCERS / name for name in DENSE + MOE}
+    out = {name: PRODUCERS / name for name in DENSE + MOE + WEIGHT_ONLY_MOE[:2]}
+    for fmt in ("modelopt", "compressed-tensors"):
+        out[f"wo-{fmt}"] = write_qwen_moe(root / f"wo-{fmt}", fmt, generator=gen, **WEIGHT_ONLY_SHAPE)
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt, w4a4 in SYNTHETIC_FORMATS.items():
             out[f"{shape}-{fmt}"] = write_llama(root / f"{shape}-{fmt}", fmt, hidden=hidden, heads=heads, kv_heads=kv,
@@ -55,6 +63,7 @@ DENSE_CASES = ([(n, "sm80", "sm80", tp) for n in DENSE + SYNTHETIC_NAMES for tp 
                + [(n, "sm75", "sm75", 1) for n in DENSE + SYNTHETIC_NAMES[:2]]
                + [(n, "sm120-auto", "sm80", 1) for n in ("modelopt_w4a16_nvfp4", "ct_nvfp4a16")])
 MOE_CASES = [(n, tp) for n in MOE for tp in (1, 2)]
+WEIGHT_ONLY_CASES = [(n, a, m) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS for m in ("tp1", "tp2", "ep")]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +74,10 @@ def oracle(checkpoints, tmp_path_factory) -> dict:
     for kind, tp, jobs in (("dense", 1, [(n, a) for n, a, _, t in DENSE_CASES if t == 1]),
                            ("dense", 2, [(n, a) for n, a, _, t in DENSE_CASES if t == 2]),
                            ("moe", 1, [(n, "sm80-moe") for n, t in MOE_CASES if t == 1]),
-                           ("moe", 2, [(n, "sm80-moe") for n, t in MOE_CASES if t == 2])):
+                           ("moe", 2, [(n, "sm80-moe") for n, t in MOE_CASES if t == 2]),
+                           *((f"wo-{m}", 1 if m == "tp1" else 2,
+                              [(n, f"{a}-moe{'-ep' * (m == 'ep')}") for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS])
+                             for m in ("tp1", "tp2", "ep"))):
         folder = tmp_path_factory.mktemp(f"vllm-marlin-{kind}-{tp}")
         args = [a for name, arch in jobs for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
@@ -150,6 +162,34 @@ def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, tp, checkpoint
     assert verify_output(out).passed
 
 
+@pytest.mark.parametrize("name,arch,mode", WEIGHT_ONLY_CASES, ids=[f"{n}-{a}-{m}" for n, a, m in WEIGHT_ONLY_CASES])
+def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, checkpoints, oracle, tmp_path, capsys):
+    """Weight-only MoE checkpoints (llm-compressor NVFP4A16, ModelOpt W4A16_NVFP4, both formats synthetic) with
+    ``convert -t <family> --fuse`` / ``--tp 2`` / ``--tp 2 --ep``: vLLM's auto picks MARLIN for the experts on sm80,
+    sm100 and sm120 (no FP4 x FP4 MoE backend takes bf16 activations), and every FusedMoE module of every rank is the
+    bundle's, byte for byte (compressed-tensors' loaded global scales kept; the input ones, which the source lacks,
+    left as vLLM allocated them: names only); sm80's dense Marlin layers too. The dense layers of sm100 / sm120
+    bundles are their families' W4A16 layouts, held to vLLM by tests/test_vllm_conformance.py."""
+    tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
+    suffix = "-ep" if ep else ""
+    dumped, out = oracle[f"wo-{mode}"] / f"{name}-{arch}-moe{suffix}", tmp_path / "out"
+    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
+    code = main(["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "-o", str(out)]
+                + ["--ep"] * ep)
+    assert code == 0, capsys.readouterr().err
+    source = read_source(checkpoints[name])
+    for rank in range(tp):
+        folder = out / f"rank-{rank}" if tp > 1 else out
+        bundle = open_bundle(folder)
+        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is moe_marlin
+        held = {module: ({k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT},
+                         record.expert_map) for module, record in bundle.moe_layers().items()}
+        _assert_rank_state(dumped, rank, moe_marlin, held, source, (rank, arch, mode))
+        if arch == "sm80":
+            assert _assert_marlin_rank_identical(folder, dumped, rank) == len(bundle.manifest.layers)
+    assert verify_output(out).passed
+
+
 def test_vllm_auto_serves_weight_only_checkpoints_on_sm120_with_marlin(oracle):
     """What ``--target sm120`` should write for a W4A16 checkpoint: vLLM 0.33's auto picks Marlin there (the
     cute-dsl W4A16 kernel only on sm100 / sm103), the same bytes as sm80 (docs/marlin.md)."""
@@ -162,13 +202,15 @@ def test_vllm_auto_serves_weight_only_checkpoints_on_sm120_with_marlin(oracle):
 # alias of weight, retired per-partition scales, the MoE methods' loaded scales), bookkeeping the plugin reproduces
 V034_DENSE = [(n, a, t) for n in DENSE for a, t in (("sm80", "sm80"), ("sm75", "sm75"))]
 V034_MOE = MOE[:4]
+V034_WEIGHT_ONLY = [(n, a) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS]
 
 
 @pytest.fixture(scope="module")
 def oracle_034(checkpoints, tmp_path_factory) -> dict:
     python = _vllm_python("0.34")
     out = {}
-    for kind, jobs in (("dense", [(n, a) for n, a, _ in V034_DENSE]), ("moe", [(n, "sm80-moe") for n in V034_MOE])):
+    for kind, jobs in (("dense", [(n, a) for n, a, _ in V034_DENSE]),
+                       ("moe", [(n, "sm80-moe") for n in V034_MOE] + [(n, f"{a}-moe") for n, a in V034_WEIGHT_ONLY])):
         folder = tmp_path_factory.mktemp(f"vllm034-marlin-{kind}")
         args = [a for name, arch in jobs for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--out", str(folder), *args], check=True, timeout=1500,
@@ -206,6 +248,23 @@ def test_marlin_moe_bundle_holds_vllm_034s_kernel_tensors(name, checkpoints, ora
     dumped = oracle_034["moe"] / f"{name}-sm80-moe"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     convert(checkpoints[name], "sm80", tmp_path / "bundle", fuse=True, vllm="0.34")
+    bundle = open_bundle(tmp_path / "bundle")
+    theirs = load_file(dumped / "moe-rank-0.safetensors")
+    meta = json.loads((dumped / "moe-rank-0.json").read_text())
+    assert sorted(meta) == sorted(bundle.moe_layers())
+    for module, info in meta.items():
+        assert (info["backend"], info["experts"]) == ("MARLIN", "MarlinExperts"), info
+        held = {k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT}
+        _assert_held_034(held, info, theirs, module)
+
+
+@pytest.mark.parametrize("name,arch", V034_WEIGHT_ONLY, ids=[f"{n}-{a}" for n, a in V034_WEIGHT_ONLY])
+def test_weight_only_moe_bundle_holds_vllm_034s_marlin_tensors(name, arch, checkpoints, oracle_034, tmp_path):
+    """vLLM 0.34's auto serves weight-only experts with Marlin on sm80, sm100 and sm120 too: each FusedMoE module
+    holds the bundle's tensors under their names, byte for byte."""
+    dumped = oracle_034["moe"] / f"{name}-{arch}-moe"
+    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
+    convert(checkpoints[name], arch, tmp_path / "bundle", fuse=True, vllm="0.34")
     bundle = open_bundle(tmp_path / "bundle")
     theirs = load_file(dumped / "moe-rank-0.safetensors")
     meta = json.loads((dumped / "moe-rank-0.json").read_text())

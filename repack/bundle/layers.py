@@ -27,6 +27,7 @@ from ..formats.moe import (
 from ..formats.safetensors_io import TensorEntry, read_tensor
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceMatrix, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, check_block_scales, dequantize
+from ..targets.layout import round_up
 from ..targets.moe import ExpertStack
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
@@ -244,12 +245,13 @@ def with_partition_scales(layers: dict[str, OutputLayer], source: SourceModel) -
 
 
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
-                input_scales: bool = False, ep: bool = False, partition_scales: bool = False) -> list[LayerPlan]:
+                input_scales: bool = False, ep: bool = False, partition_scales: bool = False,
+                moe_rank_alignment: int = 1) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
     once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules), and for an MoE
     model its FusedMoE layers (``ep``: vLLM's expert parallelism, which needs ``tp > 1``).
     ``input_scales``: read each layer's activation global scale (for W4A4 layouts); ``partition_scales``: and its
-    partitions' stored global scales (for SGLang's layouts)."""
+    partitions' stored global scales (for SGLang's layouts); ``moe_rank_alignment``: :func:`plan_experts`'."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     if ep and tp == 1:
@@ -270,8 +272,6 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
     dense_source = replace(source, layers=dense)  # the experts are the FusedMoE layers'
-    if moe:
-        check_moe_scheme(source)
     unequal = {prefix: _unequal_gate_up(source, group, rescale) for prefix, group in moe.items()}
     multipliers = _multipliers(dense_source)
     plans = []
@@ -281,7 +281,8 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
         for layer in layers.values():
             layer_transforms(source.transforms, layer)  # refused here, before anything is written
         experts = {plan.module: replace(plan, rescale=bool(unequal[prefix][slice(*plan.experts)].any()))
-                   for prefix, plan in plan_experts(source, tp, rank, ep).items()} if moe else {}
+                   for prefix, plan in plan_experts(source, tp, rank, ep, partition_scales, moe_rank_alignment).items()
+                   } if moe else {}
         plans.append(LayerPlan(scaled(layers), {fused: list(parts) for fused, parts in fusion.items()}, tp, rank,
                                experts, ep))
     return plans
@@ -407,6 +408,8 @@ class ExpertPlan:
     experts: tuple[int, int]
     ep: bool = False
     rescale: bool = False  # --rescale: each expert's gate and up block scales take own / max of their multipliers
+    stored: bool = False  # SGLang's: the stack carries the stored global scales (ExpertStack.stored: SGLang keeps
+    # them), and the module is the FusedMoE itself
 
     @property
     def prefix(self) -> str:
@@ -415,8 +418,9 @@ class ExpertPlan:
     @property
     def module(self) -> str:
         """vLLM 0.33's module holding the layer's tensors: the FusedMoE runner ``<owner>.experts`` keeps them on its
-        ``routed_experts`` child (``RoutedExperts``; its weight mapping's ``routed_experts_prefix``)."""
-        return f"{self.group.prefix}.{ROUTED_EXPERTS}"
+        ``routed_experts`` child (``RoutedExperts``; its weight mapping's ``routed_experts_prefix``); SGLang's
+        (``stored``) is the FusedMoE ``<owner>.experts`` itself."""
+        return self.group.prefix if self.stored else f"{self.group.prefix}.{ROUTED_EXPERTS}"
 
     @property
     def intermediate(self) -> int:
@@ -437,29 +441,31 @@ def expert_range(experts: int, ranks: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def check_moe_scheme(source: SourceModel) -> None:
-    """Only W4A4 experts have an MoE layout here: vLLM 0.33 serves weight-only NVFP4 MoE with Marlin."""
-    if source.activation_scheme != "W4A4":
-        raise RepackError(f"{source.quant_algo} MoE (weight-only experts) is not supported: vLLM 0.33 serves it "
-                          "with Marlin; supported: W4A4 (NVFP4) MoE checkpoints")
-
-
-def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False) -> dict[str, ExpertPlan]:
+def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = False,
+                 stored: bool = False, rank_alignment: int = 1) -> dict[str, ExpertPlan]:
     """The FusedMoE layers of rank ``rank`` of ``tp``: every expert with the intermediate size split, or (``ep``,
-    vLLM's ``--enable-expert-parallel``) the rank's experts whole."""
-    check_moe_scheme(source)
+    vLLM's ``--enable-expert-parallel``) the rank's experts whole; ``stored``: their stacks carry the stored global
+    scales (:attr:`ExpertPlan.stored`). ``rank_alignment``: an engine that pads each rank's share ``I / tp`` up to
+    a multiple of it before loading (SGLang's TRT-LLM-gen: 64) cuts the checkpoint's rows at that padded share, the
+    last ranks holding fewer (their padding zeros)."""
     plans = {}
     for prefix, group in expert_groups(source).items():
         if ep:
             if group.experts < tp:
                 raise RepackError(f"--tp {tp} with expert parallelism: {prefix} has only {group.experts} experts")
-            plans[prefix] = ExpertPlan(group, (0, group.intermediate), expert_range(group.experts, tp, rank), ep=True)
+            plans[prefix] = ExpertPlan(group, (0, group.intermediate), expert_range(group.experts, tp, rank), ep=True,
+                                       stored=stored)
             continue
         per, left = divmod(group.intermediate, tp)
         if left or per % BLOCK_SIZE:
             raise RepackError(f"--tp {tp}: {prefix} intermediate size {group.intermediate} gives a per-rank size "
                               f"that is not a multiple of {BLOCK_SIZE}, as vLLM requires")
-        plans[prefix] = ExpertPlan(group, (rank * per, (rank + 1) * per), (0, group.experts))
+        share = round_up(per, rank_alignment)
+        rows = (rank * share, min(group.intermediate, (rank + 1) * share))
+        if rows[0] >= rows[1]:
+            raise RepackError(f"--tp {tp}: {prefix} intermediate size {group.intermediate} padded to {share} per rank "
+                              f"leaves rank {rank} no rows")
+        plans[prefix] = ExpertPlan(group, rows, (0, group.experts), stored=stored)
     return plans
 
 
@@ -516,8 +522,10 @@ def expert_input_scales(source: SourceModel, plan: ExpertPlan) -> tuple[torch.Te
     """float32 ``[E', 2]`` (w1, w3) and ``[E']`` (w2): the activation scales of the experts whose largest the layer
     holds. vLLM's FlashInfer MoE backends quantize the inputs of all of a rank's experts with the largest input
     scale it loaded: every expert's for ModelOpt, the rank's own for compressed-tensors (the same without expert
-    parallelism)."""
+    parallelism). ``E' = 0`` for weight-only experts (Marlin reads none)."""
     group = plan.group
+    if source.activation_scheme != "W4A4":  # weight-only experts: none (only the W4A4 layouts read them)
+        return torch.zeros((0, 2), dtype=torch.float32), torch.zeros((0,), dtype=torch.float32)
     scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else slice(*plan.experts)
     return (read_input_scales(source, group.gate[scope] + group.up[scope]).view(2, -1).T.contiguous(),
             read_input_scales(source, group.down[scope]))
@@ -537,9 +545,9 @@ def expert_multipliers(source: SourceModel, prefixes: tuple[str, ...]) -> torch.
 def largest_expert_scales(source: SourceModel, plan: ExpertPlan, layout: object,
                           step: int) -> tuple[float, float] | None:
     """The largest w13 and w2 block scale among the plan's experts (its rows; --rescale's folded gate/up scales),
-    ``step`` experts read at a time, for a MoE ``layout`` that takes one scale factor per layer from them (Marlin's:
-    it has ``largest_scales``); None for every other layout, without reading anything."""
-    if not hasattr(layout, "largest_scales"):
+    ``step`` experts read at a time, for a MoE ``layout`` that takes one scale factor per layer from them (its
+    ``LAYER_SCALE_FACTOR``: Marlin's); None for every other layout, without reading anything."""
+    if not layout.LAYER_SCALE_FACTOR:
         return None
     top = [0.0, 0.0]
     for first in range(plan.experts[0], plan.experts[1], step):
@@ -634,9 +642,27 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str
     else:
         w13_multiplier, w2_multiplier = _placeholder(torch.float32, experts, 2), _placeholder(torch.float32, experts)
     w13_input_scale, w2_input_scale = input_scales or expert_input_scales(source, plan)
+    stored = stored_expert_scales(source, plan, local) if plan.stored and "multipliers" in fields else None
     return ExpertStack(
         w13_codes=w13("codes", torch.uint8, 2), w13_scales=w13("scales", torch.float8_e4m3fn, BLOCK_SIZE),
         w13_multiplier=w13_multiplier, w13_input_scale=w13_input_scale,
         w2_codes=w2("codes", torch.uint8, 2), w2_scales=w2("scales", torch.float8_e4m3fn, BLOCK_SIZE),
-        w2_multiplier=w2_multiplier, w2_input_scale=w2_input_scale,
+        w2_multiplier=w2_multiplier, w2_input_scale=w2_input_scale, stored=stored,
     )
+
+
+def stored_expert_scales(source: SourceModel, plan: ExpertPlan, local: slice) -> tuple[torch.Tensor, ...]:
+    """:attr:`ExpertStack.stored` of experts ``local``: the weight global scales and every expert's input scales
+    (an engine loads those for all experts), as the checkpoint stores them, in float32, 4 bytes read each."""
+    group = plan.group
+
+    def read(names: tuple[str, ...], input_scale: bool) -> torch.Tensor:
+        return torch.stack([source.checkpoint.read(source.input_scale_name(p) if input_scale
+                                                   else source.layers[p].tensor_names[2]).reshape(()) for p in names]
+                           ).to(torch.float32)
+
+    def pairs(gate: tuple[str, ...], up: tuple[str, ...], input_scale: bool) -> torch.Tensor:
+        return torch.stack([read(gate, input_scale), read(up, input_scale)], 1)
+
+    return (pairs(group.gate[local], group.up[local], False), pairs(group.gate, group.up, True),
+            read(group.down[local], False), read(group.down, True))

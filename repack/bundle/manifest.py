@@ -126,7 +126,8 @@ class MoERecord:
         top_k (`int`, *optional*): experts per token (config.json's ``num_experts_per_tok``), if the config says.
         members (`dict[str, list[str]]`): ``gate``, ``up``, ``down``: the held experts' source layers, in order.
         input_scales (`str`): whose activation scales the one input scale the layer holds is the largest of:
-            ``all`` experts' (ModelOpt) or the rank's ``local`` ones (compressed-tensors; the same without --ep).
+            ``all`` experts' (ModelOpt) or the rank's ``local`` ones (compressed-tensors; the same without --ep);
+            ``none``: weight-only experts (a W4A16 checkpoint), which have no input scales.
     """
 
     module: str
@@ -373,8 +374,8 @@ def _moe(obj: Any, module: str, algorithm: str) -> MoERecord:
         raise _fail(f"{where}: expert_map must give each of the {num_experts} experts a local index or -1")
     top_k = obj.get("top_k")
     input_scales = _get(obj, "input_scales", str, where)
-    if input_scales not in ("all", "local"):
-        raise _fail(f"{where}: input_scales must be all or local, got {short_repr(input_scales)}")
+    if input_scales not in ("all", "local", "none"):
+        raise _fail(f"{where}: input_scales must be all, local or none, got {short_repr(input_scales)}")
     return MoERecord(
         module=module, source=_get(obj, "source", str, where), layout_id=_get(obj, "layout_id", str, where),
         backend=_get(obj, "backend", str, where), kernels=_kernels(_get(obj, "kernels", list, where)), num_experts=num_experts,

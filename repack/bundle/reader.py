@@ -218,13 +218,14 @@ def _check_moe_record(record: MoERecord, target: Target) -> None:
     if record.layout_id != layout.LAYOUT_ID:
         raise RepackError(f"{MANIFEST_NAME}: {record.module}: MoE layout {record.layout_id!r} is not {family}'s "
                           f"({layout.LAYOUT_ID}); re-convert the source with this version")
-    if sorted(record.tensors) != sorted(layout.TENSORS):
-        raise RepackError(f"{MANIFEST_NAME}: {record.module}: tensors {sorted(record.tensors)} are not the "
-                          f"{layout.LAYOUT_ID} layout's {sorted(layout.TENSORS)}")
     if record.hidden == 0 or record.hidden % BLOCK_SIZE or record.intermediate != record.rows[1] - record.rows[0] or (
             record.intermediate % BLOCK_SIZE):
         raise RepackError(f"{MANIFEST_NAME}: {record.module}: hidden {record.hidden} / intermediate "
                           f"{record.intermediate} (rows {record.rows}) is not an NVFP4 MoE layer shape")
+    expected = sorted(layout.runtime_specs(record.local_experts, record.hidden, record.intermediate))  # SGLang's: by shape
+    if sorted(record.tensors) != expected:
+        raise RepackError(f"{MANIFEST_NAME}: {record.module}: tensors {sorted(record.tensors)} are not the "
+                          f"{layout.LAYOUT_ID} layout's {expected}")
 
 
 def rank_dir(path: Path, tp_rank: int) -> Path:

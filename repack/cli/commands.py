@@ -26,6 +26,7 @@ from ..targets.engines import (
     engine_versions,
     resolve_version,
 )
+from ..targets.families import MOE_LAYOUTS
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
@@ -386,7 +387,6 @@ def _activation_scales(source) -> list[str]:
 
 def _moe_summary(source) -> dict | None:
     """formats' MoE summary plus the layout each target family's vLLM ``auto`` uses for it (``None``: refused)."""
-    from ..bundle.layers import check_moe_scheme
     from ..errors import RepackError
     from ..formats.moe import moe_summary
     from ..targets.moe import moe_layout
@@ -394,10 +394,6 @@ def _moe_summary(source) -> dict | None:
     summary = moe_summary(source)
     if summary is None or "unsupported" in summary:
         return summary
-    try:
-        check_moe_scheme(source)
-    except RepackError as err:
-        return {"unsupported": str(err)}
     layouts = {}
     for family in FAMILIES:
         try:
@@ -453,6 +449,8 @@ def targets(as_json: JsonOpt = False) -> None:
     A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
     share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint,
     and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps its activation scalars unused).
+    MoE layers (convert --fuse / --tp N) take the family's MoE layout for the checkpoint's scheme (weight-only
+    experts: Marlin's on sm80, sm100 and sm120); sm90 and sm75 refuse MoE.
     """
     rows = [
         {
@@ -463,6 +461,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "layout_id": t.layout_id,
             "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels), "engines": _holding(layout_id)}
                         for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
+            "moe_layouts": MOE_LAYOUTS.get(t.name, {}),
             "description": t.description,
         }
         for t in FAMILIES
@@ -471,7 +470,8 @@ def targets(as_json: JsonOpt = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "served by", "GPUs"):
+    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
+                   "GPUs"):
         table.add_column(column)
     for row in rows:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
@@ -480,8 +480,9 @@ def targets(as_json: JsonOpt = False) -> None:
         if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
             schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
             served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
+        moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, "; ".join(sorted(served)), row["description"])
+                      row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)), row["description"])
     stdout.print(table)
     for version in ENGINES:  # what a version holds differently from a bundle: convert refuses it for that version
         for feature, why in version.refuses.items():

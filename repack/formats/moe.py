@@ -150,6 +150,14 @@ def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
     return groups
 
 
+def input_scale_scope(source: SourceModel) -> str:
+    """Whose input scales a FusedMoE layer of a bundle holds the largest of (a MoE record's ``input_scales``):
+    ``all`` experts' or the rank's ``local`` ones (``GLOBAL_INPUT_SCALES``), ``none`` for weight-only experts."""
+    if source.activation_scheme != "W4A4":
+        return "none"
+    return "all" if GLOBAL_INPUT_SCALES[source.format] else "local"
+
+
 def read_input_scales(source: SourceModel, prefixes: tuple[str, ...]) -> torch.Tensor:
     """float32 ``[len(prefixes)]``: each layer's activation dequant scale as vLLM computes it (ModelOpt
     ``input_scale``, compressed-tensors ``1 / input_global_scale`` in float32), 4 bytes read each."""
@@ -158,12 +166,13 @@ def read_input_scales(source: SourceModel, prefixes: tuple[str, ...]) -> torch.T
 
 def kept_scales(source: SourceModel, group: ExpertGroup, experts: tuple[int, int]) -> list[str]:
     """The source tensors of experts ``[experts)`` that vLLM keeps on the module as loaded (``KEEPS_LOADED_SCALES``):
-    each expert's ``weight_global_scale`` and ``input_global_scale``, which its expert weight loader places by name
+    each expert's ``weight_global_scale`` and (W4A4) ``input_global_scale``, which its expert weight loader places by name
     (gate/up into ``[e, 0]``/``[e, 1]`` of the ``w13_`` ones, down into ``[e]`` of the ``w2_`` ones, on the rank
     holding expert ``e``). A bundle carries them as passthrough tensors under these names."""
     if not KEEPS_LOADED_SCALES[source.format]:
         return []
-    suffixes = (source.scheme.global_scale, source.scheme.input_scale)
+    # a weight-only checkpoint has no input scales: vLLM's are left as allocated (no kernel reads them)
+    suffixes = (source.scheme.global_scale, source.scheme.input_scale)[:2 if source.activation_scheme == "W4A4" else 1]
     return [f"{prefix}.{suffix}" for names in (group.gate, group.up, group.down)
             for prefix in names[slice(*experts)] for suffix in suffixes]
 

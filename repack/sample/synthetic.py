@@ -188,12 +188,16 @@ def write_qwen_moe(
     root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
     layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
     shared_scales: bool = True, shared_expert: int = 0, dense_layers: tuple[int, ...] = (), shards: int = 1,
+    w4a4: bool = True, shared_input_scales: bool = False,
 ) -> Path:
-    """A tiny W4A4 Qwen3-MoE checkpoint vLLM can build (Qwen2-MoE with ``shared_expert``, the intermediate size of
+    """A tiny W4A4 (``w4a4`` False: weight-only, ModelOpt ``W4A16_NVFP4`` / compressed-tensors ``NVFP4A16``) Qwen3-MoE
+    checkpoint vLLM can build (Qwen2-MoE with ``shared_expert``, the intermediate size of
     its dense shared expert): NVFP4 attention and routed experts, every layer's input scale random (so that the
     largest, which vLLM's MoE kernels share among experts, is some expert's), bf16 routers, norms and embeddings.
     ``shared_scales``: each expert's gate and up share one multiplier, as the producers write them (else vLLM keeps
-    gate's and warns). ``dense_layers``: layers with a dense NVFP4 MLP instead (config ``mlp_only_layers``)."""
+    gate's and warns). ``dense_layers``: layers with a dense NVFP4 MLP instead (config ``mlp_only_layers``).
+    ``shared_input_scales``: each expert's up takes its gate's input scale, as the producers calibrate them (one
+    input; SGLang loads one of the two into both halves of ModelOpt's w13)."""
     dense = llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers, head_dim=head_dim)
     quantized = {p: w for p, w in dense.items() if ".self_attn." in p or int(p.split(".")[2]) in dense_layers}
     mlps = {f"model.layers.{i}.mlp.experts.{e}": intermediate for i in range(layers) if i not in dense_layers
@@ -221,8 +225,11 @@ def write_qwen_moe(
         for proj, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)) if shared_expert else ():
             bias = torch.randn(rows * head_dim, generator=generator) * 0.1  # Qwen2's attention has q/k/v biases
             plain[f"model.layers.{i}.self_attn.{proj}.bias"] = bias.to(torch.bfloat16)
-    for prefix in quantized:  # random activation scales in the producer's convention (overriding the constants)
-        scale = torch.rand((), generator=generator) * 1e-2 + 1e-3
+    drawn: dict[str, torch.Tensor] = {}
+    for prefix in quantized if w4a4 else ():  # random activation scales in the producer's convention
+        scale = drawn[prefix] = torch.rand((), generator=generator) * 1e-2 + 1e-3
+        if shared_input_scales and prefix.endswith(".up_proj"):
+            scale = drawn[prefix.removesuffix("up_proj") + "gate_proj"].clone()
         if fmt == "modelopt":
             plain[f"{prefix}.input_scale"] = scale.to(torch.float32)
         else:
@@ -239,4 +246,4 @@ def write_qwen_moe(
     }
     ignore = (["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"] if fmt != "modelopt"
               else ["lm_head", "*.mlp.gate", "*.shared_expert_gate"])
-    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=True, config=config, ignore=ignore, shards=shards)
+    return write_checkpoint(root, quantized, plain, fmt=fmt, w4a4=w4a4, config=config, ignore=ignore, shards=shards)

@@ -79,8 +79,24 @@ SGLANG_MARLIN_LAYOUTS = {("modelopt", "W4A16"): "sglang-modelopt-marlin-v1",
 SGLANG_BF16_FP4_LAYOUT = "sglang-ct-w4a16-cutedsl-v1"
 SGLANG_MARLIN_FAMILIES = ("sm90", "sm80")  # auto dense backend marlin: compute capability 8.0 to 9.x
 SGLANG_WEIGHT_ONLY_FAMILIES = ("sm100", "sm120", *SGLANG_MARLIN_FAMILIES)  # sm75: SGLang's FP4 Marlin needs sm80
-SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (*SGLANG_LAYOUTS.values(), *SGLANG_MARLIN_LAYOUTS.values(),
-                                                           SGLANG_BF16_FP4_LAYOUT))
+# SGLang's NVFP4 MoE state per (source format, family), checked against its own load by tests/sglang/: the layout id
+# and the MoE runner backend (``--moe-runner-backend``) it is for. ModelOpt on sm100: FlashInfer TRT-LLM-gen, what
+# SGLang's resolution picks for Qwen3-MoE there (arg_groups/model_overrides/qwen3_moe.py); on sm120 FlashInfer CUTLASS,
+# which its auto takes only with --quantization modelopt_fp4 (else it leaves "auto", whose TRT-LLM-gen runner reads
+# tensors that load never makes: serve with --moe-runner-backend flashinfer_cutlass). compressed-tensors on both:
+# auto, whose CompressedTensorsW4A4Nvfp4MoE holds the CUTLASS state (swizzled scales, [up; gate]).
+SGLANG_MOE_LAYOUTS = {("modelopt", "sm100"): "sglang-modelopt-moe-trtllm-v1",
+                      ("modelopt", "sm120"): "sglang-modelopt-moe-cutlass-v1",
+                      ("compressed-tensors", "sm100"): "sglang-ct-moe-cutlass-v1",
+                      ("compressed-tensors", "sm120"): "sglang-ct-moe-cutlass-v1"}
+SGLANG_MOE_BACKENDS = {("modelopt", "sm100"): "flashinfer_trtllm", ("modelopt", "sm120"): "flashinfer_cutlass",
+                       ("compressed-tensors", "sm100"): "auto", ("compressed-tensors", "sm120"): "auto"}
+# the MoE architectures whose SGLang load is checked (Mixtral: SGLang loads ModelOpt's experts as dense layers,
+# QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded)
+SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (
+    *SGLANG_LAYOUTS.values(), *SGLANG_MARLIN_LAYOUTS.values(), SGLANG_BF16_FP4_LAYOUT,
+    *dict.fromkeys(SGLANG_MOE_LAYOUTS.values())))
 
 ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
 ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang

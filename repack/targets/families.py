@@ -91,6 +91,17 @@ SM75 = Family("sm75", ("t4", "rtx20"), "marlin-fp16-v1", ((7, 5),), "reference",
               MARLIN, MARLIN, dtype="float16", w4a4_layout_id="marlin-fp16-v1-w4a4")
 
 FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90, SM80, SM75)
+
+# Per family and checkpoint activation scheme, the NVFP4 MoE layout vLLM's auto holds (``select_nvfp4_moe_backend``):
+# FP4 x FP4 experts get FlashInfer's MoE on Blackwell and Marlin on sm80; weight-only ones (NVFP4A16 /
+# W4A16_NVFP4, or --weight-only) Marlin on all three (no FP4 x FP4 backend takes bf16 activations). sm90 (Humming's
+# MoE) and sm75 have none: targets/moe.py refuses them in one line.
+MARLIN_MOE_LAYOUT_ID = "moe-marlin-v1"
+MOE_LAYOUTS: dict[str, dict[str, str]] = {
+    "sm100": {"W4A4": "moe-flashinfer-trtllm-v1", "W4A16": MARLIN_MOE_LAYOUT_ID},
+    "sm120": {"W4A4": "moe-flashinfer-cutlass-v1", "W4A16": MARLIN_MOE_LAYOUT_ID},
+    "sm80": {"W4A4": MARLIN_MOE_LAYOUT_ID, "W4A16": MARLIN_MOE_LAYOUT_ID},
+}
 ALL = "all"  # the target name that asks for every family
 
 

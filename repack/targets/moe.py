@@ -21,7 +21,8 @@ SCALARS = ("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_inp
 # The weight tensors each layout holds, and the one ExpertStack field each is made from, expert by expert (the
 # scalars are made from the multipliers and input scales): a layout asked for some of its tensors reads only these.
 MADE_FROM = {"w13_weight": "w13_codes", "w13_weight_scale": "w13_scales", "w2_weight": "w2_codes",
-             "w2_weight_scale": "w2_scales"}
+             "w2_weight_scale": "w2_scales",  # and SGLang's swizzled scales beside its loaded ones (targets/sglang.py)
+             "w13_blockscale_swizzled": "w13_scales", "w2_blockscale_swizzled": "w2_scales"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class ExpertStack:
         w2_multiplier: float32 ``[E]``; w2_input_scale: float32 ``[E']``.
         largest_scales: the largest w13 and w2 block scale among all of the layer's (rank's) experts, where the
             stack holds some of them (Marlin's one scale factor per layer); ``None``: the stack's own.
+        stored: the global scales as the checkpoint stores them (float32; compressed-tensors' are the reciprocals of
+            the multipliers and input scales above), for an engine that keeps them as loaded (SGLang):
+            ``(w13 weight [E, 2], w13 input [E', 2], w2 weight [E], w2 input [E'])``; ``None`` where not read.
     """
 
     w13_codes: torch.Tensor
@@ -51,6 +55,7 @@ class ExpertStack:
     w2_multiplier: torch.Tensor
     w2_input_scale: torch.Tensor
     largest_scales: tuple[float, float] | None = None
+    stored: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def experts(self) -> int:
@@ -113,32 +118,38 @@ def scale_offset(expert: int, rows: torch.Tensor, held_rows: int, cols: int) -> 
     return expert * block + swizzle_128x4_offsets(rows, torch.arange(cols), held_rows, cols * BLOCK_SIZE)
 
 
-MARLIN_MOE = ("sm80", "sm100", "sm120")  # families whose weight-only MoE (all of sm80's) vLLM serves with Marlin
+# vLLM's refusal-equivalent for the families without an MoE layout here (families.MOE_LAYOUTS has the others)
+MOE_REFUSALS = {
+    "sm90": "--target sm90: NVFP4 MoE layers are not supported there (vLLM 0.33 serves them with Humming's MoE, whose "
+            "weight transform is a GPU op not ported here); vLLM also serves them with Marlin on Hopper "
+            "(--moe-backend marlin): convert with --target sm80",
+    "sm75": "--target sm75: NVFP4 MoE layers are not supported there yet (Marlin with fp16 activations, not checked "
+            "against vLLM's load); convert with --target sm80 for Ampere+",
+}
 
 
 def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
-    """The MoE layout module for ``target`` (a Target, or a family name with the checkpoint's ``scheme``): the backend
-    vLLM 0.33's ``auto`` picks there for an NVFP4 MoE (``select_nvfp4_moe_backend``): sm100 W4A4: FlashInfer
-    TRT-LLM-gen, sm120 W4A4: FlashInfer CUTLASS; sm80 (and sm100 / sm120 weight-only): Marlin; a one-line refusal
-    on sm90 (Humming's MoE) and sm75."""
-    from . import moe_cutlass, moe_marlin, moe_trtllm
+    """The MoE layout module for ``target`` (a Target, or a family name with the checkpoint's ``scheme``): the one
+    vLLM's ``auto`` holds there for that scheme (``families.MOE_LAYOUTS``: sm100 W4A4 FlashInfer TRT-LLM-gen, sm120 W4A4
+    FlashInfer CUTLASS, Marlin for sm80 and for weight-only experts on sm100 / sm120); a one-line refusal on sm90
+    (Humming's MoE) and sm75."""
+    from .families import MOE_LAYOUTS
 
+    if not isinstance(target, str) and target.engine == "sglang":
+        from .sglang import moe_variant
+
+        return moe_variant(target)  # type: ignore[return-value]  # the layout modules' interface
     family = target if isinstance(target, str) else target.name
     scheme = scheme if isinstance(target, str) else target.scheme
-    if family == "sm90":
-        raise RepackError("--target sm90: NVFP4 MoE layers are not supported there (vLLM 0.33 serves them with "
-                          "Humming's MoE, whose weight transform is a GPU op not ported here); vLLM also serves "
-                          "them with Marlin on Hopper (--moe-backend marlin): convert with --target sm80")
-    if family == "sm75":
-        raise RepackError("--target sm75: NVFP4 MoE layers are not supported there yet (Marlin with fp16 "
-                          "activations, not checked against vLLM's load); convert with --target sm80 for Ampere+")
-    if family in moe_marlin.FAMILIES or (scheme != "W4A4" and family in MARLIN_MOE):
-        return moe_marlin
-    layouts = {name: module for module in (moe_trtllm, moe_cutlass) for name in module.FAMILIES}
-    if family not in layouts:
+    if family in MOE_REFUSALS:
+        raise RepackError(MOE_REFUSALS[family])
+    layout_id = MOE_LAYOUTS.get(family, {}).get(scheme)
+    if layout_id is None:
         raise RepackError(f"--target {family}: NVFP4 MoE layers are not supported there; supported for MoE: "
-                          f"{', '.join((*layouts, *moe_marlin.FAMILIES))}")
-    return layouts[family]
+                          f"{', '.join(MOE_LAYOUTS)}")
+    layout = moe_layout_by_id(layout_id)
+    assert layout is not None, layout_id  # tests/test_moe.py: every MOE_LAYOUTS id is a layout module's
+    return layout
 
 
 def moe_layout_by_id(layout_id: str) -> ModuleType | None:

@@ -35,7 +35,9 @@ LAYOUT_ID = "moe-flashinfer-cutlass-v1"
 BACKEND = "FLASHINFER_CUTLASS"  # vLLM's NvFp4MoeBackend
 KERNEL = "FlashInferExperts"
 KERNELS = (KERNEL,)  # the experts classes vLLM holds this layout with
-FAMILIES = ("sm120",)
+WEIGHT_ONLY = False  # FP4 x FP4: the layer holds its input scale and folded alphas (moe_marlin.WEIGHT_ONLY)
+LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_marlin.LAYER_SCALE_FACTOR)
+INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS)
 
 

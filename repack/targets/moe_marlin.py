@@ -37,7 +37,11 @@ LAYOUT_ID = "moe-marlin-v1"
 BACKEND = "MARLIN"  # vLLM's NvFp4MoeBackend
 KERNEL = "MarlinExperts"
 KERNELS = (KERNEL,)
-FAMILIES = ("sm80",)  # and weight-only MoE on sm100 / sm120 (moe.moe_layout)
+# Marlin runs bf16 (fp16) activations: no input scales held; an expert's multiplier is expert_multiplier's
+WEIGHT_ONLY = True
+# One scale factor for all of a layer's experts, from their largest block scale (ExpertStack.largest_scales);
+# what it flushes is read_as's
+LAYER_SCALE_FACTOR = True
 SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
 KEPT = ("w13_weight_multiplier", "w2_weight_multiplier")  # in the bundle for the inverse, not loaded into vLLM
 INVERSE_READS = (*SCALARS, *KEPT)  # besides the weight tensors, what from_runtime reads (the scale factors)

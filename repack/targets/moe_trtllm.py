@@ -38,7 +38,9 @@ KERNEL = "TrtLlmNvFp4ExpertsMonolithic"
 # vLLM 0.33 takes the modular class instead where the monolithic kernel lacks the routing (softmax top-k without
 # renormalization, Qwen2-MoE's norm_topk_prob false: RoutingMethodType.Default); the held tensors are the same.
 KERNELS = (KERNEL, "TrtLlmNvFp4ExpertsModular")
-FAMILIES = ("sm100",)
+WEIGHT_ONLY = False  # FP4 x FP4: the layer holds its input scale and folded alphas (moe_marlin.WEIGHT_ONLY)
+LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_marlin.LAYER_SCALE_FACTOR)
+INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
 HIDDEN_ALIGNMENT = 256  # trtllm_nvfp4_hidden_alignment for gated layers with per-tensor activation scales
 INTERMEDIATE_ALIGNMENT = 64  # gated: 2 x Ip a multiple of 128, as FlashInfer's block-scale shuffle asserts
 SHUFFLE_BLOCK = 32  # get_shuffle_block_size(epilogue_tile_m=128)
@@ -50,8 +52,9 @@ def check_shape(experts: int, hidden: int, intermediate: int, name: str = "MoE l
     CUTLASS would refuse): the layouts' common check, which refuses nothing on sm100."""
 
 
-def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
-    return round_up(hidden, HIDDEN_ALIGNMENT), round_up(intermediate, INTERMEDIATE_ALIGNMENT)
+def padded_sizes(hidden: int, intermediate: int, hidden_alignment: int = HIDDEN_ALIGNMENT) -> tuple[int, int]:
+    """``(Hp, Ip)``; ``hidden_alignment``: an engine's padding of the hidden size (vLLM 256, SGLang 1: none)."""
+    return round_up(hidden, hidden_alignment), round_up(intermediate, INTERMEDIATE_ALIGNMENT)
 
 
 def shuffle_rows(rows: int) -> torch.Tensor:
@@ -89,13 +92,13 @@ def w13_source_rows(intermediate: int, padded_intermediate: int) -> tuple[torch.
 
 
 def to_runtime(stack: ExpertStack, name: str = "MoE layer",
-               parts: Collection[str] = TENSORS) -> dict[str, torch.Tensor]:
+               parts: Collection[str] = TENSORS, hidden_alignment: int = HIDDEN_ALIGNMENT) -> dict[str, torch.Tensor]:
     """The tensors vLLM holds on the FusedMoE module, by its names (``name``: for messages; nothing is refused;
     ``parts``: only these; each is expert by expert, so a stack of some experts gives those experts' rows of
     every tensor). Each weight tensor is one gather from the canonical stack: pads, w3/w1 swap and row
     permutations folded."""
     hidden, inter = stack.hidden, stack.intermediate
-    hp, ip = padded_sizes(hidden, inter)
+    hp, ip = padded_sizes(hidden, inter, hidden_alignment)
     rows13, valid13 = w13_source_rows(inter, ip)
     rows2 = shuffle_rows(hp)
     valid2 = rows2 < hidden
@@ -117,12 +120,12 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer",
 
 
 def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,
-                      intermediate: int) -> torch.Tensor:
+                      intermediate: int, hidden_alignment: int = HIDDEN_ALIGNMENT) -> torch.Tensor:
     """:func:`to_runtime`'s ``w13_weight`` (``which`` "w13"; ``pieces``: each expert's ``(gate, up)`` rows, ``[I, H/2]``
     each) or ``w2_weight`` ("w2"; each expert's ``(down,)``, ``[H, I/2]``), copied once from the pieces instead of
     stacked and then gathered: unpadded, both row permutations are reshapes (the 32-row shuffle moves row ``4k + j``
     of a block to ``8j + k``; the gated reorder interleaves up and gate). Padded, the pieces are stacked first."""
-    hp, ip = padded_sizes(hidden, intermediate)
+    hp, ip = padded_sizes(hidden, intermediate, hidden_alignment)
     if (hp, ip) != (hidden, intermediate):  # padded: stacked, then gathered as to_runtime does
         if which == "w13":
             rows, valid = w13_source_rows(intermediate, ip)
@@ -143,9 +146,10 @@ def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hi
     return out
 
 
-def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
+def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int,
+                 hidden_alignment: int = HIDDEN_ALIGNMENT) -> ExpertCodes:
     """Exact inverse of :func:`to_runtime` on codes and block scales (padding dropped, w1/w3 order restored)."""
-    hp, ip = padded_sizes(hidden, intermediate)
+    hp, ip = padded_sizes(hidden, intermediate, hidden_alignment)
     back13, back2 = torch.argsort(w13_rows(ip)), torch.argsort(shuffle_rows(hp))
 
     def unpad13(t: torch.Tensor, cols: int) -> torch.Tensor:
@@ -162,8 +166,9 @@ def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: in
     )
 
 
-def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
-    hp, ip = padded_sizes(hidden, intermediate)
+def runtime_specs(experts: int, hidden: int, intermediate: int,
+                  hidden_alignment: int = HIDDEN_ALIGNMENT) -> dict[str, TensorSpec]:
+    hp, ip = padded_sizes(hidden, intermediate, hidden_alignment)
     scalar = TensorSpec(torch.float32, (experts,))
     return {
         "w13_weight": TensorSpec(torch.uint8, (experts, 2 * ip, hp // 2)),
@@ -174,10 +179,11 @@ def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, Ten
     }
 
 
-def held_row(row: torch.Tensor, which: str, hidden: int, intermediate: int) -> torch.Tensor:
+def held_row(row: torch.Tensor, which: str, hidden: int, intermediate: int,
+             hidden_alignment: int = HIDDEN_ALIGNMENT) -> torch.Tensor:
     """Canonical row (w13: gate rows ``[0, I)``, up rows ``[I, 2I)``) -> the row that holds it, by formula: its
     padded row (up first), then the inverse of the gated reorder and of the 32-row shuffle."""
-    hp, ip = padded_sizes(hidden, intermediate)
+    hp, ip = padded_sizes(hidden, intermediate, hidden_alignment)
     if which == "w13":
         up = row >= intermediate
         padded = torch.where(up, row - intermediate, row + ip)  # [up; gate], each half padded to Ip
@@ -189,13 +195,13 @@ def held_row(row: torch.Tensor, which: str, hidden: int, intermediate: int) -> t
 
 
 def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hidden: int,
-                  intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  intermediate: int, hidden_alignment: int = HIDDEN_ALIGNMENT) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[N, K/2]`` and block scales ``[N, K/16]`` of one expert's ``w13`` (w1 then w3 rows) or ``w2``, by
     gathering with the index formulas alone (independent of :func:`from_runtime`'s argsorts)."""
-    hp, ip = padded_sizes(hidden, intermediate)
+    hp, ip = padded_sizes(hidden, intermediate, hidden_alignment)
     n, k, rows_held, cols_held = ((2 * intermediate, hidden, 2 * ip, hp // BLOCK_SIZE) if which == "w13"
                                   else (hidden, intermediate, hp, ip // BLOCK_SIZE))
-    rows = held_row(torch.arange(n), which, hidden, intermediate)
+    rows = held_row(torch.arange(n), which, hidden, intermediate, hidden_alignment)
     codes = tensors[f"{which}_weight"][expert].index_select(0, rows)[:, : k // 2]
     flat = tensors[f"{which}_weight_scale"].reshape(-1).view(torch.uint8)
     scales = flat[scale_offset(expert, rows, rows_held, cols_held)].view(torch.float8_e4m3fn)[:, : k // BLOCK_SIZE]

@@ -20,14 +20,14 @@ Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s and :mo
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Collection, Sequence
 
 import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import w4a4
+from . import moe_cutlass, moe_trtllm, w4a4
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .engines import (
     SGLANG_0523,
@@ -36,10 +36,14 @@ from .engines import (
     SGLANG_LAYOUTS,
     SGLANG_MARLIN_FAMILIES,
     SGLANG_MARLIN_LAYOUTS,
+    SGLANG_MOE_ARCHITECTURES,
+    SGLANG_MOE_BACKENDS,
+    SGLANG_MOE_LAYOUTS,
     SGLANG_SAME_STATE_BACKENDS,
     SGLANG_WEIGHT_ONLY_FAMILIES,
 )
 from .layout import pad_2d, swizzle_128x4, swizzled_scale_shape
+from .moe import ExpertCodes, ExpertStack, swizzle_experts, w3w1
 
 ENGINE = SGLANG_0523.engine
 DENSE_BACKENDS, LAYOUTS, SAME_STATE_BACKENDS = SGLANG_DENSE_BACKENDS, SGLANG_LAYOUTS, SGLANG_SAME_STATE_BACKENDS
@@ -327,3 +331,226 @@ def weight_only_variants(family: Target) -> tuple[Target, ...]:
     if family.name in SGLANG_MARLIN_FAMILIES:
         out += [marlin_variant(family, fmt, "W4A4") for fmt in ("modelopt", "compressed-tensors")]
     return tuple(out)
+
+
+# --- NVFP4 MoE (FusedMoE) -----------------------------------------------------------------------------------------
+# SGLang 0.5.23's FusedMoE state (ModelOptNvFp4FusedMoEMethod, CompressedTensorsW4A4Nvfp4MoE): the bytes of FlashInfer's
+# MoE layouts (moe_trtllm's shuffle, moe_cutlass's [up; gate] and per-expert swizzle) under SGLang's names, with its
+# own padding and scalars. Engine data only: the layout math is moe_trtllm's, moe_cutlass's and moe.py's.
+TRTLLM_HIDDEN_ALIGNMENT = 1  # trtllm_nvfp4_hidden_alignment (per-tensor activation scales, gated): no hidden padding
+MOE_SCALE_ALIASES = {"w13_blockscale_swizzled": "w13_weight_scale", "w2_blockscale_swizzled": "w2_weight_scale"}
+MOE_METHODS = {"modelopt": "ModelOptNvFp4FusedMoEMethod", "compressed-tensors": "CompressedTensorsW4A4Nvfp4MoE"}
+_FLOAT32 = torch.float32
+
+
+def _modelopt_moe_scalars(stored: tuple[torch.Tensor, ...], trtllm: bool) -> dict[str, torch.Tensor]:
+    """``ModelOptNvFp4FusedMoEMethod.process_weights_after_loading`` on the FlashInfer TRT-LLM-gen / CUTLASS paths:
+    one input scale for all experts (the largest loaded), the GEMM alphas of gate and up apart, the loaded scales
+    kept as loaded (``[gate, up]``)."""
+    w13_weight, w13_input, w2_weight, w2_input = stored
+    a13, a2 = w13_input.max().to(_FLOAT32), w2_input.max().to(_FLOAT32)
+    up = (a13 * w13_weight[:, 1]).to(_FLOAT32)
+    out = {"w13_weight_scale_2": w13_weight, "w13_input_scale": w13_input, "w2_weight_scale_2": w2_weight,
+           "w2_input_scale": w2_input, "g1_alphas": (a13 * w13_weight[:, 0]).to(_FLOAT32), "g1_alphas_up": up,
+           "g2_alphas": (a2 * w2_weight).to(_FLOAT32), "w13_input_scale_quant": (1 / a13).to(_FLOAT32),
+           "w2_input_scale_quant": (1 / a2).to(_FLOAT32)}
+    if trtllm:  # _compute_g1_scale_c: the up half's dequant times GEMM2's input quantization
+        out["g1_scale_c"] = (out["w2_input_scale_quant"] * up).to(_FLOAT32)
+    return out
+
+
+def _ct_moe_scalars(stored: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """``CompressedTensorsW4A4Nvfp4MoE.process_weights_after_loading`` off TRT-LLM: the loaded global scales kept,
+    gate's weight scale for both halves, each expert's largest w13 input scale (``min`` of the stored inverses);
+    ``w2_input_scale_quant`` is the loaded ``w2_input_global_scale`` itself (an alias)."""
+    w13_global, w13_input, w2_global, w2_input = stored
+    scale_13, scale_2 = 1 / w13_global[:, 0], 1 / w2_global
+    quant_13 = w13_input.min(dim=1).values.to(_FLOAT32)
+    return {"w13_weight_global_scale": w13_global, "w13_input_global_scale": w13_input,
+            "w2_weight_global_scale": w2_global, "w2_input_global_scale": w2_input,
+            "w13_weight_scale_2": scale_13, "w2_weight_scale_2": scale_2, "w13_input_scale_quant": quant_13,
+            "g1_alphas": (1 / quant_13) * scale_13, "g2_alphas": ((1 / w2_input) * scale_2).to(_FLOAT32)}
+
+
+def _stored(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
+    if stack.stored is None:
+        raise RepackError("an SGLang MoE layer's scalars need the stored global scales (convert --engine sglang)")
+    return tuple(t.contiguous() for t in stack.stored)
+
+
+def _moe_scalar_specs(source_format: str, trtllm: bool, experts: int) -> dict[str, TensorSpec]:
+    vector, pairs, scalar = (TensorSpec(_FLOAT32, shape) for shape in ((experts,), (experts, 2), ()))
+    if source_format == "compressed-tensors":
+        return {"w13_weight_global_scale": pairs, "w13_input_global_scale": pairs, "w2_weight_global_scale": vector,
+                "w2_input_global_scale": vector, **{n: vector for n in ("w13_weight_scale_2", "w2_weight_scale_2",
+                                                                         "w13_input_scale_quant", "g1_alphas",
+                                                                         "g2_alphas")}}
+    out = {"w13_weight_scale_2": pairs, "w13_input_scale": pairs, "w2_weight_scale_2": vector, "w2_input_scale": vector,
+           "g1_alphas": vector, "g1_alphas_up": vector, "g2_alphas": vector, "w13_input_scale_quant": scalar,
+           "w2_input_scale_quant": scalar}
+    return {**out, "g1_scale_c": vector} if trtllm else out
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """SGLang's state of an NVFP4 FusedMoE layer for one source format and family: the interface of the MoE layout
+    modules (``moe_trtllm``, ``moe_cutlass``: ``LAYOUT_ID``, ``BACKEND``, ``KERNELS``, ``to_runtime``, ...), under
+    SGLang's names. ``BACKEND``: SGLang's MoE runner backend it is for; ``KERNELS``: its quantization method."""
+
+    LAYOUT_ID: str
+    BACKEND: str
+    KERNELS: tuple[str, ...]
+    source_format: str
+    family: str
+    engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
+    WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS = False, False, ()  # as moe_trtllm's / moe_cutlass's
+
+    @property
+    def trtllm(self) -> bool:
+        return self.BACKEND == "flashinfer_trtllm"
+
+    @property
+    def TP_ALIGNMENT(self) -> int:  # noqa: N802
+        """TRT-LLM-gen pads each rank's intermediate share to 64 before loading (``create_weights``), so the loader
+        cuts the checkpoint's rows at that padded share (bundle.layers.plan_experts)."""
+        return moe_trtllm.INTERMEDIATE_ALIGNMENT if self.trtllm else 1
+
+    @property
+    def TENSORS(self) -> tuple[str, ...]:  # noqa: N802 (the layout modules' name)
+        """Every name the layout may store (which of them a layer stores depends on its shape: :meth:`aliases`)."""
+        return tuple(dict.fromkeys([*self.runtime_specs(1, 16, 16), *self._weight_names(True)]))
+
+    def _weight_names(self, every: bool = False) -> tuple[str, ...]:
+        names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+        return names + (tuple(MOE_SCALE_ALIASES) if every and self.source_format == "modelopt" and not self.trtllm
+                        else ())
+
+    def aliases(self, hidden: int, intermediate: int) -> dict[str, str]:
+        """Name -> the stored name whose tensor SGLang holds under it too (one storage, not stored twice): TRT-LLM-gen
+        aliases the swizzled-scale placeholders to the scales; ModelOpt's CUTLASS path writes the swizzled scales
+        into the loaded scales' storage where their shapes agree (``alias_or_bind_derived_param``)."""
+        if self.source_format == "compressed-tensors":
+            return {"w2_input_scale_quant": "w2_input_global_scale"}
+        if self.trtllm:
+            return dict(MOE_SCALE_ALIASES)
+        same = self._same_shape(hidden, intermediate)
+        return {alias: name for alias, name in MOE_SCALE_ALIASES.items() if same[name]}
+
+    @staticmethod
+    def _same_shape(hidden: int, intermediate: int) -> dict[str, bool]:
+        """Whether the 128x4-swizzled scales have the loaded shape (no row or column padding)."""
+        k13, k2 = hidden // BLOCK_SIZE, intermediate // BLOCK_SIZE
+        return {"w13_weight_scale": (2 * intermediate) % 128 == 0 and k13 % 4 == 0,
+                "w2_weight_scale": hidden % 128 == 0 and k2 % 4 == 0}
+
+    def check_shape(self, experts: int, hidden: int, intermediate: int, name: str = "MoE layer") -> None:
+        """SGLang's refusals, in one line: TRT-LLM-gen needs the hidden size a multiple of 128 (it pads none; FlashInfer's
+        block-scale shuffle asserts it), ModelOpt's CUTLASS path 2I a multiple of 128 (it pads no gated halves)."""
+        if self.trtllm and hidden % 128:
+            raise RepackError(f"{name}: SGLang 0.5.23's FlashInfer TRT-LLM-gen MoE refuses this layer: hidden size "
+                              f"{hidden} must be a multiple of 128 (SGLang pads none, and FlashInfer's scale shuffle "
+                              "asserts it)")
+        if self.source_format == "modelopt" and not self.trtllm and (2 * intermediate) % 128:
+            raise RepackError(f"{name}: SGLang 0.5.23's FlashInfer CUTLASS MoE refuses this layer: 2 x intermediate "
+                              f"size per rank (2 x {intermediate}) must be a multiple of 128 (it pads no gated halves)")
+
+    def to_runtime(self, stack: ExpertStack, name: str = "MoE layer",
+                   parts: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors SGLang holds on the FusedMoE module, by its names (``parts``: only these), aliases once."""
+        hidden, inter = stack.hidden, stack.intermediate
+        self.check_shape(stack.experts, hidden, inter, name)
+        parts = list(self.runtime_specs(stack.experts, hidden, inter)) if parts is None else parts
+        weights = [p for p in parts if p in self._weight_names(True)]
+        if self.trtllm:
+            got = moe_trtllm.to_runtime(stack, name, weights, hidden_alignment=TRTLLM_HIDDEN_ALIGNMENT)
+        else:
+            got = self._cutlass(stack, weights)
+        if len(weights) < len(parts):
+            got.update(_modelopt_moe_scalars(_stored(stack), self.trtllm) if self.source_format == "modelopt"
+                       else _ct_moe_scalars(_stored(stack)))
+        return {part: got[part] for part in parts}
+
+    def _cutlass(self, stack: ExpertStack, parts: Collection[str]) -> dict[str, torch.Tensor]:
+        """The CUTLASS path's weights: moe_cutlass's bytes (codes in [up; gate], each expert's scales swizzled); where
+        ModelOpt's swizzled scales do not fit the loaded shape, ``w*_weight_scale`` keep the loaded ones ([up; gate])
+        and ``w*_blockscale_swizzled`` hold the swizzled."""
+        same = self._same_shape(stack.hidden, stack.intermediate)
+        swizzled = {"w13": lambda: swizzle_experts(w3w1(stack.w13_scales)), "w2": lambda: swizzle_experts(stack.w2_scales)}
+        loaded = {"w13": lambda: w3w1(stack.w13_scales).contiguous(), "w2": lambda: stack.w2_scales.contiguous()}
+        make: dict[str, Callable[[], torch.Tensor]] = {
+            "w13_weight": lambda: w3w1(stack.w13_codes).contiguous(), "w2_weight": lambda: stack.w2_codes.contiguous()}
+        for which in ("w13", "w2"):
+            kept = self.source_format == "modelopt" and not same[f"{which}_weight_scale"]
+            make[f"{which}_weight_scale"] = loaded[which] if kept else swizzled[which]
+            make[f"{which}_blockscale_swizzled"] = swizzled[which]
+        return {part: make[part]() for part in parts}
+
+    def codes_from_pieces(self, which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,
+                          intermediate: int) -> torch.Tensor:
+        if self.trtllm:
+            return moe_trtllm.codes_from_pieces(which, pieces, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
+        return moe_cutlass.codes_from_pieces(which, pieces, hidden, intermediate)
+
+    def _layout_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """SGLang's weight tensors by the FlashInfer layout's names (its swizzled scales under ``w*_weight_scale``)."""
+        return {"w13_weight": tensors["w13_weight"], "w2_weight": tensors["w2_weight"],
+                **{f"{w}_weight_scale": tensors.get(f"{w}_blockscale_swizzled", tensors[f"{w}_weight_scale"])
+                   for w in ("w13", "w2")}}
+
+    def from_runtime(self, tensors: dict[str, torch.Tensor], hidden: int, intermediate: int) -> ExpertCodes:
+        """Exact inverse of :meth:`to_runtime` on codes and block scales."""
+        held = self._layout_tensors(tensors)
+        if self.trtllm:
+            return moe_trtllm.from_runtime(held, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
+        return moe_cutlass.from_runtime(held, hidden, intermediate)
+
+    def decode_expert(self, tensors: dict[str, torch.Tensor], expert: int, which: str, hidden: int,
+                      intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self._layout_tensors(tensors)
+        if self.trtllm:
+            return moe_trtllm.decode_expert(held, expert, which, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
+        return moe_cutlass.decode_expert(held, expert, which, hidden, intermediate)
+
+    def runtime_specs(self, experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
+        """dtype and shape of every tensor a layer stores (its aliases not: :meth:`aliases`)."""
+        if self.trtllm:
+            specs = moe_trtllm.runtime_specs(experts, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
+        else:
+            specs = moe_cutlass.runtime_specs(experts, hidden, intermediate)
+        weights = {name: specs[name] for name in self._weight_names()}
+        if self.source_format == "modelopt" and not self.trtllm:
+            for which, rows, k in (("w13", 2 * intermediate, hidden), ("w2", hidden, intermediate)):
+                weights[f"{which}_blockscale_swizzled"] = specs[f"{which}_weight_scale"]
+                weights[f"{which}_weight_scale"] = TensorSpec(torch.float8_e4m3fn, (experts, rows, k // BLOCK_SIZE))
+        aliased = self.aliases(hidden, intermediate)
+        every = {**weights, **_moe_scalar_specs(self.source_format, self.trtllm, experts)}
+        return {name: spec for name, spec in every.items() if name not in aliased}
+
+
+def moe_variant(target: Target) -> MoELayout:
+    """SGLang's MoE layout for ``target`` (an SGLang layout of a family, :func:`variants`), or a one-line refusal."""
+    key = (target.source_format, target.name)
+    if target.layout_id not in LAYOUTS.values():  # a weight-only layout: SGLang's experts would be FP4 Marlin's
+        raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers served weight-only (SGLang's FP4 Marlin "
+                          "MoE: weight-only checkpoints, and W4A4 ones on sm80-sm90) are not written for SGLang yet")
+    if key not in SGLANG_MOE_LAYOUTS:
+        raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers are not written for SGLang there")
+    return MoELayout(SGLANG_MOE_LAYOUTS[key], SGLANG_MOE_BACKENDS[key], (MOE_METHODS[target.source_format],),
+                     target.source_format, target.name)
+
+
+MOE_REFUSED_ARCHITECTURES = {
+    "MixtralForCausalLM": "SGLang 0.5.23 loads a ModelOpt Mixtral's experts as dense layers (QuantMixtralForCausalLM) "
+                          "and a compressed-tensors one's gate/up/down_proj experts not at all (its FusedMoE maps only "
+                          "w1/w2/w3): serve it from the source",
+}
+
+
+def check_sglang_moe_architecture(config: dict) -> None:
+    """A one-line refusal of an MoE architecture whose SGLang load is not checked here (or not an NVFP4 FusedMoE)."""
+    arch = (config.get("architectures") or ["?"])[0]
+    if arch in SGLANG_MOE_ARCHITECTURES:
+        return
+    why = MOE_REFUSED_ARCHITECTURES.get(arch, f"its SGLang load is not checked here yet; written for SGLang: "
+                                              f"{', '.join(SGLANG_MOE_ARCHITECTURES)}")
+    raise RepackError(f"--engine sglang: {arch} MoE checkpoints are not written for SGLang: {why}")

@@ -37,8 +37,10 @@ CONVERT = "convert_to_nvfp4_moe_kernel_format"
 MARLIN_KEPT = ("w13_weight_multiplier", "w2_weight_multiplier")  # a Marlin bundle's, for its inverse: not installed
 METHODS = ("ModelOptNvFp4FusedMoE", "CompressedTensorsW4A4Nvfp4MoEMethod")
 # Per method, the experts' source scales it keeps on the module as loaded after its post-load (no kernel reads them),
-# which a bundle carries as passthrough tensors under the source's names.
+# which a bundle carries as passthrough tensors under the source's names (weight-only experts have no input scale:
+# vLLM leaves that parameter as allocated, the plugin zeroed).
 KEPT_SCALES = {"CompressedTensorsW4A4Nvfp4MoEMethod": ("weight_global_scale", "input_global_scale")}
+WEIGHT_ONLY_BACKEND = "MARLIN"  # what vLLM runs weight-only (use_a16) NVFP4 experts with on every GPU but sm90
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -68,13 +70,16 @@ def unfolded_scale(folded: torch.Tensor, input_scale: torch.Tensor, name: str) -
 
 
 def check_method(name: str, module: nn.Module, backend: str) -> None:
-    """One line when vLLM's method for the module is not an NVFP4 W4A4 MoE method on the bundle's backend."""
+    """One line when vLLM's method for the module is not an NVFP4 MoE method on the bundle's backend (weight-only
+    experts: Marlin's only)."""
     method = module.quant_method
     kind = type(method).__name__
-    if kind not in METHODS or getattr(method, "use_a16", False):
-        raise RepackError(f"{name}: vLLM serves this MoE layer with {kind}"
-                          f"{' (W4A16: Marlin)' if getattr(method, 'use_a16', False) else ''}; bundles hold NVFP4 "
-                          f"W4A4 MoE for {', '.join(METHODS)} only; serve the source with --load-format auto")
+    if kind not in METHODS:
+        raise RepackError(f"{name}: vLLM serves this MoE layer with {kind}; bundles hold NVFP4 MoE for "
+                          f"{', '.join(METHODS)} only; serve the source with --load-format auto")
+    if getattr(method, "use_a16", False) and backend != WEIGHT_ONLY_BACKEND:
+        raise RepackError(f"{name}: vLLM serves this MoE layer weight-only (W4A16: Marlin), the bundle holds the "
+                          f"{backend} layout for W4A4 experts; re-convert the weight-only checkpoint")
     if getattr(method, "per_token_activation", False):
         raise RepackError(f"{name}: vLLM quantizes this MoE layer's activations per token (quantization_config "
                           f"moe.activation nvfp4_per_token), the bundle holds experts for the checkpoint's static "
@@ -89,8 +94,9 @@ def check_method(name: str, module: nn.Module, backend: str) -> None:
 def check_kept_scales(name: str, module: nn.Module, members: dict[str, list[str]], passthrough: set[str]) -> None:
     """One line when the bundle lacks a source scale of the held experts (``members``) that vLLM's method keeps on
     the module as loaded (a bundle converted before it carried them): the module would hold zeros there."""
-    missing = sorted(f"{member}.{scale}" for names in members.values() for member in names
-                     for scale in KEPT_SCALES.get(type(module.quant_method).__name__, ())
+    kept = KEPT_SCALES.get(type(module.quant_method).__name__, ())
+    kept = kept[:1] if getattr(module.quant_method, "use_a16", False) else kept
+    missing = sorted(f"{member}.{scale}" for names in members.values() for member in names for scale in kept
                      if f"{member}.{scale}" not in passthrough)
     if missing:
         raise RepackError(f"{name}: the bundle has no {missing[0]}, which vLLM keeps on this MoE layer as loaded; "

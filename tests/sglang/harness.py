@@ -16,10 +16,16 @@ prepare runs itself). torchvision (image processing, CUDA builds only for this t
 fails loudly instead of testing something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
-        ARCH: sm100 | sm120 | sm90 | sm80 (dense NVFP4: SGLang's auto backend on that GPU; a layer FP4 Marlin
-        serves records backend "marlin", whatever the backend); ARCH-plugin: CKPT is a bundle, loaded
+        ARCH: sm100 | sm120 | sm90 | sm80 (SGLang's auto backends on that GPU: dense FP4 GEMM and NVFP4 MoE; a
+        dense layer FP4 Marlin serves records backend "marlin", whatever the backend), optionally
+        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``); ARCH-plugin: CKPT is a bundle, loaded
         with --load-format nvfp4_repack through the project's SGLang plugin (registered as SGLang's plugin loader
         runs it: the one job kind that imports the project)
+
+FusedMoE layers: ServerArgs is resolved on the emulated GPU (SGLang's MoE runner backend choice reads the platform and
+the checkpoint: ``_moe_runner_backend_quant_constraints``, the model overrides) and ``initialize_moe_config`` seeds
+the MoE flags from it, as the scheduler does. FlashInfer (SGLang's pin, 0.7.2) runs its row permutations as is; its
+``nvfp4_block_scale_interleave`` (a JIT-built CUDA op) is the torch port of tests/vllm/ports.py (PATCH MoE 1).
 
 writes ``OUT/NAME/rank-R.safetensors`` (per layer ``P.<name>``: each tensor's whole storage, as uint8) and
 ``OUT/NAME/rank-R.json`` (per layer: its quantization method and backend, its non-tensor state, each tensor's dtype,
@@ -36,15 +42,12 @@ import sys
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/: oracle_cli
-sys.path.append(str(Path(__file__).resolve().parent.parent / "vllm"))  # tests/vllm: ports (gptq_marlin_repack)
 import stubs  # noqa: E402
 
 stubs.install()
 
 import flashinfer  # noqa: E402
 from flashinfer.gemm import gemm_bf16_fp4_cute_dsl as fi_cute  # noqa: E402
-from ports import gptq_marlin_repack  # noqa: E402
-
 import sglang  # noqa: E402
 import torch  # noqa: E402
 from oracle_cli import layer_tensors, main, storage_bytes, view_record  # noqa: E402
@@ -60,16 +63,18 @@ from sglang.srt.distributed import (  # noqa: E402
 )
 from sglang.srt.layers.quantization import fp4_utils  # noqa: E402
 from sglang.srt.layers.quantization import marlin_utils_fp4, modelopt_quant  # noqa: E402
+from sglang.srt.layers.moe import utils as moe_utils  # noqa: E402
 from sglang.srt.layers.rotary_embedding import base as rope  # noqa: E402
 from sglang.srt.model_loader import get_model  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, override_platform, publish  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 assert sglang.__version__ == "0.5.23", sglang.__version__
+assert flashinfer.__version__ == "0.7.2", flashinfer.__version__
+assert hasattr(flashinfer, "nvfp4_block_scale_interleave") and hasattr(moe_utils, "initialize_moe_config")
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert isinstance(rope._is_cpu, bool)
 assert hasattr(modelopt_quant.ModelOptFp4LinearMethod, "process_weights_after_loading")
-assert flashinfer.__version__ == "0.7.2", flashinfer.__version__
 assert not hasattr(marlin_utils_fp4, "gptq_marlin_repack") and hasattr(marlin_utils_fp4, "marlin_make_workspace")
 assert hasattr(fp4_utils, "is_cuda") and hasattr(fp4_utils, "get_device_capability")
 
@@ -84,6 +89,19 @@ SMS = 132  # the emulated GPU's multiprocessor count: the size of Marlin's scrat
 _current = {"capability": (10, 0)}  # the job's emulated GPU
 NON_TENSOR = ("weights_padding_cols", "input_size_per_partition", "output_size_per_partition", "logical_widths",
               "use_flashinfer_bf16_fp4", "flashinfer_backend")
+MOE_NON_TENSOR = ("intermediate_size_per_partition", "num_local_experts", "num_experts", "moe_ep_size", "moe_ep_rank",
+                  "moe_tp_size", "trtllm_padded_hidden_size")
+
+
+def _ports():
+    """tests/vllm/ports.py (torch only), by its path: the torch ports of FlashInfer's CUDA-only leaf calls the vLLM
+    oracle uses, shared (``tests/vllm`` is not importable as ``vllm`` here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ports", Path(__file__).resolve().parent.parent / "vllm" / "ports.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def patch() -> None:
@@ -109,6 +127,8 @@ def patch() -> None:
     # PATCH 3: compressed-tensors' scheme check asks torch.cuda for the capability; the emulated GPU's.
     torch.cuda.get_device_capability = lambda device=None: _current["capability"]
 
+    ports = _ports()
+
     # PATCH 4: initialize_fp4_gemm_config picks Marlin on sm80-sm90 through utils' is_cuda and
     # get_device_capability (not the platform override); they answer as the emulated GPU.
     fp4_utils.is_cuda = lambda: True
@@ -119,7 +139,7 @@ def patch() -> None:
     # workspace sized by the emulated GPU's multiprocessor count instead of torch.cuda's.
     def repack(b_q_weight, perm, size_k, size_n, num_bits):
         assert perm.numel() == 0, "act-order"
-        return gptq_marlin_repack(b_q_weight, size_k, size_n, num_bits)
+        return ports.gptq_marlin_repack(b_q_weight, size_k, size_n, num_bits)
 
     marlin_utils_fp4.gptq_marlin_repack = repack
     marlin_utils_fp4.marlin_make_workspace = lambda device, max_blocks_per_sm=1: torch.zeros(
@@ -133,6 +153,10 @@ def patch() -> None:
 
     flashinfer.prepare_bf16_fp4_weights = prepare_on_cpu
 
+    # PATCH MoE 1: FlashInfer's nvfp4_block_scale_interleave is a JIT-built CUDA op; its torch port (SGLang's
+    # prepare_static_weights_for_trtllm_fp4_moe imports it from flashinfer at call time).
+    flashinfer.nvfp4_block_scale_interleave = ports.block_scale_interleave
+
 
 def nvfp4_layers(model):
     """``(prefix, layer)`` of every dense NVFP4 linear module (FusedMoE modules hold ``w13_*`` instead)."""
@@ -142,13 +166,28 @@ def nvfp4_layers(model):
             yield prefix, layer
 
 
+def moe_layers(model):
+    """``(prefix, layer)`` of every NVFP4 FusedMoE module."""
+    for prefix, layer in model.named_modules():
+        names = set(layer_tensors(layer))
+        if "w13_weight" in names and "w13_weight_scale" in names:
+            yield prefix, layer
+
+
 def dump(model, out: Path, rank: int, backend: str) -> None:
     tensors, meta = {}, {}
-    for prefix, layer in nvfp4_layers(model):
+    moe_backend = moe_utils.get_moe_runner_backend().value
+    layers = [(p, l, False) for p, l in nvfp4_layers(model)] + [(p, l, True) for p, l in moe_layers(model)]
+    for prefix, layer, moe in layers:
         scheme = getattr(layer, "scheme", None)
-        kernel = "marlin" if hasattr(layer, "workspace") else backend  # FP4 Marlin serves it whatever the backend
-        info = {"method": type(scheme or layer.quant_method).__name__, "backend": kernel, "tensors": {}}
-        info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
+        if moe:
+            info = {"method": type(scheme or layer.quant_method).__name__, "backend": moe_backend, "moe": True,
+                    "tensors": {}}
+            info.update({k: getattr(layer, k) for k in MOE_NON_TENSOR if hasattr(layer, k)})
+        else:
+            kernel = "marlin" if hasattr(layer, "workspace") else backend  # FP4 Marlin serves it whatever the backend
+            info = {"method": type(scheme or layer.quant_method).__name__, "backend": kernel, "tensors": {}}
+            info.update({k: getattr(layer, k) for k in NON_TENSOR if hasattr(layer, k)})
         seen: dict[tuple[int, int], str] = {}
         for name, value in sorted(layer_tensors(layer).items()):
             key = (value.untyped_storage().data_ptr(), value.untyped_storage().nbytes())
@@ -175,15 +214,18 @@ def register_plugin() -> None:
 
 
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
+    arch, _, moe_backend = arch.partition("@")
     plugin = arch.endswith("-plugin")
     if plugin:
         register_plugin()
     arch = arch.removesuffix("-plugin")
-    args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
-                      load_format="nvfp4_repack" if plugin else "auto")
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     _current["capability"] = PLATFORMS[arch]["device_capability"]
     with override_platform(**PLATFORMS[arch]):
+        # resolved on the emulated GPU (its MoE runner backend choice reads the platform), as on that GPU
+        args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
+                          load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto")
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+        moe_utils.initialize_moe_config()  # as the scheduler does
         if not torch.distributed.is_initialized():
             init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"file://{out.parent / 'dist-init'}")

@@ -778,12 +778,13 @@ def test_moe_refuses_another_backend(vllm_world, tmp_path):
 
 
 def test_moe_refuses_a_weight_only_moe_method(vllm_world, tmp_path):
-    """vLLM serves W4A16 NVFP4 experts with Marlin (here: the bundle's config edited to weight-only, its dense layers
-    loaded with the W4A16 kernel)."""
+    """vLLM serves W4A16 NVFP4 experts with Marlin (here: a W4A4 bundle's config edited to weight-only, its dense
+    layers loaded with the W4A16 kernel): a bundle of FP4 x FP4 experts is refused."""
     convert(_source(tmp_path, "ct_moe_nvfp4"), "sm100", tmp_path / "bundle", fuse=True)
     _edit_json(tmp_path / "bundle" / "config.json", lambda c: [
         g.update(input_activations=None) for g in c["quantization_config"]["config_groups"].values()])
-    assert "(W4A16: Marlin); bundles hold NVFP4 W4A4 MoE" in _refused(tmp_path / "bundle")
+    assert "weight-only (W4A16: Marlin), the bundle holds the FLASHINFER_TRTLLM layout for W4A4 experts" in \
+        _refused(tmp_path / "bundle")
 
 
 def test_moe_refuses_per_token_activations(vllm_world, tmp_path):
@@ -874,3 +875,27 @@ def test_marlin_bundle_refuses_another_dtype(vllm_world, tmp_path):
     convert(_source(tmp_path, "ct_nvfp4a16"), "sm75", tmp_path / "bundle", fuse=True)
     with pytest.raises(RepackError, match="scales are for float16 activations; serve it with --dtype float16"):
         load(tmp_path / "bundle", LOAD_FORMAT, "sm75", dtype="bfloat16")
+
+
+# compressed-tensors' input global scales of weight-only experts: vLLM registers them, nothing loads them (the source
+# has none) and no kernel reads them; vLLM's load leaves them as allocated, the plugin's zeroed: compared but for bytes
+UNLOADED_WEIGHT_ONLY = ("w13_input_global_scale", "w2_input_global_scale")
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm100", "sm120"])
+@pytest.mark.parametrize("fixture", ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"])
+def test_weight_only_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
+    """A weight-only MoE checkpoint's bundle (issue 36: Marlin MoE wherever vLLM's auto serves it, sm80, sm100,
+    sm120) against vLLM's auto load of the source: every parameter and buffer, the MARLIN backend and MarlinExperts,
+    no repack."""
+    source = _source(tmp_path, fixture)
+    convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING)
+    expected = layer_state(load(source, "safetensors", target))
+    assert expected["model.layers.0.mlp.experts.routed_experts:backend"] == "MARLIN"
+    _delete_weights(source)
+    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, target))
+    unloaded = [k for k in expected if k.rsplit(".", 1)[-1] in UNLOADED_WEIGHT_ONLY]
+    assert len(unloaded) == (4 if fixture.startswith("ct") else 0), unloaded  # 2 layers x (w13, w2)
+    for key in unloaded:
+        got[key], expected[key] = got[key][:-1], expected[key][:-1]
+    assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"

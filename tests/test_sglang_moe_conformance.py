@@ -1,0 +1,177 @@
+"""SGLang 0.5.23 itself as the oracle for NVFP4 MoE: every ``convert --engine sglang`` FusedMoE layer (and the
+model's dense layers beside it), per tensor-parallel rank, holds exactly what SGLang's own ``get_model`` leaves on its
+module on an emulated sm100 / sm120 (every tensor by its name, dtype, shape, strides, offset and the bytes of its
+storage; the names SGLang binds to one storage), for the MoE runner backend each bundle is for
+(``targets/engines.py``: ModelOpt FlashInfer TRT-LLM-gen on sm100, its ``auto`` for Qwen3-MoE there; ModelOpt FlashInfer
+CUTLASS on sm120, ``--moe-runner-backend flashinfer_cutlass``; compressed-tensors ``auto``, its CUTLASS state, on
+both); SGLang's refusals are ours, and its plugin loads each bundle into that state.
+
+Checkpoints: the producers' Qwen3-MoE fixtures (hidden 64: refused by SGLang's TRT-LLM-gen; intermediate 128 and 48)
+and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 per rank, CUTLASS refuses ModelOpt's 2I =
+192; hidden 256 with five experts), in both formats. SGLang runs in its venv through tests/sglang/harness.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from repack.bundle.reader import open_bundle
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.sample.synthetic import write_qwen_moe
+from repack.targets.engines import SGLANG_MOE_BACKENDS
+from repack.targets.moe import moe_layout
+from repack.verify import verify_output
+
+from .conftest import PRODUCERS, assert_held_as, seeded_folder
+from .test_sglang_conformance import HERE, _sglang_python
+
+ARCHS = ("sm100", "sm120")
+PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
+SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256)}
+FORMATS = ("modelopt", "compressed-tensors")
+NAMES = PRODUCER_FIXTURES + [f"{shape}-{fmt}" for shape in SYNTHETIC for fmt in FORMATS]
+JOBS = [(name, arch) for name in NAMES for arch in ARCHS]
+
+
+def _format(name: str) -> str:
+    return "compressed-tensors" if name.startswith("ct_") or name.endswith("compressed-tensors") else "modelopt"
+
+
+def _spec(name: str, arch: str) -> str:
+    """The harness's ARCH[@MOE_BACKEND]: SGLang run with the MoE runner backend the bundle is for (auto: none)."""
+    backend = SGLANG_MOE_BACKENDS[(_format(name), arch)]
+    return arch if backend == "auto" or (arch, backend) == ("sm100", "flashinfer_trtllm") else f"{arch}@{backend}"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    gen, root, _ = seeded_folder(tmp_path_factory, "sglang-moe-ckpts")
+    out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
+    for shape, kwargs in SYNTHETIC.items():
+        for fmt in FORMATS:
+            out[f"{shape}-{fmt}"] = write_qwen_moe(root / f"{shape}-{fmt}", fmt, generator=gen, layers=2,
+                                                   shared_input_scales=True, **kwargs)
+    return out
+
+
+# jobs beside the bundles' own: SGLang's plain auto for ModelOpt on sm120 (what the bundle's backend avoids)
+AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120")}
+
+
+def _run_harness(python: Path, tp: int, out: Path, jobs: list[str]) -> None:
+    subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(out),
+                    *[arg for job in jobs for arg in ("--job", job)]],
+                   check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
+    """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
+    python = _sglang_python()
+    out = {}
+    for tp in (1, 2):
+        out[tp] = tmp_path_factory.mktemp(f"sglang-moe-tp{tp}")
+        jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}" for name, arch in JOBS]
+        if tp == 1:
+            jobs += [f"{job}={checkpoints[name]}:{arch}" for job, (name, arch) in AUTO_JOBS.items()]
+        _run_harness(python, tp, out[tp], jobs)
+    return out
+
+
+def _storage_groups(names: dict[str, str]) -> set[frozenset[str]]:
+    """``name -> the name it is stored under`` as the sets of names that share one storage."""
+    groups: dict[str, set[str]] = {}
+    for name, held in names.items():
+        groups.setdefault(held, set()).add(name)
+    return {frozenset(g) for g in groups.values()}
+
+
+def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
+    """Every tensor SGLang holds on every FusedMoE module and NVFP4 linear layer is the bundle's (by name, dtype, shape,
+    strides, offset, the bytes of its whole storage, and which names share a storage); the module's backend and
+    method are the manifest's. Returns the number of FusedMoE modules."""
+    bundle = open_bundle(bundle_dir)
+    theirs = load_file(dumped / f"rank-{rank}.safetensors")
+    meta = json.loads((dumped / f"rank-{rank}.json").read_text())
+    moe = {prefix: info for prefix, info in meta.items() if info.get("moe")}
+    assert set(moe) == set(bundle.manifest.moe)
+    assert set(meta) - set(moe) == set(bundle.manifest.layers)
+    layout = moe_layout(bundle.target)
+    for prefix, info in moe.items():
+        record = bundle.manifest.moe[prefix]
+        assert (info["backend"], [info["method"]]) == (record.backend, record.kernels), prefix
+        assert info["num_local_experts"] == record.local_experts, prefix
+        aliases = layout.aliases(record.hidden, record.intermediate)
+        assert set(record.tensors) == set(info["tensors"]) - set(aliases), prefix
+        held = {name: view.get("alias", name) for name, view in info["tensors"].items()}
+        assert _storage_groups(held) == _storage_groups({n: aliases.get(n, n) for n in info["tensors"]}), prefix
+        for name, view in info["tensors"].items():
+            ours = bundle.read(f"{prefix}.{aliases.get(name, name)}")
+            assert_held_as(ours, view, theirs[f"{prefix}.{held[name]}"], (prefix, name))
+    for prefix, info in meta.items():
+        if prefix not in moe:
+            for name, view in info["tensors"].items():
+                stored = view.get("alias", name)
+                assert_held_as(bundle.read(f"{prefix}.{stored}"), view, theirs[f"{prefix}.{stored}"], (prefix, name))
+    return len(moe)
+
+
+def _refused(folder: Path) -> str | None:
+    path = folder / "refused.txt"
+    return path.read_text() if path.exists() else None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
+def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, checkpoints, oracle, tmp_path):
+    dumped, out = oracle[tp] / f"{name}-{arch}", tmp_path / "bundle"
+    if tp == 2 and "i48" in name:  # per-rank intermediate 24: not whole scale blocks (refused as for vLLM)
+        with pytest.raises(RepackError, match="--tp 2"):
+            convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
+        return
+    refused = _refused(dumped)
+    if refused is not None:
+        with pytest.raises(RepackError, match="SGLang 0.5.23's FlashInfer") as ours:
+            convert(checkpoints[name], arch, out, tp=tp, fuse=True, engine="sglang")
+        assert "\n" not in str(ours.value) and not out.exists()
+        return
+    convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
+    for rank in range(tp):
+        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank) == 2
+    assert verify_output(out).passed
+
+
+def test_sglang_refuses_what_we_refuse(oracle):
+    """The refusals the test above matches are SGLang's own (not a harness failure): its TRT-LLM-gen on a hidden size of
+    64, its CUTLASS path on ModelOpt's 2I = 192."""
+    trtllm, cutlass = (_refused(oracle[1] / job) for job in ("modelopt_moe_nvfp4-sm100", "h128-modelopt-sm120"))
+    assert trtllm is not None and "get_shuffle_matrix_sf_a_row_indices" in trtllm and "M % 128 == 0" in trtllm
+    assert cutlass is not None and "The intermediate size required padding" in cutlass
+
+
+def test_sglang_auto_on_sm120_leaves_a_state_its_runner_does_not_read(oracle):
+    """Why the ModelOpt sm120 bundle is for --moe-runner-backend flashinfer_cutlass: SGLang's auto (without
+    --quantization modelopt_fp4) leaves the runner backend "auto", whose create_moe_runner takes TRT-LLM-gen
+    (sm100-only kernels) and whose load makes no g1_scale_c for it."""
+    info = json.loads((oracle[1] / "modelopt_moe_nvfp4-sm120auto" / "rank-0.json").read_text())
+    moe = [layer for layer in info.values() if layer.get("moe")]
+    assert moe and all(layer["backend"] == "auto" and "g1_scale_c" not in layer["tensors"] for layer in moe)
+
+
+@pytest.mark.parametrize("fixture,says", [
+    ("modelopt_mixtral_nvfp4", "QuantMixtralForCausalLM"),
+    ("ct_mixtral_nvfp4", "not at all"),
+    ("modelopt_deepseek_v3_nvfp4", "not checked here yet"),
+])
+def test_moe_architectures_not_written_for_sglang_are_refused_in_one_line(fixture, says, tmp_path):
+    with pytest.raises(RepackError, match=says) as refused:
+        convert(PRODUCERS / fixture, "sm100", tmp_path / "out", engine="sglang")
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "out").exists()
