@@ -745,13 +745,14 @@ def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
     """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
     if source.transforms.layers:
         raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
-    if expert_groups(source):
-        check_sglang_moe_architecture(source.checkpoint.config)
-        _check_sglang_moe_input_scales(source)
     target = family.for_engine(engine, source.format, source.activation_scheme)
     if target is None:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
                           "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
+    if expert_groups(source):
+        moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
+        check_sglang_moe_architecture(source.checkpoint.config)
+        _check_sglang_moe_input_scales(source)
     return target
 
 

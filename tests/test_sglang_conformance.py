@@ -45,6 +45,22 @@ def _sglang_python() -> Path:
     return oracle_python(VENV, "SGLang 0.5.23", "tests/sglang/make_env.sh")
 
 
+def run_harness(tp: int, out: Path, jobs: list[str]) -> None:
+    """SGLang's harness (tests/sglang/harness.py, in its venv) on ``jobs`` (``NAME=CKPT:ARCH``) at ``tp``, into ``out``."""
+    subprocess.run([str(_sglang_python()), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(out),
+                    *[arg for job in jobs for arg in ("--job", job)]],
+                   check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def oracle_dumps(tmp_path_factory, label: str, jobs: list[str]) -> dict[int, Path]:
+    """SGLang's load of every job at TP 1 and 2: ``{tp: folder}`` (``folder/NAME``: the harness's dump)."""
+    out = {}
+    for tp in (1, 2):
+        out[tp] = tmp_path_factory.mktemp(f"{label}-tp{tp}")
+        run_harness(tp, out[tp], jobs)
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     gen, root, _ = seeded_folder(tmp_path_factory, "sglang-ckpts")
@@ -59,15 +75,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
-    python = _sglang_python()
-    out = {}
-    for tp in (1, 2):
-        folder = tmp_path_factory.mktemp(f"sglang-tp{tp}")
-        args = [arg for name, arch in JOBS for arg in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
-        subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
-                       check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out[tp] = folder
-    return out
+    return oracle_dumps(tmp_path_factory, "sglang", [f"{name}-{arch}={checkpoints[name]}:{arch}" for name, arch in JOBS])
 
 
 SCRATCH = ("workspace",)  # FP4 Marlin's scratch, sized by the GPU: SGLang's own function makes it (the plugin too)
@@ -166,7 +174,6 @@ def _served(oracle: dict[int, Path], name: str, arch: str, tp: int) -> bool:
 def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
     """SGLang's state after loading each job's bundle with --load-format nvfp4_repack, per TP size (and the refusal
     jobs): ``{tp: folder}``."""
-    python = _sglang_python()
     bundles = tmp_path_factory.mktemp("sglang-bundles")
     jobs: dict[int, list[str]] = {1: [], 2: []}
     for tp in (1, 2):
@@ -185,9 +192,7 @@ def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
     out = {}
     for tp, listed in jobs.items():
         out[tp] = tmp_path_factory.mktemp(f"sglang-plugin-tp{tp}")
-        subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(out[tp]),
-                        *[arg for job in listed for arg in ("--job", job)]],
-                       check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run_harness(tp, out[tp], listed)
     return out
 
 

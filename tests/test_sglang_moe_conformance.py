@@ -14,7 +14,6 @@ and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 per 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from repack.targets.moe import moe_layout
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
-from .test_sglang_conformance import HERE, _sglang_python
+from .test_sglang_conformance import run_harness
 
 ARCHS = ("sm100", "sm120")
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
@@ -65,23 +64,16 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120")}
 
 
-def _run_harness(python: Path, tp: int, out: Path, jobs: list[str]) -> None:
-    subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(out),
-                    *[arg for job in jobs for arg in ("--job", job)]],
-                   check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
-    python = _sglang_python()
     out = {}
     for tp in (1, 2):
         out[tp] = tmp_path_factory.mktemp(f"sglang-moe-tp{tp}")
         jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}" for name, arch in JOBS]
         if tp == 1:
             jobs += [f"{job}={checkpoints[name]}:{arch}" for job, (name, arch) in AUTO_JOBS.items()]
-        _run_harness(python, tp, out[tp], jobs)
+        run_harness(tp, out[tp], jobs)
     return out
 
 

@@ -11,7 +11,6 @@ Runs SGLang as tests/test_sglang_conformance.py does (tests/sglang/harness.py, i
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,11 +26,11 @@ from repack.targets.sglang import marlin_global_scale
 
 from .conftest import PRODUCERS, seeded_folder
 from .test_sglang_conformance import (
-    HERE,
     SYNTHETIC,
-    _sglang_python,
     assert_converts_to_sglangs_state,
     assert_same_state,
+    oracle_dumps,
+    run_harness,
 )
 
 FORMATS = ("modelopt", "compressed-tensors")
@@ -70,21 +69,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _run(python: Path, tp: int, folder: Path, jobs: list[str]) -> None:
-    subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder),
-                    *[arg for job in jobs for arg in ("--job", job)]],
-                   check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
-    python = _sglang_python()
-    out = {}
-    for tp in (1, 2):
-        out[tp] = tmp_path_factory.mktemp(f"sglang-weight-only-tp{tp}")
-        _run(python, tp, out[tp], [f"{name}-{arch}={checkpoints[name]}:{arch}" for name, arch in JOBS])
-    return out
+    return oracle_dumps(tmp_path_factory, "sglang-weight-only",
+                        [f"{name}-{arch}={checkpoints[name]}:{arch}" for name, arch in JOBS])
 
 
 def _refused_by_us(name: str, tp: int) -> bool:
@@ -118,7 +107,6 @@ PLUGIN_REFUSALS = {"marlin-under-cutedsl": ("modelopt_nvfp4", "sm90", "sm100", "
 
 @pytest.fixture(scope="module")
 def plugin_oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
-    python = _sglang_python()
     bundles = tmp_path_factory.mktemp("sglang-weight-only-bundles")
     out = {}
     for tp in (1, 2):
@@ -133,7 +121,7 @@ def plugin_oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
                 convert(checkpoints[name], target, bundles / job, engine="sglang")
                 jobs.append(f"{job}={bundles / job}:{served_on}-plugin")
         out[tp] = tmp_path_factory.mktemp(f"sglang-weight-only-plugin-tp{tp}")
-        _run(python, tp, out[tp], jobs)
+        run_harness(tp, out[tp], jobs)
     return out
 
 
@@ -174,6 +162,8 @@ def test_sglang_bundles_refuse_in_one_line(tmp_path):
     for fixture, target, options, says in [
         ("modelopt_w4a16_nvfp4", "sm75", {}, "-t sm75: SGLang 0.5.23 serves no NVFP4"),
         ("modelopt_nvfp4", "sm100", {"weight_only": True}, "--weight-only"),
+        ("modelopt_moe_w4a16_nvfp4", "sm100", {}, "MoE layers served weight-only"),
+        ("modelopt_moe_nvfp4", "sm90", {}, "MoE layers served weight-only"),
     ]:
         with pytest.raises(RepackError, match=says) as refused:
             convert(PRODUCERS / fixture, target, tmp_path / "out", engine="sglang", **options)
