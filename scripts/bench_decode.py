@@ -79,7 +79,7 @@ def build_models(layers: int, work: Path, fusion: list[str]) -> tuple[dict[str, 
                 on_gpu = NVFP4Weight(weight.codes.cuda(), weight.block_scales.cuda(), weight.multiplier.cuda())
                 with torch.no_grad():
                     module.weight.copy_(dequantize(on_gpu, torch.float32).to(torch.bfloat16))
-    source = write_checkpoint(work / "source", quantized, {}, fmt="compressed-tensors",
+    source = write_checkpoint(work / "source", quantized, {}, fmt="compressed-tensors", ignore=["lm_head"],
                               config=config.to_dict() | {"architectures": ["LlamaForCausalLM"]})  # fmt: skip
     del quantized
     started = time.perf_counter()
@@ -227,8 +227,11 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--fusion", default="on,off", help="NVFP4 models: q/k/v and gate/up fused (on), unfused (off)")
     parser.add_argument("--breakdown", help="MODE:BATCH[,...]: instead of the tables, GPU time per step by kernel group")
+    parser.add_argument("--prepared-ab", action="store_true",
+                        help="also each NVFP4 model with the tensor-core kernel through tc_linear (no TcLaunch)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    ab = args.prepared_ab
     with tempfile.TemporaryDirectory() as tmp:
         models, convert_s = build_models(args.layers, Path(tmp), args.fusion.split(","))
     errors = check_models(models)
@@ -253,15 +256,31 @@ def main() -> None:
         for batch in map(int, args.batches.split(",")):
             row = {"mode": mode, "batch": batch}
             for name, model in models.items():
-                try:
-                    row[name] = decode_tokens_per_s(model, batch, mode, args.prompt, args.steps, args.warmup,
-                                                    args.repeats)  # fmt: skip
-                except Exception as exc:  # reported in the table, the other points still run
-                    row[name] = f"{type(exc).__name__}: {exc}"[:160]
+                variants = [(name, True)] + ([(f"{name} (tc run)", False)] if ab and name != "bf16" else [])
+                for label, prepared_tc in variants:
+                    set_prepared_tc(model, prepared_tc)
+                    try:
+                        row[label] = decode_tokens_per_s(model, batch, mode, args.prompt, args.steps, args.warmup,
+                                                         args.repeats)  # fmt: skip
+                    except Exception as exc:  # reported in the table, the other points still run
+                        row[label] = f"{type(exc).__name__}: {exc}"[:160]
+                set_prepared_tc(model, True)
             report["decode"].append(row)
             print(row, flush=True)
             write_json(args.json, report)
-    print_table(report, list(models), args.prefill)
+    names = [label for name in models for label in ([name, f"{name} (tc run)"] if ab and name != "bf16" else [name])]
+    print_table(report, names, args.prefill)
+
+
+def set_prepared_tc(model: torch.nn.Module, on: bool) -> None:
+    """Eager tensor-core calls through the prepared ``TcLaunch`` (on) or ``tc_linear`` (off), as
+    ``NVFP4_REPACK_PREPARED_TC`` sets it, switched in one process for ``--prepared-ab``: each layer re-prepares."""
+    from repack.runtime.backends.triton_sm90 import dispatch
+
+    dispatch.PREPARED_TC = on
+    for module in model.modules():
+        if hasattr(module, "_prepared"):
+            module._prepared = None
 
 
 def print_table(report: dict, names: list[str], prefill: int) -> None:

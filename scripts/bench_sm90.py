@@ -1,8 +1,9 @@
 """Benchmark the sm90 Triton W4A16 linear against bf16 cuBLAS and Humming on the same weights (Hopper GPU).
 
-Two tables. First, the CPU time one eager call costs at M = 1 and 32 (``--overhead-ms``: the decode kernel, then
+Two tables. First, the CPU time one eager call costs at M = 1, 32 and 128 (``--overhead-ms``: the decode kernel, then
 the tensor-core kernel with its k-slot pass): ``F.linear`` and ``nn.Linear`` on bf16 weights, the op as a model
-calls it (``PackedLinear``, ``nvfp4_linear``), the backend (``triton_sm90.linear``, the prepared per-layer path),
+calls it (``PackedLinear``, ``nvfp4_linear``), the backend (``triton_sm90.linear``, the prepared per-layer path,
+and that path with the tensor-core kernel through ``tc_linear`` instead of its prepared ``TcLaunch``),
 the custom op's own dispatch, and Humming: host time of a burst of calls that the GPU queue absorbs without
 blocking. Then, for each layer N x K and batch M, the median time of ``F.linear`` on the
 weights dequantized to bf16 (cuBLAS), of ``triton_sm90.linear`` (the dispatching op), of Humming (the kernel
@@ -14,7 +15,7 @@ best (the same code moved by up to 9% between runs at large M, docs/benchmarks.m
 against a float64 reference, the op and Humming alike.
 
     PYTHONPATH=.:scripts python3 scripts/bench_sm90.py [--json out.json] [--shapes 4096x4096,...] [--ms 1,16]
-                                                       [--overhead-only] [--overhead-ms 1,32] [--profile]
+                                                       [--overhead-only] [--overhead-ms 1,32,128] [--profile]
 
 ``scripts/sm90_sweep.py`` times candidate work splits of either kernel (how ``gemv_config_for`` and
 ``tc_config_for`` were chosen).
@@ -37,6 +38,7 @@ from torch import nn
 
 from repack.runtime import PackedLinear, nvfp4_linear
 from repack.runtime.backends import triton_sm90 as backend
+from repack.runtime.backends.triton_sm90.dispatch import Prepared
 from repack.targets import RuntimeLayer, sm90
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (8192, 8192), (10240, 8192), (57344, 8192), (8192, 28672)]
@@ -45,7 +47,7 @@ REL_TOL = 1e-2
 GRAPH_MS = 3.0  # device time per timed graph replay
 REPEATS = 3  # interleaved timings of each candidate, best kept
 OVERHEAD_SHAPES = [(4096, 4096), (14336, 4096)]
-OVERHEAD_MS = (1, 32)  # the decode kernel's launch, and the tensor-core kernel's (with its k-slot pass)
+OVERHEAD_MS = (1, 32, 128)  # the decode kernel's launch, and the tensor-core kernel's (with its k-slot pass)
 # vLLM 0.33's HummingNvFp4LinearKernel: compressed-tensors NVFP4 through humming's own loader, default compute config
 HUMMING_QUANT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "type": "float",
                  "num_bits": 4, "strategy": "group", "group_size": 16}  # fmt: skip
@@ -238,6 +240,7 @@ def overhead_rows(with_humming: bool, profile: bool = False, ms: Sequence[int] =
         dense.weight.data = layer.dense[0]
         packed = PackedLinear(RuntimeLayer(**tensors, weights_padding_cols=0), n, k, "sm90", "triton", x.device)
         prepared = backend.prepare(**tensors, n=n, k=k)
+        through_run = Prepared(**tensors, n=n, k=k, prepared_tc=False)  # the tensor-core kernel as before TcLaunch
         args = (tensors["weight"], tensors["weight_scale"], tensors["weight_global_scale"], n, k, "sm90", "triton")
         calls = {
             "F.linear (bf16)": lambda: F.linear(x, dense.weight),
@@ -247,6 +250,7 @@ def overhead_rows(with_humming: bool, profile: bool = False, ms: Sequence[int] =
             "torch.ops.nvfp4_repack.linear": lambda: torch.ops.nvfp4_repack.linear(x, *args),
             "triton_sm90.linear": lambda: backend.linear(x, **tensors, n=n, k=k),
             "triton_sm90.prepare(...)(x)": lambda: prepared(x),
+            "Prepared(prepared_tc=False)(x)": lambda: through_run(x),
         }
         if with_humming:
             humming = Humming(tensors, n, k)

@@ -1,7 +1,8 @@
 """Time candidate work splits of either sm90 kernel on the H200: how ``tc_config_for`` and ``gemv_config_for`` were
 chosen (docs/benchmarks.md, rounds 1-7), and where a new candidate is tried before it becomes the default.
 
-    PYTHONPATH=.:scripts python3 scripts/sm90_sweep.py [--kernel tc|gemv] [--ms 32,64] [--splits 1,2,3,4] [--json out.json]
+    PYTHONPATH=.:scripts python3 scripts/sm90_sweep.py [--kernel tc|gemv] [--shapes 4096x14336,...] [--ms 32,64]
+                                                        [--splits 1,2,3,4] [--json out.json]
     ncu --profile-from-start off ... python3 scripts/sm90_sweep.py --profile   # tensor-core kernel counters
 
 One line per layer and M: cuBLAS on dequantized bf16 weights, the current dispatch (``linear``) and each candidate
@@ -26,9 +27,9 @@ TC_CANDIDATES = {  # M -> configs (bm, warpgroups, stages, programs per SM)
     16: [TcConfig(16, 1, 4, 4)],
     32: [TcConfig(32, 1, 4, 4)],
     64: [TcConfig(64, 1, 4, 2)],
-    128: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2)],
-    256: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2), TcConfig(256, 2, 3, 1)],
-    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
+    128: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2), TcConfig(128, 2, 4, 1)],
+    256: [TcConfig(128, 1, 3, 2), TcConfig(64, 1, 4, 2), TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
+    1024: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1), TcConfig(128, 2, 5, 1), TcConfig(128, 1, 3, 2)],
     4096: [TcConfig(256, 2, 3, 1), TcConfig(128, 2, 4, 1)],
 }
 GEMV_CANDIDATES = {  # M -> configs (stripes per program, chunks per warp, warps, maxnreg)
@@ -45,10 +46,11 @@ def candidate(kernel: str, config, split: int | None):
     return lambda x, **kw: backend.tc_linear(x, **kw, config=config, split_k=split)
 
 
-def timing(json_path: str | None, kernel: str, ms: list[int], splits: list[int]) -> None:
+def timing(json_path: str | None, kernel: str, ms: list[int], splits: list[int],
+           shapes: list[tuple[int, int]] = SHAPES) -> None:  # fmt: skip
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         layer = make_layer(n, k, l2, seed=n + k)
         for m, configs in (GEMV_CANDIDATES if kernel == "gemv" else TC_CANDIDATES).items():
             if ms and m not in ms:
@@ -99,6 +101,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--kernel", choices=("tc", "gemv"), default="tc")
     parser.add_argument("--json")
+    parser.add_argument("--shapes", help="layers NxK[,NxK...] (default: the seven Llama-3 shapes)")
     parser.add_argument("--ms", help="comma-separated M values to time (default: all of the kernel's candidates)")
     parser.add_argument("--splits", default="", help="also time each candidate at these K splits (config/split)")
     args = parser.parse_args()
@@ -106,7 +109,8 @@ def main() -> None:
         profile()
     else:
         ms, splits = ([int(v) for v in text.split(",") if v] for text in (args.ms or "", args.splits))
-        timing(args.json, args.kernel, ms, splits)
+        shapes = [tuple(map(int, v.split("x"))) for v in args.shapes.split(",")] if args.shapes else SHAPES
+        timing(args.json, args.kernel, ms, splits, shapes)
 
 
 if __name__ == "__main__":

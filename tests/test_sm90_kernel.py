@@ -169,6 +169,62 @@ def test_launcher_skips_tritons_generic_path_unless_a_hook_is_set(monkeypatch) -
     assert len(entered) == 2
 
 
+# (N, K, transform block or 0): narrow (64-row tiles, K split) and wide layers, K not a multiple of 256 (1040)
+PREPARED_LAYERS = [(208, 1040, 0), (4096, 4096, 0), (14336, 4096, 0), (1040, 2112, 64)]
+
+
+def test_prepared_tensor_core_launch_is_the_generic_call(monkeypatch) -> None:
+    """``Prepared`` at the tensor-core kernel's sizes (``TcLaunch``: one workspace per stream shared by all layers,
+    both launches through the C launcher, TMA maps encoded once) returns bit for bit what ``run`` returns, over a
+    chain of layers at Ms with and without K splits (each layer's pass rewriting the workspace the previous kernel
+    read), on a second stream, and never enters Triton's generic launch; under CUDA-graph capture it takes
+    ``tc_linear`` and replays bit for bit. The decode kernel's ``GemvLaunch`` takes the C launcher too."""
+    from repack.runtime.backends.triton_sm90 import dispatch, tensor_core
+
+    layers = []
+    for n, k, block in PREPARED_LAYERS:
+        tensors = runtime_on_gpu(random_weight(n, k, seed=n + k))
+        t = random_orthogonal(block, seed=block) if block else None
+        layers.append((tensors, n, k, t, dispatch.Prepared(**tensors, n=n, k=k, transform=t, prepared_tc=True),
+                       dispatch.Prepared(**tensors, n=n, k=k, transform=t, prepared_tc=False)))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (17, 32, 100, 256, 300):
+        xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _, _, k, _, _, _ in layers]
+        expected = [generic(x) for x, (*_, generic) in zip(xs, layers)]
+        stream = torch.cuda.Stream()
+        for s in (torch.cuda.current_stream(), stream):  # build each launch (it may compile or warm Triton up)
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                [fast(x) for x, (*_, fast, _) in zip(xs, layers)]
+            torch.cuda.current_stream().wait_stream(s)
+        entered = []
+        for kernel in (tensor_core._tc_kernel, tensor_core._kslot_kernel, tensor_core._transform_kernel):
+            monkeypatch.setattr(kernel, "run", lambda *a, real=kernel.run, **kw: entered.append(real) or real(*a, **kw))
+        for _ in range(2):
+            poison_allocator(m * 14336)
+            got = [fast(x) for x, (*_, fast, _) in zip(xs, layers)]
+            for y, e in zip(got, expected):
+                assert torch.equal(y.view(torch.int16), e.view(torch.int16))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got = [fast(x) for x, (*_, fast, _) in zip(xs, layers)]
+        torch.cuda.current_stream().wait_stream(stream)
+        for y, e in zip(got, expected):
+            assert torch.equal(y.view(torch.int16), e.view(torch.int16))
+        assert entered == []
+        monkeypatch.undo()
+        for _, n, k, _, fast, _ in layers:
+            launch = fast.launches[m]
+            assert isinstance(launch, tensor_core.TcLaunch) and launch.config == backend().tc_config_for(m, n, k, sms)
+            assert launch.prepass.direct and launch.kernel.direct, "Triton's launcher was not recognised"
+    tensors, n, k, t, fast, generic = layers[1]
+    x = torch.randn(64, k, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(assert_graph_replays_eager(fast, x), generic(x))
+    gemv = dispatch.Prepared(**tensors, n=n, k=k)
+    x = torch.randn(4, k, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(gemv(x), backend().linear(x, **tensors, n=n, k=k)) and gemv.launches[4].launch.direct
+
+
 def test_tensor_core_rejects_a_single_stage() -> None:
     """The loader refills a slot only after the consumers released it, one step later: one slot would deadlock."""
     tensors = runtime_on_gpu(random_weight(64, 256, seed=5))

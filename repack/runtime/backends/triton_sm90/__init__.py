@@ -12,8 +12,10 @@ and decode them with the same inline PTX (``ptx``); accumulation is float32 on t
   while it runs; a Walsh-Hadamard transform the decode kernel applies itself (``gemv_linear``'s ``walsh``).
 * ``dispatch``: which one runs (``linear``, ``prepare``) and with which work split, from the H200 measurements.
 * ``dequant``: bf16 weights for the benchmarks' cuBLAS baseline and the tests.
-* ``common``: the optional Triton imports, device facts and ``Launcher`` (a cached launch path, as Triton's
-  generic one costs more CPU time per call at M = 1 than the kernel takes on the GPU).
+* ``common``: the optional Triton imports, device facts, ``Launcher`` (a cached launch path, as Triton's
+  generic one costs more CPU time per call at M = 1 than the kernel takes on the GPU) and ``DirectLaunch`` (one
+  prepared launch through Triton's C launcher: ``decode.GemvLaunch`` and ``tensor_core.TcLaunch``, the eager
+  per-layer calls of ``dispatch.Prepared``).
 
 Every path captures into CUDA graphs and runs under ``torch.compile`` (no host synchronisation, nothing cached
 between calls that depends on the data), and neither kernel materialises bf16 weights.

@@ -1,9 +1,11 @@
 """What the sm90 kernels share: the Triton imports (optional on CPU-only installs), device facts, a cached launcher,
-and the programmatic-dependent-launch (PDL) helpers of the kernels that follow an activation pre-pass."""
+a prepared launch (``DirectLaunch``), and the programmatic-dependent-launch (PDL) helpers of the kernels that
+follow an activation pre-pass."""
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable, Sequence
 
 import torch
 
@@ -116,6 +118,84 @@ class Launcher:
         g2 = grid[2] if len(grid) > 2 else 1
         compiled.run(grid[0], g1, g2, self.stream(torch.cuda.current_device()), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *constexprs)  # fmt: skip
+
+
+def _c_launcher(compiled: object) -> Callable | None:
+    """The compiled kernel's C launch function itself, or None where this Triton's launcher is not the one this was
+    written against (Triton 3.6: ``CompiledKernel.run`` a ``CudaLauncher`` whose ``launch`` is the C function, or a
+    closure over it named ``launcher`` that encodes tensor descriptors per call) or the kernel needs scratch
+    memory, which its Python ``__call__`` allocates per launch."""
+    run = compiled.run
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    launch = getattr(run, "launch", None)
+    closure = getattr(launch, "__closure__", None)
+    if closure:
+        cells = dict(zip(launch.__code__.co_freevars, closure))
+        launch = cells["launcher"].cell_contents if "launcher" in cells else None
+    return launch if callable(launch) and type(launch).__name__ == "builtin_function_or_method" else None
+
+
+def _expanded(compiled: object, args: Sequence[object]) -> list[object] | None:
+    """``args`` as the C launcher takes them: each host tensor descriptor as its encoded TMA map, sizes and strides
+    (Triton 3.6's ``make_tensordesc_arg``, which its launcher wrapper calls per launch), or None if that function
+    is not there or differs."""
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:
+        return None
+    metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+    out: list[object] = []
+    for arg in args:
+        if TensorDescriptor is not None and isinstance(arg, TensorDescriptor):
+            try:
+                out.extend(make_tensordesc_arg(arg, metas.pop(0) if metas else None))
+            except TypeError:  # another Triton's signature
+                return None
+        else:
+            out.append(arg)
+    return out
+
+
+class DirectLaunch:
+    """One compiled kernel's launch with its grid and every argument fixed but the tensors at ``slots`` (the
+    activations, the output): a call is one C call. TMA descriptors are encoded once here, fixed tensors pass as
+    integer addresses (the launcher then skips its per-pointer driver query), and Triton's Python launcher (the
+    descriptor encoding, the scratch allocation closures) is skipped where ``_c_launcher`` recognises it; elsewhere
+    the call goes through ``compiled.run`` with the original arguments, as ``Launcher`` does. The caller keeps the
+    fixed tensors alive and calls on the device the kernel was compiled for."""
+
+    def __init__(self, compiled: object, grid: tuple[int, ...], args: Sequence[object], constexprs: Sequence[object],
+                 slots: Sequence[int]) -> None:  # fmt: skip
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.compiled = compiled
+        run = compiled.run
+        launch = _c_launcher(compiled)
+        marked = [_Slot(i) if i in slots else a for i, a in enumerate(args)]
+        expanded = _expanded(compiled, marked) if launch is not None else None
+        if expanded is None:  # Triton's own launcher, arguments as given
+            self.launch, self.head, fixed = run, (compiled.function, compiled.packed_metadata, None, None, None), marked
+        else:
+            self.launch = launch
+            self.head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                         compiled.packed_metadata, None, None, None)  # fmt: skip
+            fixed = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in expanded]
+        self.direct = expanded is not None
+        self.fixed = [*fixed, *constexprs]
+        self.positions = [i for i, a in enumerate(self.fixed) if isinstance(a, _Slot)]
+
+    def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
+        args = self.fixed.copy()
+        for i, t in zip(self.positions, tensors):
+            args[i] = t
+        self.launch(*self.grid, stream, *self.head, *args)
+
+
+class _Slot:
+    """A placeholder for a per-call argument of ``DirectLaunch``."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 if triton is not None:

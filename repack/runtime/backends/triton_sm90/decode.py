@@ -28,6 +28,7 @@ from ...transforms import WalshFactors
 from .common import (
     MAX_WARPS_PER_SM,
     REGISTERS_PER_SM,
+    DirectLaunch,
     Launcher,
     gl,
     gluon,
@@ -138,9 +139,9 @@ def gemv_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names 
 
 class GemvLaunch:
     """One layer's decode-kernel call at one M, reduced to an allocation and a launch: the kernel compiled (or found
-    in Triton's cache) once here for 16-byte aligned activations, every other argument fixed. The caller guarantees
-    a contiguous bf16 ``x [M, K]``, 16-byte aligned, on the current device (``dispatch.Prepared``); ``pdl`` and
-    ``walsh`` as in ``gemv_linear``."""
+    in Triton's cache) once here for 16-byte aligned activations, every other argument fixed (``DirectLaunch``). The
+    caller guarantees a contiguous bf16 ``x [M, K]``, 16-byte aligned, on the current device
+    (``dispatch.Prepared``); ``pdl`` and ``walsh`` as in ``gemv_linear``."""
 
     def __init__(self, weight, weight_scale, weight_global_scale, n: int, k: int, config: GemvConfig, m: int,
                  pdl: bool = False, walsh: WalshFactors | None = None) -> None:  # fmt: skip
@@ -149,17 +150,15 @@ class GemvLaunch:
         out = torch.empty((m, n), dtype=torch.bfloat16, device=weight.device)
         grid, args, kwargs = _gemv_launch_args(x, weight, weight_scale, weight_global_scale, out, n, k, config, pdl,
                                                walsh)  # fmt: skip
-        self.compiled, constexprs = _launch_gemv.compiled_for(grid, args, kwargs)
-        self.shape, self.device, self.grid = (m, n), weight.device, grid[0]
-        self.before_out, self.after_out = args[1:4], (*args[5:], *constexprs)  # x and out change per call
+        compiled, constexprs = _launch_gemv.compiled_for(grid, args, kwargs)
+        self.launch = DirectLaunch(compiled, grid, args, constexprs, slots=(0, 4))  # x and out change per call
+        self.shape, self.device = (m, n), weight.device
         self.stream = triton.runtime.driver.active.get_current_stream
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=torch.bfloat16, device=self.device)
-        c = self.compiled  # the launcher reads pointers only: x's bf16 storage is the kernel's int32 view
-        c.run(self.grid, 1, 1, self.stream(self.device.index), c.function, c.packed_metadata, None, None, None,
-              x, *self.before_out, out, *self.after_out)  # fmt: skip
-        return out
+        self.launch(self.stream(self.device.index), x, out)  # the launcher reads pointers only: x's bf16 storage
+        return out  # is the kernel's int32 view
 
 
 if triton is not None:

@@ -11,7 +11,8 @@ Measured on an H200 (docs/benchmarks.md, "sm90 kernels against cuBLAS and Hummin
 
 from __future__ import annotations
 
-from functools import lru_cache
+import os
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -20,7 +21,9 @@ from ....targets import sm90 as layout
 from ...transforms import WalshFactors
 from .common import FUSED_TRANSFORM_BLOCKS, fuses_transform, narrow, require_triton, sm_count
 from .decode import GEMV_MAX_M, GemvConfig, GemvLaunch, gemv_config_for, gemv_linear, walsh_smem_bytes
-from .tensor_core import TcConfig, tc_config_for, tc_linear, transformed_activations
+from .tensor_core import PREPARED_MAX_M, TcConfig, TcLaunch, tc_config_for, tc_linear, transformed_activations
+
+PREPARED_TC = os.environ.get("NVFP4_REPACK_PREPARED_TC", "1") != "0"  # read once: ``Prepared``'s default
 
 
 def uses_decode_kernel(m: int, n: int, sm_count: int) -> bool:
@@ -137,17 +140,19 @@ class Prepared:
     """``x -> linear(x, ...)`` for one layer, its tensors checked once at construction: the eager op's per-call path.
 
     It trusts its caller (``nvfp4_linear``) for a contiguous bf16 ``x [M, K]`` and checks only its device (a kernel
-    handed a pointer of another device faults). At the decode kernel's sizes it keeps, per M, the compiled kernel
-    and its launch arguments (``decode.gemv_launch``), so that a call is an allocation and a launch: Triton's
-    generic launch and this module's dispatch cost 50-70 us of CPU time per call at M = 1 on the H200's host,
-    more than the kernel takes on the GPU (docs/benchmarks.md, "sm90 runtime op: CPU cost per call"). With an
-    online input ``transform`` a call is the pre-pass and that launch (with PDL), or that launch alone where the
-    kernel applies it itself (``walsh``, ``walsh_in_kernel``).
+    handed a pointer of another device faults). Per M it keeps a prepared launch, so that a call is an allocation
+    and one or two launches: Triton's generic launch and this module's dispatch cost 50-100 us of CPU time per call
+    on the H200's host, more than the kernels take on the GPU at decode sizes (docs/benchmarks.md, "sm90 runtime
+    op: CPU cost per call"). At the decode kernel's sizes that is ``decode.GemvLaunch`` (with an online input
+    ``transform``: the pre-pass and that launch with PDL, or that launch alone where the kernel applies it itself,
+    ``walsh``, ``walsh_in_kernel``); at the tensor-core kernel's, up to ``PREPARED_MAX_M``, ``TcLaunch`` (its
+    activation pass, which applies the transform, and the kernel). ``prepared_tc=False`` keeps the tensor-core
+    calls on ``run`` (the environment variable ``NVFP4_REPACK_PREPARED_TC=0`` sets it for every layer).
     """
 
     def __init__(
         self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_global_scale: torch.Tensor, n: int, k: int,
-        transform: torch.Tensor | None = None, walsh: WalshFactors | None = None,
+        transform: torch.Tensor | None = None, walsh: WalshFactors | None = None, prepared_tc: bool | None = None,
     ) -> None:  # fmt: skip
         check_layer(weight, weight_scale, weight_global_scale, n, k)
         check_transform(transform, weight, k)
@@ -156,7 +161,8 @@ class Prepared:
         self.tensors = (weight, weight_scale, weight_global_scale)
         self.n, self.k = n, k
         self.device, self.index = weight.device, weight.get_device()
-        self.launches: dict[int, tuple[GemvLaunch, bool] | None] = {}  # M -> (launch, pre-pass first), None: generic
+        self.prepared_tc = PREPARED_TC if prepared_tc is None else prepared_tc
+        self.launches: dict[int, Callable[[torch.Tensor], torch.Tensor] | None] = {}  # M -> launch, None: ``run``
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -166,20 +172,28 @@ class Prepared:
         if x.get_device() != self.index:
             raise ValueError(f"weight is on {self.device}, x on {x.device}")
         if launch is not None and x.data_ptr() % 16 == 0 and torch.cuda.current_device() == self.index:
-            kernel, prepass = launch
-            return kernel(transformed_activations(x, self.transform) if prepass else x)
+            return launch(x)
         return run(x, *self.tensors, self.n, self.k, self.transform, self.walsh)
 
-    def _launch_for(self, m: int) -> tuple[GemvLaunch, bool] | None:
+    def _launch_for(self, m: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         config = plan(m, self.n, self.k, sm_count(self.index))
-        if not isinstance(config, GemvConfig) or m == 0:
+        if m == 0:
             return None
-        in_kernel = self.transform is not None and walsh_in_kernel(self.walsh, config, m, self.n, self.k,
-                                                                   sm_count(self.index))
-        prepass = self.transform is not None and not in_kernel
         with torch.cuda.device(self.index):
-            return GemvLaunch(*self.tensors, self.n, self.k, config, m, pdl=prepass,
-                              walsh=self.walsh if in_kernel else None), prepass  # fmt: skip
+            if isinstance(config, TcConfig):
+                if not self.prepared_tc or m > PREPARED_MAX_M:
+                    return None
+                return TcLaunch(*self.tensors, self.n, self.k, config, m, self.transform)
+            in_kernel = self.transform is not None and walsh_in_kernel(self.walsh, config, m, self.n, self.k,
+                                                                       sm_count(self.index))  # fmt: skip
+            prepass = self.transform is not None and not in_kernel
+            launch = GemvLaunch(*self.tensors, self.n, self.k, config, m, pdl=prepass,
+                                walsh=self.walsh if in_kernel else None)  # fmt: skip
+        return partial(_after_prepass, launch, self.transform) if prepass else launch
+
+
+def _after_prepass(launch: GemvLaunch, transform: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return launch(transformed_activations(x, transform))
 
 
 def prepare(

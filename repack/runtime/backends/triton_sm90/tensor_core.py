@@ -14,6 +14,7 @@ and writes bf16.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -22,12 +23,14 @@ import torch
 from ....targets import sm90 as layout
 from .common import (
     REGISTERS_PER_SM,
+    DirectLaunch,
     Launcher,
     TensorDescriptor,
     fence_async_shared,
     gl,
     grid_dependency_wait,
     gluon,
+    launch_hooked,
     mbarrier,
     narrow,
     require_triton,
@@ -121,23 +124,118 @@ def tc_linear(  # the layer's sm90 tensors, as ``layout.runtime_specs`` names th
         return out
     if config.stages < 2:
         raise ValueError(f"the tensor-core kernel needs at least 2 pipeline stages: {config}")
-    stripes, kp = weight.shape[0], weight.shape[1] // 2
-    n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
-    total_steps = kp // 64 // _TC_CHUNKS
-    if split_k is None:
-        split_k = _tc_split(n_tiles * m_tiles, total_steps, config, sm_count(x.device.index or 0))
-    steps = triton.cdiv(total_steps, split_k)
-    split_k = triton.cdiv(total_steps, steps)  # no empty split
-    counters = torch.empty((n_tiles * m_tiles if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
+    grid, steps, total_steps = _tc_plan(m, weight, config, x.device.index or 0, split_k)
+    split_k, kp = grid[2], weight.shape[1] // 2
+    counters = torch.empty((grid[0] * grid[1] if split_k > 1 else 0,), dtype=torch.int32, device=x.device)
     xk = kslot_activations(x, kp, counters, transform)
-    x_desc, w_desc, s_desc = tc_descriptors(xk, weight, weight_scale, config)
     if split_k > 1:
         partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     else:
         partials, counters = out, out  # unused by the SPLIT=False specialisation
-    args = (x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, m, n, steps, total_steps, split_k)
-    _launch_tc((n_tiles, m_tiles, split_k), args, {"SPLIT": split_k > 1, **tc_launch_options(config, pdl)})
+    _launch_tc(*_tc_launch_args(xk, weight, weight_scale, weight_global_scale, out, partials, counters, n, config,
+                                grid, steps, total_steps, pdl))  # fmt: skip
     return out
+
+
+def _tc_plan(m: int, weight: torch.Tensor, config: TcConfig, device_index: int,
+             split_k: int | None = None) -> tuple[tuple[int, int, int], int, int]:  # fmt: skip
+    """One call's grid (n-tiles, m-tiles, K splits; ``split_k`` defaults to ``_tc_split``, no split left empty),
+    steps per split and steps in all."""
+    stripes, kp = weight.shape[0], weight.shape[1] // 2
+    n_tiles, m_tiles = stripes // (4 * config.warpgroups), triton.cdiv(m, config.bm)  # a 16-row stripe per warp
+    total_steps = kp // 64 // _TC_CHUNKS
+    if split_k is None:
+        split_k = _tc_split(n_tiles * m_tiles, total_steps, config, sm_count(device_index))
+    steps = triton.cdiv(total_steps, split_k)
+    return (n_tiles, m_tiles, triton.cdiv(total_steps, steps)), steps, total_steps
+
+
+def _tc_launch_args(xk, weight, weight_scale, weight_global_scale, out, partials, counters, n: int, config: TcConfig,
+                    grid: tuple[int, int, int], steps: int, total_steps: int, pdl: bool):  # fmt: skip
+    """``_tc_kernel``'s grid, arguments and constexprs/options (the output at argument 4)."""
+    x_desc, w_desc, s_desc = tc_descriptors(xk, weight, weight_scale, config)
+    args = (x_desc, w_desc, s_desc, weight_global_scale, out, partials, counters, xk.shape[0], n, steps, total_steps,
+            grid[2])  # fmt: skip
+    return grid, args, {"SPLIT": grid[2] > 1, **tc_launch_options(config, pdl)}
+
+
+PREPARED_MAX_M = 1024  # the largest M whose eager calls take ``TcLaunch`` (its workspace: M x KP bf16 and more)
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (device, stream) -> (bytes, generation)
+_generations = itertools.count(1)
+
+
+def _workspace(device: torch.device, stream: int, nbytes: int) -> tuple[torch.Tensor, int]:
+    """The workspace of ``TcLaunch`` calls on one device and stream, grown (doubling) to ``nbytes``; a new one
+    gets a new generation, so that launches built on the old one rebuild (and let it go)."""
+    held = _workspaces.get((device.index, stream))
+    if held is None or held[0].numel() < nbytes:
+        size = max(nbytes, 2 * held[0].numel() if held is not None else 0)
+        held = _workspaces[(device.index, stream)] = (torch.empty(size, dtype=torch.uint8, device=device),
+                                                      next(_generations))  # fmt: skip
+    return held
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+class TcLaunch:
+    """One layer's tensor-core call at one M (``M <= PREPARED_MAX_M``; ``dispatch.Prepared``'s eager calls) reduced
+    to an allocation and two ``DirectLaunch`` calls: the activation pass and the kernel, their TMA descriptors
+    encoded once. Through ``tc_linear`` a call costs 90-100 us of CPU time on the H200's host (allocations, two
+    launch keys, three descriptors built and encoded: docs/benchmarks.md, "sm90 runtime op: CPU cost per call").
+
+    The pass's output, the split-K counters and the partials live in one workspace per device and stream
+    (``_workspace``), shared by every layer: work on a stream runs in order, and the pass, launched without PDL,
+    starts only after the kernel before it (the last user of the workspace) has finished. Under CUDA-graph capture
+    (a graph must own its buffers) or with a launch hook set (a profiler's), a call takes ``tc_linear``. The caller
+    guarantees a contiguous bf16 ``x [M, K]``, 16-byte aligned, on the current device (``dispatch.Prepared``)."""
+
+    def __init__(self, weight, weight_scale, weight_global_scale, n: int, k: int, config: TcConfig, m: int,
+                 transform: torch.Tensor | None = None) -> None:  # fmt: skip
+        require_triton(weight)
+        self.tensors, self.transform = (weight, weight_scale, weight_global_scale), transform
+        self.n, self.k, self.m, self.config = n, k, m, config
+        self.device, self.index = weight.device, weight.get_device()
+        self.grid, self.steps, self.total_steps = _tc_plan(m, weight, config, self.index)
+        split = self.grid[2]
+        kp = weight.shape[1] // 2
+        self.sizes = (_aligned(m * kp * 2), _aligned(4 * self.grid[0] * self.grid[1] if split > 1 else 0),
+                      _aligned(4 * split * m * n if split > 1 else 0))  # fmt: skip
+        self.stream = triton.runtime.driver.active.get_current_stream
+        self.built_for: tuple[int, int] | None = None  # (stream, workspace generation)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing() or launch_hooked():
+            return tc_linear(x, *self.tensors, self.n, self.k, self.config, transform=self.transform)
+        stream = self.stream(self.index)
+        held = _workspaces.get((self.index, stream))
+        if held is None or (stream, held[1]) != self.built_for:
+            self._build(stream)
+        out = torch.empty((self.m, self.n), dtype=torch.bfloat16, device=self.device)
+        self.prepass(stream, x)
+        self.kernel(stream, out)
+        return out
+
+    def _build(self, stream: int) -> None:
+        """Both launches on this stream's workspace (compiled, or found in Triton's cache, by ``Launcher``)."""
+        buffer, generation = _workspace(self.device, stream, sum(self.sizes))
+        m, (weight, weight_scale, weight_global_scale) = self.m, self.tensors
+        kp, (xk_bytes, counter_bytes, _) = weight.shape[1] // 2, self.sizes
+        xk = buffer[: m * kp * 2].view(torch.bfloat16).view(m, kp)
+        counters = buffer[xk_bytes : xk_bytes + counter_bytes].view(torch.int32)
+        partials = buffer[xk_bytes + counter_bytes :].view(torch.float32)[: self.grid[2] * m * self.n]
+        x = torch.empty((m, self.k), dtype=torch.bfloat16, device=self.device)  # a stand-in: its shape and alignment
+        launcher, grid, args, kwargs = _prepass(x, xk, counters, self.transform)
+        compiled, constexprs = launcher.compiled_for(grid, args, kwargs)
+        self.prepass = DirectLaunch(compiled, grid, args, constexprs, slots=(0,))
+        if self.grid[2] == 1:
+            partials = counters = xk  # unused by the SPLIT=False specialisation (bf16, as ``tc_linear`` passes)
+        launch = _tc_launch_args(xk, weight, weight_scale, weight_global_scale, xk, partials, counters, self.n,
+                                 self.config, self.grid, self.steps, self.total_steps, pdl=True)  # fmt: skip
+        compiled, constexprs = _launch_tc.compiled_for(*launch)
+        self.kernel = DirectLaunch(compiled, launch[0], launch[1], constexprs, slots=(4,))
+        self.buffer, self.built_for = buffer, (stream, generation)  # the launches hold its address
 
 
 def tc_descriptors(
@@ -196,36 +294,43 @@ def kslot_activations(
     """``kslot_order`` in one Triton pass (the TMA then loads activation tiles that match the decoded A fragments),
     which also zeroes the split-K ``counters`` (one launch fewer than a separate memset: 1.8 us on the H200) and
     applies the layer's online input ``transform`` (``fuses_transform``) first, so that it costs no launch either."""
-    m, k = x.shape
-    out = torch.empty((m, kp), dtype=x.dtype, device=x.device)
-    if transform is not None:
-        _transform(x, out, counters, transform, kslot=True)
-        return out
-    grid = (triton.cdiv(m, 32), kp // 256)
-    _launch_kslot(grid, (x, out, counters, m, k, kp, counters.numel()), {"BR": 32, "num_warps": 4})
+    out = torch.empty((x.shape[0], kp), dtype=x.dtype, device=x.device)
+    launcher, *launch = _prepass(x, out, counters, transform)
+    launcher(*launch)
     return out
+
+
+def _prepass(x: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, transform: torch.Tensor | None):
+    """The tensor-core kernel's activation pass into ``out [M, KP]``: its ``Launcher``, grid, arguments (x first)
+    and constexprs/options; the k-slot pass, or the transform pass in k-slot order."""
+    if transform is not None:
+        return (_launch_transform, *_transform_args(x, out, counters, transform, kslot=True))
+    m, k = x.shape
+    kp = out.shape[1]
+    return _launch_kslot, (triton.cdiv(m, 32), kp // 256), (x, out, counters, m, k, kp, counters.numel()), {
+        "BR": 32, "num_warps": 4}
 
 
 def transformed_activations(x: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
     """``x @ blockdiag(transform)`` (bf16 operands, float32 accumulation, bf16 out) by the same pass without the
     k-slot permutation: the decode kernel's predecessor, which it overlaps through PDL."""
     out = torch.empty_like(x)
-    _transform(x, out, out, transform, kslot=False)  # no counters (COUNTERS = 0)
+    _launch_transform(*_transform_args(x, out, out, transform, kslot=False))  # no counters (COUNTERS = 0)
     return out
 
 
-def _transform(x, out, counters, transform, kslot: bool) -> None:
-    """``_transform_kernel`` over ``out [M, KP]`` as rows of one ``TE``-wide block each, 4096 elements a program
-    (at least 64 rows: ``tl.dot`` then runs as wgmma; 8 warps for 128-wide blocks, which spill with 4). With the
-    k-slot order ``TE`` is a whole number of 64-column chunks, the permutation folded into the matrix's columns."""
+def _transform_args(x, out, counters, transform, kslot: bool):
+    """``_transform_kernel``'s grid, arguments and constexprs/options over ``out [M, KP]`` as rows of one
+    ``TE``-wide block each, 4096 elements a program (at least 64 rows: ``tl.dot`` then runs as wgmma; 8 warps for
+    128-wide blocks, which spill with 4). With the k-slot order ``TE`` is a whole number of 64-column chunks, the
+    permutation folded into the matrix's columns."""
     m, k = x.shape
     block = transform.shape[0]
     width = max(block, 64) if kslot else block
     rows, per_program = m * out.shape[1] // width, max(64, 4096 // width)
     args = (x, out, counters, transform, rows, out.shape[1] // width, k, counters.numel() if kslot else 0)
-    _launch_transform((triton.cdiv(rows, per_program),), args,
-                      {"TB": block, "TE": width, "RB": per_program, "KSLOT": kslot,
-                       "num_warps": 8 if width > 64 else 4})  # fmt: skip
+    return (triton.cdiv(rows, per_program),), args, {"TB": block, "TE": width, "RB": per_program, "KSLOT": kslot,
+                                                      "num_warps": 8 if width > 64 else 4}  # fmt: skip
 
 
 def kslot_order(x: torch.Tensor, kp: int) -> torch.Tensor:
