@@ -22,7 +22,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import llama_layers, write_llama
 from repack.targets.engines import SGLANG_MARLIN_FAMILIES, SGLANG_MARLIN_LAYOUTS, SGLANG_WEIGHT_ONLY_FAMILIES
-from repack.targets.sglang import marlin_global_scale
+from repack.targets.sglang import marlin_global_scale, restated_differences
 
 from .conftest import PRODUCERS, seeded_folder
 from .test_sglang_conformance import (
@@ -170,3 +170,17 @@ def test_sglang_bundles_refuse_in_one_line(tmp_path):
         assert "\n" not in str(refused.value)
         assert not (tmp_path / "out").exists()
 
+
+
+def test_verify_fails_a_marlin_scalar_that_does_not_follow_from_the_layer(tmp_path):
+    """verify's exactness restates an SGLang Marlin layer from its codes, scales and kept scalars: the activation
+    scalars SGLang keeps for a ModelOpt W4A4 checkpoint on sm90 follow from its partition scales."""
+    convert(PRODUCERS / "modelopt_nvfp4", "sm90", tmp_path / "out", engine="sglang")
+    bundle = open_bundle(tmp_path / "out")
+    prefix = "model.layers.0.self_attn.qkv_proj"
+    record, runtime = bundle.manifest.layers[prefix], bundle.runtime_layer(prefix)
+    assert bundle.manifest.layout_id == SGLANG_MARLIN_LAYOUTS["modelopt", "W4A4"]
+    assert restated_differences(bundle.target, runtime, record.n, record.k) == []
+    wrong = {"alpha": runtime.named["alpha"] * 2, "input_global_scale": runtime.named["input_global_scale"] * 2}
+    bad = replace(runtime, named={**runtime.named, **wrong})
+    assert restated_differences(bundle.target, bad, record.n, record.k) == sorted(wrong)
