@@ -647,7 +647,7 @@ def convert(
     if engine != "vllm":
         if vllm is not None:
             raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
-        _check_engine_options(engine, weight_only=weight_only, rescale=rescale, ep=ep)
+        _check_engine_options(engine, rescale=rescale, ep=ep)
         fuse = True  # the engine's fused modules
     version = resolve_version(engine, vllm)
     if tp < 1:
@@ -690,7 +690,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
     targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine.engine == "vllm"
-               else [engine_target(t, engine.engine, source) for t in targets])
+               else [engine_target(t, engine.engine, source, weight_only) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         sglang_moe = engine.engine == "sglang" and bool(expert_groups(source))
@@ -728,12 +728,8 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                    bundles=[b for s in summaries for b in s.bundles])
 
 
-def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: bool) -> None:
+def _check_engine_options(engine: str, *, rescale: bool, ep: bool) -> None:
     """One-line refusals of what another engine's bundles cannot hold."""
-    if weight_only:
-        raise RepackError(f"--engine {engine} --weight-only: SGLang serves a W4A4 checkpoint weight-only where its auto "
-                          "backend is FP4 Marlin (-t sm90, sm80: written so without --weight-only); elsewhere only "
-                          "under --fp4-gemm-backend marlin, not written here")
     if rescale:
         raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
                           "rescaled bundle would not be its state; convert without --rescale")
@@ -741,11 +737,12 @@ def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool, ep: 
         raise RepackError(f"--engine {engine} --ep: MoE layers are not written for SGLang yet")
 
 
-def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
-    """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
+def engine_target(family: Target, engine: str, source: SourceModel, weight_only: bool = False) -> Target:
+    """``family``'s layout of ``engine``'s state for ``source`` (``weight_only``: as the engine serves it weight-only),
+    or a one-line refusal of what it cannot serve."""
     if source.transforms.layers:
         raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
-    target = family.for_engine(engine, source.format, source.activation_scheme)
+    target = family.for_engine(engine, source.format, source.activation_scheme, weight_only)
     if target is None:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
                           "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")

@@ -124,11 +124,12 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     return len(meta)
 
 
-def assert_converts_to_sglangs_state(checkpoint: Path, arch: str, dumped: Path, out: Path, tp: int = 1) -> None:
-    """``convert --engine sglang`` of ``checkpoint`` for ``arch`` at ``tp``: every rank holds SGLang's state of
-    ``dumped`` (8 layers), and verify against the source passes."""
+def assert_converts_to_sglangs_state(checkpoint: Path, arch: str, dumped: Path, out: Path, tp: int = 1,
+                                     **options) -> None:
+    """``convert --engine sglang`` of ``checkpoint`` for ``arch`` at ``tp`` (with ``options``): every rank holds
+    SGLang's state of ``dumped`` (8 layers), and verify against the source passes."""
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
-    convert(checkpoint, arch, out, tp=tp, engine="sglang")
+    convert(checkpoint, arch, out, tp=tp, engine="sglang", **options)
     for rank in range(tp):
         assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank) == 8
     assert verify_output(out, source=checkpoint).passed
@@ -224,7 +225,6 @@ def test_plugin_refuses_in_one_line(job, plugin_oracle):
 
 
 @pytest.mark.parametrize("fixture,options,says", [
-    ("modelopt_nvfp4", {"weight_only": True}, "--weight-only"),
     ("modelopt_nvfp4", {"rescale": True}, "--rescale"),
     ("ct_quip_vu_had32_nvfp4", {}, "online transforms"),
 ])

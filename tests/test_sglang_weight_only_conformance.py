@@ -22,7 +22,7 @@ from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import llama_layers, write_llama
 from repack.targets.engines import SGLANG_MARLIN_FAMILIES, SGLANG_MARLIN_LAYOUTS, SGLANG_WEIGHT_ONLY_FAMILIES
-from repack.targets.sglang import marlin_global_scale, restated_differences
+from repack.targets.sglang import DENSE_BACKENDS, marlin_global_scale, restated_differences
 
 from .conftest import PRODUCERS, seeded_folder
 from .test_sglang_conformance import (
@@ -40,8 +40,11 @@ W4A4_FIXTURES = ["modelopt_nvfp4", "ct_nvfp4"]
 # (vLLM's Marlin flushes them to 0, SGLang's keeps them) and multipliers that bf16 rounds
 W4A16_NAMES = W4A16_FIXTURES + [f"{shape}-{fmt}-w4a16" for shape in SYNTHETIC for fmt in FORMATS]
 W4A4_NAMES = W4A4_FIXTURES + [f"{shape}-{fmt}-w4a4" for shape in SYNTHETIC for fmt in FORMATS]
+# W4A4 checkpoints on Marlin: SGLang's auto on sm80-sm90; on sm100 / sm120 under --fp4-gemm-backend marlin, which
+# convert --weight-only writes (a job's arch "sm100+marlin")
+MARLIN_W4A4_ARCHS = (*SGLANG_MARLIN_FAMILIES, *(f"{family}+marlin" for family in DENSE_BACKENDS))
 JOBS = ([(name, arch) for name in W4A16_NAMES for arch in SGLANG_WEIGHT_ONLY_FAMILIES]
-        + [(name, arch) for name in W4A4_NAMES for arch in SGLANG_MARLIN_FAMILIES])
+        + [(name, arch) for name in W4A4_NAMES for arch in MARLIN_W4A4_ARCHS])
 TINY = 2.0**-8  # an e4m3 subnormal block scale
 
 
@@ -76,6 +79,12 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
                         [f"{name}-{arch}={checkpoints[name]}:{arch}" for name, arch in JOBS])
 
 
+def _convert_options(arch: str) -> dict:
+    """A job's convert target and options: ``sm100+marlin`` is -t sm100 --weight-only."""
+    family, _, backend = arch.partition("+")
+    return {"target_name": family, "weight_only": backend == "marlin"}
+
+
 def _refused_by_us(name: str, tp: int) -> bool:
     """At TP 2: the producers' fixtures (a down_proj of per-rank K 88: SGLang refuses ModelOpt's and loads
     compressed-tensors' block scales wrong, as for W4A4: tests/test_sglang_conformance.py), and "odd" (5 heads,
@@ -85,19 +94,23 @@ def _refused_by_us(name: str, tp: int) -> bool:
 
 @pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
 def test_bundle_is_byte_identical_to_sglang(name, arch, checkpoints, oracle, tmp_path):
-    assert_converts_to_sglangs_state(checkpoints[name], arch, oracle[1] / f"{name}-{arch}", tmp_path / "bundle")
+    options = _convert_options(arch)
+    assert_converts_to_sglangs_state(checkpoints[name], options.pop("target_name"), oracle[1] / f"{name}-{arch}",
+                                     tmp_path / "bundle", **options)
 
 
 @pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
 def test_tp2_ranks_are_byte_identical_to_sglang_or_we_refuse(name, arch, checkpoints, oracle, tmp_path):
     dumped, out = oracle[2] / f"{name}-{arch}", tmp_path / "ranks"
+    options = _convert_options(arch)
+    target = options.pop("target_name")
     if _refused_by_us(name, 2):
         with pytest.raises(RepackError, match="--tp 2"):
-            convert(checkpoints[name], arch, out, tp=2, engine="sglang")
+            convert(checkpoints[name], target, out, tp=2, engine="sglang", **options)
         # SGLang refuses them too (odd; ModelOpt: K not a multiple of 16), or loads compressed-tensors' wrong
         assert (dumped / "refused.txt").exists() or name.startswith("ct_")
         return
-    assert_converts_to_sglangs_state(checkpoints[name], arch, dumped, out, tp=2)
+    assert_converts_to_sglangs_state(checkpoints[name], target, dumped, out, tp=2, **options)
 
 
 # The plugin: each bundle loaded by SGLang through --load-format nvfp4_repack against SGLang's own load of the
@@ -114,7 +127,8 @@ def plugin_oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
         for name, arch in JOBS:
             if not _refused_by_us(name, tp):
                 folder = bundles / f"{name}-{arch}-tp{tp}"
-                convert(checkpoints[name], arch, folder, tp=tp, engine="sglang")
+                options = _convert_options(arch)
+                convert(checkpoints[name], options.pop("target_name"), folder, tp=tp, engine="sglang", **options)
                 jobs.append(f"{name}-{arch}={folder}:{arch}-plugin")
         if tp == 1:
             for job, (name, target, served_on, _) in PLUGIN_REFUSALS.items():
@@ -161,9 +175,10 @@ def test_marlin_keeps_what_vllms_marlin_flushes_and_rounds_the_multiplier_to_bf1
 def test_sglang_bundles_refuse_in_one_line(tmp_path):
     for fixture, target, options, says in [
         ("modelopt_w4a16_nvfp4", "sm75", {}, "-t sm75: SGLang 0.5.23 serves no NVFP4"),
-        ("modelopt_nvfp4", "sm100", {"weight_only": True}, "--weight-only"),
+        ("modelopt_nvfp4", "sm75", {}, "-t sm75: SGLang 0.5.23 serves no NVFP4"),
         ("modelopt_moe_w4a16_nvfp4", "sm100", {}, "MoE layers served weight-only"),
         ("modelopt_moe_nvfp4", "sm90", {}, "MoE layers served weight-only"),
+        ("modelopt_moe_nvfp4", "sm100", {"weight_only": True}, "MoE layers served weight-only"),
     ]:
         with pytest.raises(RepackError, match=says) as refused:
             convert(PRODUCERS / fixture, target, tmp_path / "out", engine="sglang", **options)

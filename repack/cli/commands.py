@@ -180,7 +180,8 @@ def convert(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     weight_only: Annotated[bool, _flag(
         "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
-        "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only).",
+        "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only). With --engine "
+        "sglang: SGLang's FP4 Marlin state (serve with --fp4-gemm-backend marlin).",
         "--weight-only")] = False,
     engine: Annotated[Engine, typer.Option(
         "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "

@@ -153,12 +153,14 @@ class Target(Family):
         for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
         return next((t for t in self.layouts if t.scheme == scheme and t.engine == "vllm"), self)
 
-    def for_engine(self, engine: str, source_format: str, scheme: str = "W4A4") -> "Target | None":
-        """The family's layout of ``engine``'s state for a ``scheme`` checkpoint of ``source_format``, if it has one."""
+    def for_engine(self, engine: str, source_format: str, scheme: str = "W4A4",
+                   weight_only: bool = False) -> "Target | None":
+        """The family's layout of ``engine``'s state for a ``scheme`` checkpoint of ``source_format``, if it has one:
+        the first (the engine's auto), or with ``weight_only`` the first whose kernel keeps activations in bf16."""
         if engine == "vllm":
-            return self.for_scheme(scheme)
+            return self.for_scheme("W4A16" if weight_only else scheme)
         return next((t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)
-                     and t.scheme == scheme), None)
+                     and t.scheme == scheme and not (weight_only and t.layout_key == W4A4_LAYOUT_ID)), None)
 
     def layer_specs(self, n: int, k: int, partitions: int = 1) -> dict[str, TensorSpec]:
         """dtype and shape of each tensor of an ``[n, k]`` layer of ``partitions`` fused partitions."""

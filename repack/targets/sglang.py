@@ -34,7 +34,6 @@ from .engines import (
     SGLANG_BF16_FP4_LAYOUT,
     SGLANG_DENSE_BACKENDS,
     SGLANG_LAYOUTS,
-    SGLANG_MARLIN_FAMILIES,
     SGLANG_MARLIN_LAYOUTS,
     SGLANG_MOE_ARCHITECTURES,
     SGLANG_MOE_BACKENDS,
@@ -185,11 +184,12 @@ ATTRIBUTES: dict[str, dict[str, object]] = {
     SGLANG_BF16_FP4_LAYOUT: {"use_flashinfer_bf16_fp4": True, "flashinfer_backend": "cute-dsl"}}
 # the --fp4-gemm-backend values under which SGLang holds each weight-only layout (ModelOpt W4A16_NVFP4: Marlin under
 # every one; compressed-tensors: FlashInfer's bf16 x fp4 under cute-dsl / cudnn, which hold other bytes each, else
-# Marlin; ModelOpt W4A4 below sm100: Marlin only, its other backends refuse there)
+# Marlin; W4A4 checkpoints on Marlin: marlin, SGLang's auto below sm100 and what serves them weight-only on Blackwell,
+# where its other backends hold the W4A4 state)
 _NOT_BF16_FP4 = ("flashinfer_cutlass", "flashinfer_trtllm", MARLIN_KERNEL)
 BACKENDS = {SGLANG_MARLIN_LAYOUTS["modelopt", "W4A16"]: (*SGLANG_SAME_STATE_BACKENDS, "flashinfer_trtllm", MARLIN_KERNEL),
             SGLANG_MARLIN_LAYOUTS["compressed-tensors", "W4A16"]: _NOT_BF16_FP4,
-            SGLANG_MARLIN_LAYOUTS["compressed-tensors", "W4A4"]: _NOT_BF16_FP4,
+            SGLANG_MARLIN_LAYOUTS["compressed-tensors", "W4A4"]: (MARLIN_KERNEL,),
             SGLANG_MARLIN_LAYOUTS["modelopt", "W4A4"]: (MARLIN_KERNEL,),
             SGLANG_BF16_FP4_LAYOUT: ("flashinfer_cutedsl",)}
 
@@ -322,15 +322,14 @@ def bf16_fp4_variant(family: Target) -> Target:
 
 def weight_only_variants(family: Target) -> tuple[Target, ...]:
     """``family``'s SGLang weight-only layouts: ModelOpt W4A16_NVFP4 on Marlin everywhere, compressed-tensors NVFP4A16
-    on FlashInfer's bf16 x fp4 (sm100) or Marlin, and where SGLang's auto backend is Marlin (sm80-sm90) the W4A4
-    checkpoints it serves weight-only there."""
+    on FlashInfer's bf16 x fp4 (sm100) or Marlin, and W4A4 checkpoints on Marlin: SGLang's auto where it is Marlin
+    (sm80-sm90), ``--fp4-gemm-backend marlin`` on sm100 / sm120 (``convert --weight-only``; after their W4A4 layouts,
+    which :meth:`Target.for_engine` picks first)."""
     if family.name not in SGLANG_WEIGHT_ONLY_FAMILIES:
         return ()
-    out = [marlin_variant(family, "modelopt", "W4A16"),
-           bf16_fp4_variant(family) if family.name == "sm100" else marlin_variant(family, "compressed-tensors", "W4A16")]
-    if family.name in SGLANG_MARLIN_FAMILIES:
-        out += [marlin_variant(family, fmt, "W4A4") for fmt in ("modelopt", "compressed-tensors")]
-    return tuple(out)
+    return (marlin_variant(family, "modelopt", "W4A16"),
+            bf16_fp4_variant(family) if family.name == "sm100" else marlin_variant(family, "compressed-tensors", "W4A16"),
+            *(marlin_variant(family, fmt, "W4A4") for fmt in ("modelopt", "compressed-tensors")))
 
 
 # --- NVFP4 MoE (FusedMoE) -----------------------------------------------------------------------------------------
@@ -532,7 +531,8 @@ def moe_variant(target: Target) -> MoELayout:
     key = (target.source_format, target.name)
     if target.layout_id not in LAYOUTS.values():  # a weight-only layout: SGLang's experts would be FP4 Marlin's
         raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers served weight-only (SGLang's FP4 Marlin "
-                          "MoE: weight-only checkpoints, and W4A4 ones on sm80-sm90) are not written for SGLang yet")
+                          "MoE: weight-only checkpoints, W4A4 ones on sm80-sm90 or --weight-only) are not written for "
+                          "SGLang yet")
     if key not in SGLANG_MOE_LAYOUTS:
         raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers are not written for SGLang there")
     return MoELayout(SGLANG_MOE_LAYOUTS[key], SGLANG_MOE_BACKENDS[key], (MOE_METHODS[target.source_format],),

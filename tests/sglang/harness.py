@@ -18,7 +18,8 @@ fails loudly instead of testing something else.
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
         ARCH: sm100 | sm120 | sm90 | sm80 (SGLang's auto backends on that GPU: dense FP4 GEMM and NVFP4 MoE; a
         dense layer FP4 Marlin serves records backend "marlin", whatever the backend), optionally
-        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``); ARCH-plugin: CKPT is a bundle, loaded
+        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``), ARCH+FP4_BACKEND (``--fp4-gemm-backend
+        FP4_BACKEND``: ``sm100+marlin``); ARCH-plugin: CKPT is a bundle, loaded
         with --load-format nvfp4_repack through the project's SGLang plugin (registered as SGLang's plugin loader
         runs it: the one job kind that imports the project)
 
@@ -218,12 +219,13 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     plugin = arch.endswith("-plugin")
     if plugin:
         register_plugin()
-    arch = arch.removesuffix("-plugin")
+    arch, _, fp4_backend = arch.removesuffix("-plugin").partition("+")
     _current["capability"] = PLATFORMS[arch]["device_capability"]
     with override_platform(**PLATFORMS[arch]):
         # resolved on the emulated GPU (its MoE runner backend choice reads the platform), as on that GPU
         args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
-                          load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto")
+                          load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto",
+                          fp4_gemm_runner_backend=fp4_backend or "auto")
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
         moe_utils.initialize_moe_config()  # as the scheduler does
         if not torch.distributed.is_initialized():
