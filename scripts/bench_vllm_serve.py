@@ -150,10 +150,14 @@ def wait_for(path: Path, seconds: float) -> bool:
 
 def hook_load(stats: dict[str, float]) -> None:
     """Time the model runner's ``load_model`` and read the allocator's peak during it (vLLM 0.33 has two model
-    runners, ``v1/worker/gpu/model_runner.py`` the one its GPU worker built here: both are wrapped)."""
+    runners, ``v1/worker/gpu/model_runner.py`` the one its GPU worker built here: both are wrapped; 0.34 has only
+    that one)."""
     import importlib
+    import importlib.util
 
     for module in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+        if importlib.util.find_spec(module) is None:
+            continue
         runner = importlib.import_module(module).GPUModelRunner
         runner.load_model = timed_load(runner.load_model, stats)
 

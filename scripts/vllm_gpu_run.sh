@@ -9,10 +9,11 @@
 #                                          # seconds (default 540)
 #   bash scripts/vllm_gpu_run.sh poll [S]  # wait up to S seconds more (default 570) for both; logs into $OUT
 # GPU_TESTS overrides the tests (pytest arguments; groups separated by ';' run as that many pytest processes at once,
-# each logging to tests-N.log: the engines' compiles are CPU-bound, the GPU is mostly idle); BENCH_JOBS, BENCH_PARALLEL
-# and BENCH_BUDGET the benchmark's jobs, wave size and time (seconds); NO_BENCH=1 runs the tests only. STAGE, SITE and TREE (default /tmp/stage,
-# /tmp/site, /tmp/tree) and RUN (its logs and markers, default /tmp) keep two kits apart on one machine (vLLM 0.34:
-# /tmp/stage034, /tmp/site034, /tmp/tree034, /tmp/run034).
+# each logging to tests-N.log: the engines' compiles are CPU-bound, the GPU is mostly idle; `go` starts them through
+# this script's own `tests` step); BENCH_JOBS, BENCH_PARALLEL and BENCH_BUDGET the benchmark's jobs, wave size and time
+# (seconds); NO_BENCH=1 runs the tests only. STAGE, SITE and TREE (default /tmp/stage, /tmp/site, /tmp/tree) and RUN
+# (its logs and markers, default /tmp) keep two kits apart on one machine (vLLM 0.34: /tmp/stage034, /tmp/site034,
+# /tmp/tree034, /tmp/run034). Keep a device call in flight while the jobs run: the machine goes back after 30 s idle.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STAGE=${STAGE:-/tmp/stage} SITE=${SITE:-/tmp/site} TREE=${TREE:-/tmp/tree} RUN=${RUN:-/tmp}

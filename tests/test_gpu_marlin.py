@@ -1,7 +1,8 @@
-"""The CPU port of Marlin's load (repack/targets/marlin.py, moe_marlin.py) against vLLM 0.33's own CUDA op and
-post-load functions on a GPU, bit for bit. Skips without a CUDA GPU or without vLLM's ``_C`` (CI has neither).
+"""The CPU port of Marlin's load (repack/targets/marlin.py, moe_marlin.py) against vLLM's own CUDA op and
+post-load functions on a GPU, bit for bit (vLLM 0.33 or 0.34, whichever is staged: their Marlin code is the same
+for NVFP4). Skips without a CUDA GPU or without vLLM's ``_C`` (CI has neither).
 
-On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu; docs/serving.md has the commands):
+On the H200 (vLLM 0.33 staged by ../shared/vllm-gpu, 0.34 by scripts/stage_vllm_gpu.sh; docs/serving.md):
 
     PYTHONPATH=.:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_gpu_marlin.py
 
@@ -66,6 +67,12 @@ def test_repack_codes_is_vllms_cuda_op(n: int, k: int) -> None:
     assert torch.equal(marlin.unrepack_codes(got, n, k), codes)
 
 
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in logical order, 0-d tensors too (vLLM holds Marlin's global scale as float32 [], which
+    ``view(torch.uint8)`` refuses)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 class _Layer(torch.nn.Module):
     """The attributes vLLM's Marlin preparation reads off a linear or FusedMoE layer."""
 
@@ -93,7 +100,7 @@ def test_dense_layer_is_vllms_prepare(n: int, k: int, dtype: torch.dtype) -> Non
     for name in ("weight", "weight_scale", "weight_global_scale"):
         held, ours = getattr(layer, name).detach().cpu(), getattr(runtime, name)
         assert held.dtype == ours.dtype and held.shape == ours.shape, (name, held.shape, ours.shape)
-        assert torch.equal(held.contiguous().view(torch.uint8), ours.contiguous().view(torch.uint8)), name
+        assert torch.equal(raw_bytes(held), raw_bytes(ours)), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -120,7 +127,7 @@ def test_moe_layer_is_vllms_prepare(e: int, h: int, i: int, dtype: torch.dtype) 
     for name, tensor in zip(names, held):
         tensor = tensor.detach().cpu().contiguous()
         assert tensor.dtype == ours[name].dtype and tensor.shape == ours[name].shape, (name, tensor.shape)
-        assert torch.equal(tensor.view(torch.uint8), ours[name].view(torch.uint8)), name
+        assert torch.equal(raw_bytes(tensor), raw_bytes(ours[name])), name
 
 
 # --- serving: Marlin bundles through the plugin against vLLM's own Marlin load of the source and a bf16 model ---
@@ -179,7 +186,7 @@ def state_digest(model: torch.nn.Module) -> dict[str, tuple[str, tuple[int, ...]
 
     out = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        data = t.detach().contiguous().view(torch.uint8).cpu().numpy() if t.numel() else b""
+        data = raw_bytes(t).cpu().numpy() if t.numel() else b""
         out[name] = (str(t.dtype), tuple(t.shape), hashlib.sha256(data).hexdigest())
     return out
 

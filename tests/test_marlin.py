@@ -116,3 +116,18 @@ def test_moe_shapes_vllm_refuses_are_refused():
         moe_marlin.check_shape(2, 96, 64)
     with pytest.raises(RepackError, match="multiple of 16"):
         moe_marlin.check_shape(2, 128, 40)
+
+
+def test_gpu_state_checks_read_0d_tensors():
+    """tests/test_gpu_marlin.py compares vLLM's state on the GPU byte for byte, and Marlin's global scale is a
+    float32 [] there (its first H200 run failed reading it): the helpers read 0-d and strided tensors."""
+    from .test_gpu_marlin import raw_bytes, state_digest
+
+    module = torch.nn.Module()
+    module.weight_global_scale = torch.nn.Parameter(torch.tensor(0.25), requires_grad=False)
+    module.register_buffer("strided", torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, ::2])
+    assert torch.equal(raw_bytes(module.weight_global_scale), torch.tensor(0.25).reshape(1).view(torch.uint8))
+    assert torch.equal(raw_bytes(module.strided), module.strided.contiguous().reshape(-1).view(torch.uint8))
+    digest = state_digest(module)
+    assert digest["weight_global_scale"][:2] == ("torch.float32", ())
+    assert digest["strided"][:2] == ("torch.float32", (3, 2))

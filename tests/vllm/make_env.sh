@@ -8,7 +8,8 @@
 #
 # Shared where it can be: versions whose requirements list the same packages get one pip install of them (the first
 # version's venv), the others a hard-linked copy of it with only vLLM replaced (seconds, no second 4 GB on disk);
-# versions whose lists differ build in parallel. Where: 0.33 in $NVFP4_REPACK_VLLM_VENV (default .venv-vllm), 0.34 in
+# versions whose lists differ build in parallel. Each builds beside its venv and replaces it only when complete
+# (tests/oracle_venv.sh): a failed build leaves the previous venv. Where: 0.33 in $NVFP4_REPACK_VLLM_VENV (default .venv-vllm), 0.34 in
 # $NVFP4_REPACK_VLLM_VENV_0_34 (default .venv-vllm-0.34): NVFP4_REPACK_VLLM_VENV_<version, _ for .>, none for 0.33.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,29 +25,22 @@ venv_of() {  # the version's venv folder
 }
 requirements_of() { echo "$here/requirements-$1.txt"; }
 packages_of() { grep -v '^#' "$(requirements_of "$1")" | sort; }  # the list without its comments
-stamp_of() { sha256sum < "$(requirements_of "$1")" | cut -d' ' -f1; }
-fresh() { [ -f "$(venv_of "$1")/.requirements.sha256" ] && [ "$(cat "$(venv_of "$1")/.requirements.sha256")" = "$(stamp_of "$1")" ]; }
-
 source "$here/../oracle_venv.sh"
+stamp_of() { venv_stamp "$(requirements_of "$1")"; }
 
 build() {  # version: a venv of its own, every package installed
     build_venv "$(venv_of "$1")" "$(requirements_of "$1")" "vllm==$1.0"
 }
 
 derive() {  # version base: a hard-linked copy of base's venv with vLLM replaced (pip unlinks, never rewrites, files)
-    local version=$1 base venv
-    base=$(venv_of "$2") venv=$(venv_of "$1")
-    fresh "$version" && return 0
-    rm -rf "$venv"
-    if ! cp -al "$base" "$venv" 2>/dev/null; then  # another file system: a venv of its own
-        rm -rf "$venv"
-        build "$version"
-        return
-    fi
-    rm -f "$venv/.requirements.sha256"
-    "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "vllm==$version.0"
-    "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm') == '$version.0'"
-    stamp_of "$version" > "$venv/.requirements.sha256"
+    local status=0
+    derive_venv "$(venv_of "$2")" "$(venv_of "$1")" "$(stamp_of "$1")" "vllm==$1.0" || status=$?
+    case $status in
+        0) "$(venv_of "$1")/bin/python" -c "import importlib.metadata as m; assert m.version('vllm') == '$1.0'" \
+               || { rm -f "$(venv_of "$1")/.requirements.sha256"; return 1; } ;;
+        2) build "$1" ;;  # another file system: a venv of its own
+        *) return 1 ;;
+    esac
 }
 
 for version in "${versions[@]}"; do
