@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's dense NVFP4 W4A4 state, as engine data over the W4A4 layout vLLM's kernels share (:mod:`.w4a4`).
+"""SGLang 0.5.23's dense NVFP4 state, as engine data over the layouts vLLM's kernels share (W4A4: :mod:`.w4a4`).
 
 SGLang's ``auto`` dense FP4 backend (``fp4_utils.initialize_fp4_gemm_config``) is FlashInfer cute-dsl on sm100 and
 FlashInfer CUTLASS on sm120; both hold the same bytes after ``process_weights_after_loading``, which are vLLM's W4A4
@@ -15,7 +15,12 @@ compressed-tensors (``CompressedTensorsW4A4Fp4``): ``weight_packed`` not padded,
 ``weight_global_scale`` and ``input_global_scale`` the partitions' largest as stored (float32 ``[]``), ``alpha =
 1 / (input_global_scale * weight_global_scale)``.
 
-Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s and :mod:`.layout`'s.
+Weight-only (ModelOpt ``W4A16_NVFP4`` everywhere, compressed-tensors ``NVFP4A16`` off sm100, W4A4 checkpoints where
+SGLang serves them weight-only): FP4 Marlin, :mod:`.marlin`'s bytes without vLLM's scale factor and flush, the global
+scale bf16; compressed-tensors ``NVFP4A16`` on sm100: FlashInfer's bf16 x fp4 cute-dsl state, the sm100 swizzle of
+:mod:`.layout` over unpadded codes (the section "weight-only" below).
+
+Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s, :mod:`.marlin`'s and :mod:`.layout`'s.
 """
 
 from __future__ import annotations
