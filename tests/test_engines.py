@@ -129,3 +129,10 @@ def test_targets_names_sglang_where_it_has_layouts(capsys, monkeypatch):
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
     assert code == 0 and {"sm100", "sm120", "sm90"} <= set(rows)
     assert {name for name, line in rows.items() if "sglang 0.5.23" in line} == {"sm100", "sm120", "sm90", "sm80"}
+
+
+def test_inspect_names_the_engine_whose_kernels_a_bundle_records(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    convert(PRODUCERS / "modelopt_w4a16_nvfp4", "sm90", tmp_path / "out", engine="sglang")
+    code, out, _ = cli(capsys, "inspect", tmp_path / "out")
+    assert code == 0 and "scheme W4A16; sglang kernels: marlin" in " ".join(out.split())

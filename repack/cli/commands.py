@@ -261,7 +261,8 @@ def _inspect_bundle(path: Path) -> None:
     stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
-    stdout.print(f"scheme {show(manifest.scheme)}; vLLM kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
+    engine = "vLLM" if bundle.target.engine == "vllm" else bundle.target.engine  # whose kernels the manifest names
+    stdout.print(f"scheme {show(manifest.scheme)}; {engine} kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
     stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
                                              for engine, versions in manifest.engines.items())))
     stdout.print(f"tensor parallel: rank {manifest.tp_rank} of {manifest.tp_size}; fusion: "
