@@ -647,7 +647,7 @@ def convert(
     if engine != "vllm":
         if vllm is not None:
             raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
-        _check_engine_options(engine, rescale=rescale, ep=ep)
+        _check_engine_options(engine, rescale=rescale)
         fuse = True  # the engine's fused modules
     version = resolve_version(engine, vllm)
     if tp < 1:
@@ -693,10 +693,13 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                else [engine_target(t, engine.engine, source, weight_only) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        sglang_moe = engine.engine == "sglang" and bool(expert_groups(source))
+        sglang_moe = moe_layout(targets[0]) if engine.engine == "sglang" and expert_groups(source) else None
+        if sglang_moe is not None and ep:
+            _check_sglang_expert_parallelism(source, tp)
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
                                   partition_scales=engine.engine != "vllm" and input_scales,
-                                  moe_rank_alignment=moe_layout(targets[0]).TP_ALIGNMENT if sglang_moe else 1)
+                                  **({} if sglang_moe is None else {"moe_rank_alignment": sglang_moe.TP_ALIGNMENT,
+                                                                    "moe_gate_up": sglang_moe.GATE_UP_REFUSAL}))
         if layer_plans[0].experts:
             moe_layout(targets[0])  # sm90's and sm75's refusals first
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
@@ -728,13 +731,11 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                    bundles=[b for s in summaries for b in s.bundles])
 
 
-def _check_engine_options(engine: str, *, rescale: bool, ep: bool) -> None:
+def _check_engine_options(engine: str, *, rescale: bool) -> None:
     """One-line refusals of what another engine's bundles cannot hold."""
     if rescale:
         raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
                           "rescaled bundle would not be its state; convert without --rescale")
-    if ep:
-        raise RepackError(f"--engine {engine} --ep: MoE layers are not written for SGLang yet")
 
 
 def engine_target(family: Target, engine: str, source: SourceModel, weight_only: bool = False) -> Target:
@@ -751,6 +752,15 @@ def engine_target(family: Target, engine: str, source: SourceModel, weight_only:
         check_sglang_moe_architecture(source.checkpoint.config)
         _check_sglang_moe_input_scales(source)
     return target
+
+
+def _check_sglang_expert_parallelism(source: SourceModel, tp: int) -> None:
+    """SGLang 0.5.23's expert parallelism (``--ep-size`` = ``--tp``) gives each rank ``E / tp`` consecutive experts and
+    asserts the division: a one-line refusal where it does not hold."""
+    for prefix, group in expert_groups(source).items():
+        if group.experts % tp:
+            raise RepackError(f"--ep --tp {tp}: {prefix} has {group.experts} experts; SGLang 0.5.23 places the same "
+                              f"number on every rank (--ep-size {tp}), so they must be a multiple of {tp}")
 
 
 def _check_sglang_moe_input_scales(source: SourceModel) -> None:

@@ -56,7 +56,7 @@ from .targets import TARGETS, RuntimeLayer
 from .targets.layout import is_aligned
 from .targets.sglang import restated_differences
 from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
-from .targets.moe import MADE_FROM
+from .targets.moe import MADE_FROM, moe_specs
 from .verify_moe import (EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, engine_expert_findings, expert_findings,
                          expert_numerics, scalar_names)
 
@@ -524,7 +524,7 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     check = TensorCheck(module)
     for problem in _moe_record_problems(bundle, record, layout):
         check.fail(problem)
-    specs = layout.runtime_specs(record.local_experts, record.hidden, record.intermediate)
+    specs = moe_specs(layout, record.local_experts, record.hidden, record.intermediate, record.num_experts)
     entries = {name: _checked_streamed(bundle, f"{module}.{name}", check, (DTYPE_NAMES[spec.dtype], list(spec.shape)))
                for name, spec in specs.items()}
     if any(e is None for e in entries.values()) or src is None:

@@ -97,7 +97,8 @@ def engine_expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[
     """Exactness of another engine's FusedMoE layer (SGLang's: its names, its loaded scales kept, its own scalars):
     every non-weight tensor (``held``) against the one the layout makes from the source's stored scales, byte for
     byte, then the experts' codes, block scales and padding (``weight_rows``), ``CHECK_EXPERTS`` at a time, as for
-    vLLM's layouts. The problems, one line each."""
+    vLLM's layouts, and the first and last expert once more read by the layout's index formulas alone
+    (``decode_expert``, independent of its inverse). The problems, one line each."""
     first, last = plan.experts
     plan = replace(plan, stored=True)
     expected = layout.to_runtime(assemble_experts(source, plan, fields=("multipliers",)), plan.prefix, list(held))
@@ -110,6 +111,15 @@ def engine_expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[
         chunk = (start, min(start + CHECK_EXPERTS, last))
         part = {name: weight_rows(name, chunk[0] - first, chunk[1] - first) for name in weights}
         problems += _check_chunk(source, plan, chunk, part, layout, scales)
+    for e in sorted({0, last - first - 1}):
+        one = {name: weight_rows(name, e, e + 1) for name in weights}
+        stack = assemble_experts(source, plan, chunk=(first + e, first + e + 1), input_scales=scales)
+        for which, projs in (("w13", (plan.group.gate, plan.group.up)), ("w2", (plan.group.down,))):
+            codes, block = layout.decode_expert(one, 0, which, plan.group.hidden, plan.intermediate)
+            if _differs_whole(codes, getattr(stack, f"{which}_codes")[0]) or _differs_whole(
+                    block, getattr(stack, f"{which}_scales")[0]):
+                problems.append(f"{'/'.join(p[first + e] for p in projs)}: codes or block scales read by the "
+                                f"{layout.LAYOUT_ID} index formulas differ from the source's")
     return problems
 
 

@@ -443,15 +443,20 @@ def test_weight_only_moe_converts_to_marlin_moe_on_every_family_vllm_serves_it(t
     assert code == 1 and "model.layers.1.mlp.experts.3.down_proj: codes differ" in text, text
 
 
-def test_weight_only_moe_synthetic_shapes_round_trip_through_marlin(tmp_path):
-    """Fresh weight-only MoE checkpoints of both formats, a hidden size Marlin pads I to 128 for (192) and I = 96:
-    every bundle verifies against its source."""
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_marlin_moe_synthetic_shapes_round_trip_with_a_one_expert_rank(tmp_path, w4a4):
+    """Fresh MoE checkpoints of both formats, a hidden size Marlin pads I to 128 for (192) and I = 96, to Marlin MoE
+    (weight-only experts on sm80 and sm100; W4A4 ones on sm80), --tp 2 and --tp 2 --ep: every bundle verifies against
+    its source. Regression: 3 experts under --ep leave rank 1 one expert, whose multiplier column torch calls
+    contiguous with stride 2, which the writer could not view as bytes (an internal error)."""
     gen = torch.Generator().manual_seed(36)
     for fmt in ("modelopt", "compressed-tensors"):
         src = write_qwen_moe(tmp_path / fmt, fmt, hidden=192, experts=3, intermediate=96, generator=gen, layers=2,
-                             w4a4=False)
-        assert read_source(src).activation_scheme == "W4A16"
-        for target in ("sm80", "sm100"):
-            convert(src, target, tmp_path / f"{fmt}-{target}", tp=2)
-            assert open_bundle(tmp_path / f"{fmt}-{target}" / "rank-0").moe_layout is moe_marlin
-            assert main(["verify", str(tmp_path / f"{fmt}-{target}")]) == 0
+                             w4a4=w4a4)
+        assert read_source(src).activation_scheme == ("W4A4" if w4a4 else "W4A16")
+        for target in ("sm80",) if w4a4 else ("sm80", "sm100"):
+            for ep in (False, True):
+                out = tmp_path / f"{fmt}-{target}-{ep}"
+                convert(src, target, out, tp=2, ep=ep)
+                assert open_bundle(out / "rank-1").moe_layout is moe_marlin
+                assert main(["verify", str(out)]) == 0

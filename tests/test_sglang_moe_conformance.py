@@ -7,8 +7,9 @@ CUTLASS on sm120, ``--moe-runner-backend flashinfer_cutlass``; compressed-tensor
 both); SGLang's refusals are ours, and its plugin loads each bundle into that state.
 
 Checkpoints: the producers' Qwen3-MoE fixtures (hidden 64: refused by SGLang's TRT-LLM-gen; intermediate 128 and 48)
-and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 per rank, CUTLASS refuses ModelOpt's 2I =
-192; hidden 256 with five experts), in both formats. SGLang runs in its venv through tests/sglang/harness.py.
+and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 at TP 1 and to 64 per rank at TP 2, where
+SGLang cuts the rows 64 + 32; CUTLASS refuses ModelOpt's 2I = 192; hidden 256 with five experts; gate and up
+multipliers apart), in both formats, each expert's gate and up input scales equal as the producers calibrate them. SGLang runs in its venv through tests/sglang/harness.py.
 """
 
 from __future__ import annotations
@@ -23,17 +24,23 @@ from safetensors.torch import load_file
 from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
+from repack.formats import read_source
+from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets.engines import SGLANG_MOE_BACKENDS
-from repack.targets.moe import moe_layout
-from repack.verify import verify_output
+from repack.targets.moe import MADE_FROM, moe_layout
+from repack.verify import expert_plan, verify_output
+from repack.verify_moe import engine_expert_findings
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
-from .test_sglang_conformance import run_harness
+from .test_sglang_conformance import assert_same_state, run_harness
 
 ARCHS = ("sm100", "sm120")
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
-SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256)}
+# "apart": gate and up multipliers that differ, which only ModelOpt's TRT-LLM-gen state holds (g1_alphas_up,
+# g1_scale_c); SGLang's CUTLASS paths scale both halves with gate's (we refuse those)
+SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256),
+             "apart": dict(hidden=128, experts=4, intermediate=128, shared_scales=False)}
 FORMATS = ("modelopt", "compressed-tensors")
 NAMES = PRODUCER_FIXTURES + [f"{shape}-{fmt}" for shape in SYNTHETIC for fmt in FORMATS]
 JOBS = [(name, arch) for name in NAMES for arch in ARCHS]
@@ -68,12 +75,12 @@ AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120")}
 def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
     out = {}
-    for tp in (1, 2):
-        out[tp] = tmp_path_factory.mktemp(f"sglang-moe-tp{tp}")
-        jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}" for name, arch in JOBS]
-        if tp == 1:
+    for key, tp, ep in ((1, 1, ""), (2, 2, ""), ("ep", 2, "+ep")):
+        out[key] = tmp_path_factory.mktemp(f"sglang-moe-{key}")
+        jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}{ep}" for name, arch in JOBS]
+        if key == 1:
             jobs += [f"{job}={checkpoints[name]}:{arch}" for job, (name, arch) in AUTO_JOBS.items()]
-        run_harness(tp, out[tp], jobs)
+        run_harness(tp, out[key], jobs)
     return out
 
 
@@ -115,6 +122,11 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     return len(moe)
 
 
+def _gate_up_refused(name: str, arch: str) -> bool:
+    """Our refusal of differing gate / up multipliers where SGLang mis-scales up (it loads them)."""
+    return name.startswith("apart") and (_format(name), arch) != ("modelopt", "sm100")
+
+
 def _refused(folder: Path) -> str | None:
     path = folder / "refused.txt"
     return path.read_text() if path.exists() else None
@@ -126,6 +138,11 @@ def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, c
     dumped, out = oracle[tp] / f"{name}-{arch}", tmp_path / "bundle"
     if tp == 2 and "i48" in name:  # per-rank intermediate 24: not whole scale blocks (refused as for vLLM)
         with pytest.raises(RepackError, match="--tp 2"):
+            convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
+        return
+    if _gate_up_refused(name, arch):
+        assert _refused(dumped) is None
+        with pytest.raises(RepackError, match="scales both halves with gate_proj's and would mis-scale up_proj"):
             convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
         return
     refused = _refused(dumped)
@@ -140,12 +157,31 @@ def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, c
     assert verify_output(out).passed
 
 
+@pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
+def test_ep_ranks_are_byte_identical_to_sglang_or_both_refuse(name, arch, checkpoints, oracle, tmp_path):
+    """Expert parallelism (SGLang ``--ep-size 2`` = ``--tp 2``; ``convert --tp 2 --ep``): each rank's experts whole;
+    ModelOpt's input scales every expert's, compressed-tensors' the rank's; SGLang's refusals (experts not a
+    multiple of the ranks, its backends' shapes) are ours."""
+    dumped, out = oracle["ep"] / f"{name}-{arch}", tmp_path / "bundle"
+    if _refused(dumped) is not None or _gate_up_refused(name, arch):
+        with pytest.raises(RepackError) as ours:
+            convert(checkpoints[name], arch, out, tp=2, ep=True, engine="sglang")
+        assert "\n" not in str(ours.value) and not out.exists()
+        return
+    convert(checkpoints[name], arch, out, tp=2, ep=True, engine="sglang")
+    for rank in range(2):
+        assert assert_rank_identical(out / f"rank-{rank}", dumped, rank) == 2
+    assert verify_output(out).passed
+
+
 def test_sglang_refuses_what_we_refuse(oracle):
-    """The refusals the test above matches are SGLang's own (not a harness failure): its TRT-LLM-gen on a hidden size of
-    64, its CUTLASS path on ModelOpt's 2I = 192."""
+    """The refusals the tests above match are SGLang's own (not a harness failure): its TRT-LLM-gen on a hidden size of
+    64, its CUTLASS path on ModelOpt's 2I = 192, its expert parallelism on 3 experts over 2 ranks."""
     trtllm, cutlass = (_refused(oracle[1] / job) for job in ("modelopt_moe_nvfp4-sm100", "h128-modelopt-sm120"))
     assert trtllm is not None and "get_shuffle_matrix_sf_a_row_indices" in trtllm and "M % 128 == 0" in trtllm
     assert cutlass is not None and "The intermediate size required padding" in cutlass
+    ep = _refused(oracle["ep"] / "h128-compressed-tensors-sm100")
+    assert ep is not None and "_num_global_routed % storage_ep_size == 0" in ep
 
 
 def test_sglang_auto_on_sm120_leaves_a_state_its_runner_does_not_read(oracle):
@@ -167,3 +203,90 @@ def test_moe_architectures_not_written_for_sglang_are_refused_in_one_line(fixtur
         convert(PRODUCERS / fixture, "sm100", tmp_path / "out", engine="sglang")
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
+
+
+# The plugin: each bundle (TP 1 and 2) loaded by SGLang through --load-format nvfp4_repack (with the MoE runner backend
+# it is for), against SGLang's own load of the source; and its refusal of another MoE runner backend.
+def _served(oracle: dict, name: str, arch: str, key) -> bool:
+    return (_refused(oracle[key] / f"{name}-{arch}") is None and not (key == 2 and "i48" in name)
+            and not _gate_up_refused(name, arch))
+
+
+@pytest.fixture(scope="module")
+def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
+    """SGLang's state after loading each served job's bundle with --load-format nvfp4_repack, per TP size (and, at
+    TP 1, the ModelOpt sm120 bundle under SGLang's plain auto, ``backend-mismatch``): ``{tp: folder}``."""
+    bundles = tmp_path_factory.mktemp("sglang-moe-bundles")
+    out = {}
+    for key, tp, ep in ((1, 1, ""), (2, 2, ""), ("ep", 2, "+ep")):
+        jobs = []
+        for name, arch in JOBS:
+            if _served(oracle, name, arch, key):
+                folder = bundles / f"{name}-{arch}-{key}"
+                convert(checkpoints[name], arch, folder, tp=tp, ep=bool(ep), engine="sglang")
+                arch_plugin = _spec(name, arch).replace(arch, f"{arch}-plugin", 1)
+                jobs.append(f"{name}-{arch}={folder}:{arch_plugin}{ep}")
+        if key == 1:
+            jobs.append(f"backend-mismatch={bundles / 'modelopt_moe_nvfp4-sm120-1'}:sm120-plugin")
+        if key == "ep":  # a --tp bundle (rows split) under SGLang's expert parallelism
+            jobs.append(f"ep-mismatch={bundles / 'ct_moe_nvfp4-sm100-2'}:sm100-plugin+ep")
+        out[key] = tmp_path_factory.mktemp(f"sglang-moe-plugin-{key}")
+        run_harness(tp, out[key], jobs)
+    return out
+
+
+@pytest.mark.parametrize("key", [1, 2, "ep"])
+@pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
+def test_plugin_loads_sglangs_own_moe_state(name, arch, key, oracle, plugin_oracle):
+    if not _served(oracle, name, arch, key):
+        pytest.skip("refused (the byte-identity tests)")
+    for rank in range(1 if key == 1 else 2):
+        assert_same_state(plugin_oracle[key] / f"{name}-{arch}", oracle[key] / f"{name}-{arch}", rank)
+
+
+@pytest.mark.parametrize("key,job,says", [(1, "backend-mismatch", "serve it with --moe-runner-backend flashinfer_cutlass"),
+                                          ("ep", "ep-mismatch", "serve it without --ep-size")])
+def test_plugin_refuses_another_moe_placement_in_one_line(key, job, says, plugin_oracle):
+    first = (plugin_oracle[key] / job / "refused.txt").read_text().splitlines()[0]
+    assert first.startswith("RepackError: ") and says in first, first
+
+
+def test_modelopt_gate_and_up_input_scales_that_differ_are_refused_for_sglang(tmp_path):
+    """SGLang's FusedMoE loader writes each of a ModelOpt expert's w1 / w3 input_scale into both halves of its
+    w13_input_scale (the last read stays): a state that depends on its load order is not written."""
+    gen = torch.Generator().manual_seed(0)
+    ckpt = write_qwen_moe(tmp_path / "ckpt", "modelopt", hidden=128, experts=2, intermediate=64, generator=gen)
+    with pytest.raises(RepackError, match=r"experts.0.gate_proj: input_scale .* is not .*up_proj's .* both halves") as e:
+        convert(ckpt, "sm100", tmp_path / "out", engine="sglang")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt,arch", [("modelopt", "sm100"), ("modelopt", "sm120"), ("compressed-tensors", "sm100")])
+def test_verify_fails_an_sglang_moe_tensor_that_is_not_sglangs(fmt, arch, tmp_path):
+    """verify's exactness restates every SGLang MoE tensor from the source: a scalar SGLang computes otherwise, or an
+    expert's codes (through the layout's inverse and, for the first and last expert, its index formulas), is named."""
+    gen = torch.Generator().manual_seed(1)
+    ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen,
+                          shared_input_scales=True)
+    convert(ckpt, arch, tmp_path / "out", engine="sglang")
+    bundle, source = open_bundle(tmp_path / "out"), read_source(ckpt)
+    module = "model.layers.0.mlp.experts"
+    record, layout = bundle.manifest.moe[module], bundle.moe_layout
+    plan, _ = expert_plan(record, expert_groups(source))
+    names = [n for n in record.tensors if n not in MADE_FROM]
+    held = {n: bundle.read(f"{module}.{n}") for n in names}
+    weights = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n in MADE_FROM}
+
+    def rows(name, first, last):
+        return weights[name][first:last]
+
+    assert engine_expert_findings(source, plan, held, rows, layout) == []
+    scalar = "g1_alphas" if fmt == "modelopt" else "w13_input_scale_quant"
+    wrong = {**held, scalar: held[scalar] * 2}
+    assert engine_expert_findings(source, plan, wrong, rows, layout) == [
+        f"{module}: {scalar} is not what SGLang computes from the source's scales"]
+    weights["w2_weight"] = weights["w2_weight"].clone()
+    weights["w2_weight"][1, 0, 0] ^= 0x11
+    problems = engine_expert_findings(source, plan, held, rows, layout)
+    assert problems == [f"{module}.1.down_proj: codes differ", f"{module}.1.down_proj: codes or block scales read by "
+                        f"the {record.layout_id} index formulas differ from the source's"], problems

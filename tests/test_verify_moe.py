@@ -60,7 +60,7 @@ def test_an_expert_whose_up_scale_differs_from_gates_fails_verify_naming_it(tmp_
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     with monkeypatch.context() as patch:  # convert as before issue 38's refusal
         patch.setattr("repack.bundle.layers._unequal_gate_up",
-                      lambda source, group, rescale: torch.zeros(group.experts, dtype=torch.bool))
+                      lambda source, group, rescale, *refusal: torch.zeros(group.experts, dtype=torch.bool))
         assert main(["convert", str(source), "-t", target, *args, "-o", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     runs = [_verify(tmp_path / "out", capsys, *args) for args in ([], [], ["--numerics", "all"])]

@@ -172,7 +172,7 @@ def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, check
     bundles are their families' W4A16 layouts, held to vLLM by tests/test_vllm_conformance.py."""
     tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
     suffix = "-ep" if ep else ""
-    dumped, out = oracle[f"wo-{mode}"] / f"{name}-{arch}-moe{suffix}", tmp_path / "out"
+    dumped, out = oracle[f"wo-{mode}", tp] / f"{name}-{arch}-moe{suffix}", tmp_path / "out"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     code = main(["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "-o", str(out)]
                 + ["--ep"] * ep)

@@ -244,14 +244,19 @@ def with_partition_scales(layers: dict[str, OutputLayer], source: SourceModel) -
             for prefix, layer in layers.items()}
 
 
+# why an engine's MoE layout refuses experts whose gate and up multipliers differ ({gate}, {up}: their names)
+VLLM_GATE_UP = "vLLM keeps {gate}'s for both and would mis-scale {up}; pass --rescale to fold the ratios into the block scales"
+
+
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
                 input_scales: bool = False, ep: bool = False, partition_scales: bool = False,
-                moe_rank_alignment: int = 1) -> list[LayerPlan]:
+                moe_rank_alignment: int = 1, moe_gate_up: str | None = VLLM_GATE_UP) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
     once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules), and for an MoE
     model its FusedMoE layers (``ep``: vLLM's expert parallelism, which needs ``tp > 1``).
     ``input_scales``: read each layer's activation global scale (for W4A4 layouts); ``partition_scales``: and its
-    partitions' stored global scales (for SGLang's layouts); ``moe_rank_alignment``: :func:`plan_experts`'."""
+    partitions' stored global scales (for SGLang's layouts); ``moe_rank_alignment``: :func:`plan_experts`';
+    ``moe_gate_up``: why the MoE layout refuses experts whose gate and up multipliers differ (None: it holds both)."""
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     if ep and tp == 1:
@@ -272,7 +277,7 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
     if source.transforms.layers:
         _check_vllm_transforms(source.transforms, tp)
     dense_source = replace(source, layers=dense)  # the experts are the FusedMoE layers'
-    unequal = {prefix: _unequal_gate_up(source, group, rescale) for prefix, group in moe.items()}
+    unequal = {prefix: _unequal_gate_up(source, group, rescale, moe_gate_up) for prefix, group in moe.items()}
     multipliers = _multipliers(dense_source)
     plans = []
     for rank in range(tp):
@@ -469,20 +474,23 @@ def plan_experts(source: SourceModel, tp: int = 1, rank: int = 0, ep: bool = Fal
     return plans
 
 
-def _unequal_gate_up(source: SourceModel, group: ExpertGroup, rescale: bool) -> torch.Tensor:
+def _unequal_gate_up(source: SourceModel, group: ExpertGroup, rescale: bool,
+                     refusal: str | None = VLLM_GATE_UP) -> torch.Tensor:
     """bool ``[E]``: the experts whose gate and up multipliers differ. vLLM 0.33's NVFP4 MoE methods keep gate's (w1's)
     for both and only warn (``w1_weight_scale_2 must match w3_weight_scale_2``), so up would be mis-scaled: refused
-    in one line naming the first, unless ``rescale`` (folded into the block scales by :func:`assemble_experts`)."""
+    in one line naming the first (``refusal``: why; None: the layout holds both), unless ``rescale`` (folded into the
+    block scales by :func:`assemble_experts`)."""
     own = torch.stack([expert_multipliers(source, names) for names in (group.gate, group.up)], 1)
     unequal = own[:, 0] != own[:, 1]
+    if refusal is None:  # the layout holds both multipliers: nothing to fold
+        return torch.zeros_like(unequal)
     if unequal.any() and not rescale:
         e = int(unequal.nonzero()[0])
         gate, up = (names[e].rpartition(".")[2] for names in (group.gate, group.up))
         low, high = (up, gate) if own[e, 1] < own[e, 0] else (gate, up)
         raise RepackError(
             f"{group.prefix}.{e}: {gate} and {up} global scales differ ({low} is {float(own[e].max() / own[e].min()):.6g}x "
-            f"smaller than {high}); vLLM keeps {gate}'s for both and would mis-scale {up}; pass --rescale to fold the "
-            "ratios into the block scales")
+            f"smaller than {high}); " + refusal.format(gate=gate, up=up))
     return unequal
 
 
@@ -652,9 +660,11 @@ def assemble_experts(source: SourceModel, plan: ExpertPlan, fetch: Callable[[str
 
 
 def stored_expert_scales(source: SourceModel, plan: ExpertPlan, local: slice) -> tuple[torch.Tensor, ...]:
-    """:attr:`ExpertStack.stored` of experts ``local``: the weight global scales and every expert's input scales
-    (an engine loads those for all experts), as the checkpoint stores them, in float32, 4 bytes read each."""
+    """:attr:`ExpertStack.stored` of experts ``local``: the weight global scales and the input scales SGLang loads
+    (ModelOpt's of every expert, compressed-tensors' of the rank's: ``GLOBAL_INPUT_SCALES``), as the checkpoint
+    stores them, in float32, 4 bytes read each."""
     group = plan.group
+    scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else slice(*plan.experts)
 
     def read(names: tuple[str, ...], input_scale: bool) -> torch.Tensor:
         return torch.stack([source.checkpoint.read(source.input_scale_name(p) if input_scale
@@ -664,5 +674,5 @@ def stored_expert_scales(source: SourceModel, plan: ExpertPlan, local: slice) ->
     def pairs(gate: tuple[str, ...], up: tuple[str, ...], input_scale: bool) -> torch.Tensor:
         return torch.stack([read(gate, input_scale), read(up, input_scale)], 1)
 
-    return (pairs(group.gate[local], group.up[local], False), pairs(group.gate, group.up, True),
-            read(group.down[local], False), read(group.down, True))
+    return (pairs(group.gate[local], group.up[local], False), pairs(group.gate[scope], group.up[scope], True),
+            read(group.down[local], False), read(group.down[scope], True))

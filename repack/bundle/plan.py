@@ -18,7 +18,7 @@ from ..formats.moe import kept_scales
 from ..formats.safetensors_io import DTYPE_NAMES
 from ..formats.transforms import SourceMatrix, model_dtype
 from ..targets import Target
-from ..targets.moe import moe_layout
+from ..targets.moe import moe_layout, moe_specs
 from .layers import ExpertPlan, LayerPlan, OutputLayer
 
 SHARD_PATTERN = "model{suffix}.safetensors"
@@ -85,7 +85,7 @@ def _expert_outputs(plan: ExpertPlan, target: Target) -> list[PlannedTensor]:
     refuses the layer's shape)."""
     layout, experts = moe_layout(target), plan.experts[1] - plan.experts[0]
     layout.check_shape(experts, plan.group.hidden, plan.intermediate, plan.prefix)
-    specs = layout.runtime_specs(experts, plan.group.hidden, plan.intermediate)
+    specs = moe_specs(layout, experts, plan.group.hidden, plan.intermediate, plan.group.experts)
     return [PlannedTensor(name=f"{plan.module}.{part}", dtype_name=DTYPE_NAMES[spec.dtype], shape=spec.shape,
                           nbytes=spec.nbytes, part=part, experts=plan) for part, spec in specs.items()]
 

@@ -15,7 +15,7 @@ from ..formats.safetensors_io import DTYPE_NAMES, DTYPES, TensorEntry, read_head
 from ..formats.scope import quantized_linear
 from ..nvfp4 import BLOCK_SIZE
 from ..targets import RuntimeLayer, Target, resolve_target
-from ..targets.moe import moe_layout
+from ..targets.moe import moe_layout, moe_specs
 from ..targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT_ID
 from ..targets.w4a4 import qutlass_scales, runs_qutlass
 from .manifest import MANIFEST_NAME, LayerRecord, Manifest, MoERecord, read_manifest
@@ -125,7 +125,7 @@ class Bundle:
         record = self.manifest.moe.get(module)
         if record is None:
             raise RepackError(f"{self.root}: no FusedMoE layer {module!r} in this bundle")
-        specs = self.moe_layout.runtime_specs(record.local_experts, record.hidden, record.intermediate)
+        specs = moe_specs(self.moe_layout, record.local_experts, record.hidden, record.intermediate, record.num_experts)
         tensors = {name: self.read(f"{module}.{name}") for name in record.tensors}
         for name, spec in specs.items():
             if (tensors[name].dtype, tuple(tensors[name].shape)) != (spec.dtype, spec.shape):

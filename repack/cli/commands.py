@@ -174,8 +174,8 @@ def convert(
     fuse: Annotated[bool, _flag("Write vLLM's fused qkv_proj / gate_up_proj modules (one target).", "--fuse")] = False,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks: OUT/rank-0 ... (implies --fuse).")] = 1,
     ep: Annotated[bool, _flag(
-        "MoE models: place whole experts on the --tp N ranks (N > 1), as vLLM's --enable-expert-parallel does, "
-        "instead of splitting every expert's intermediate size.", "--ep")] = False,
+        "MoE models: place whole experts on the --tp N ranks (N > 1), as vLLM's --enable-expert-parallel (SGLang's "
+        "--ep-size N) does, instead of splitting every expert's intermediate size.", "--ep")] = False,
     rescale: Annotated[bool, _flag(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     weight_only: Annotated[bool, _flag(
@@ -185,7 +185,8 @@ def convert(
         "--weight-only")] = False,
     engine: Annotated[Engine, typer.Option(
         "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
-                         "dense W4A4 and weight-only checkpoints, its fused modules under its names; docs/sglang.md).")] = Engine.vllm,
+                         "dense W4A4 and weight-only checkpoints, and W4A4 Qwen3-MoE, its fused modules under its "
+                         "names; docs/sglang.md).")] = Engine.vllm,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
         "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "

@@ -272,5 +272,7 @@ def map_file_chunks(file: Path, begin: int, nbytes: int, what: str = "the file",
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's raw little-endian bytes without copying (contiguous CPU tensors)."""
-    flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element torch calls contiguous under another stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return memoryview(flat.view(torch.uint8).numpy())

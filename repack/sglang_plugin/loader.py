@@ -11,7 +11,9 @@ post-load state for this rank, under SGLang's names, so this loader:
 3. loads every other tensor through SGLang's own weight loaders (``model.load_weights``);
 4. gives each bundle layer the bundle's tensors, under SGLang's names, with the aliases SGLang makes
    (``weight_scale_interleaved`` sharing ``weight_scale``'s storage) and the state it keeps beside them
-   (``weights_padding_cols``), instead of running its ``process_weights_after_loading``; every other module's
+   (``weights_padding_cols``), instead of running its ``process_weights_after_loading``; each FusedMoE module
+   likewise (its aliases, the packed names compressed-tensors drops, and the non-tensor state SGLang's MoE
+   post-load sets: :func:`_finish_moe`), once SGLang's MoE runner backend is the bundle's; every other module's
    post-load runs as in a load from the source.
 """
 
@@ -22,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 from sglang.srt.configs.load_config import LoadConfig
+from sglang.srt.layers.moe.utils import get_moe_runner_backend
 from sglang.srt.layers.quantization.fp4_utils import get_fp4_gemm_runner_backend
 from sglang.srt.model_loader.loader import (
     DefaultModelLoader,
@@ -129,6 +132,55 @@ def _bf16_fp4_prepared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {"weight": weight, "weight_scale_interleaved": scale, "alpha": alpha}
 
 
+def check_moe_backend(bundle: Bundle, running: str) -> None:
+    """A bundle's FusedMoE layers hold one SGLang MoE runner backend's state: refused, in one line, under another."""
+    for record in bundle.manifest.moe.values():
+        if record.backend != running:
+            flag = "" if record.backend == "auto" else f" --moe-runner-backend {record.backend}"
+            raise RepackError(f"{bundle.root}: the bundle's MoE layers hold SGLang's {record.backend} MoE state, but "
+                              f"SGLang runs --moe-runner-backend {running}; serve it with{flag or ' the default'}")
+
+
+def check_expert_parallelism(bundle: Bundle, bundle_ep: bool, ep_size: int) -> None:
+    """An ``--ep`` bundle holds each rank's experts whole, a ``--tp`` one every expert's rank rows: SGLang must place
+    them as the bundle does (``--ep-size`` = ``--tp``, or none)."""
+    if bundle_ep != (ep_size > 1):
+        tp = bundle.manifest.tp_size
+        raise RepackError(f"{bundle.root}: the bundle's MoE layers are " + (
+            f"split by expert (--ep), but SGLang runs --ep-size {ep_size}; serve it with --ep-size {tp}" if bundle_ep
+            else f"split by rows (--tp), but SGLang runs --ep-size {ep_size}; serve it without --ep-size"))
+
+
+def _install_moe(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """A FusedMoE module's post-load state: its tensors and aliases (compressed-tensors' packed names dropped, as
+    SGLang renames them), then what SGLang's MoE post-load sets beside them."""
+    for packed in ("w13_weight_packed", "w2_weight_packed"):
+        if packed in module._parameters:
+            delattr(module, packed)
+    _install(module, tensors, aliases, None)
+    _finish_moe(module)
+
+
+def _finish_moe(module: nn.Module) -> None:
+    """The non-tensor state SGLang's ``process_weights_after_loading`` leaves on an NVFP4 FusedMoE module, computed
+    by its own helpers: TRT-LLM-gen's (unpadded) hidden size, the CUTLASS kernel's SwiGLU parameters, and ModelOpt's
+    dispatcher quant config (its FP4 dispatch's input scale, where it dispatches in FP4)."""
+    from sglang.srt.layers.moe.moe_runner.flashinfer_cutlass import materialize_swiglu_params_for_cutlass
+    from sglang.srt.layers.quantization import modelopt_quant
+
+    method, scheme = module.quant_method, getattr(module, "scheme", None)
+    modelopt = isinstance(method, modelopt_quant.ModelOptNvFp4FusedMoEMethod)
+    if modelopt and method.enable_flashinfer_trtllm_moe:
+        module.trtllm_padded_hidden_size = None  # trtllm_nvfp4_hidden_alignment: 1 (the layout pads no hidden size)
+    if (modelopt and method.enable_flashinfer_cutlass_moe) or (scheme is not None and not scheme.use_flashinfer_trtllm):
+        module._cutlass_swiglu_params = materialize_swiglu_params_for_cutlass(
+            module.moe_runner_config, int(module.num_local_experts), module.w13_weight.device)
+    if modelopt:
+        fp4 = not method.quant_config.use_per_token_activation and (
+            modelopt_quant._use_nvfp4_dispatch() or modelopt_quant.should_use_flashinfer_cutlass_moe_fp4_allgather())
+        module.dispatcher.set_quant_config({"input_global_scale": module.w13_input_scale_quant if fp4 else None})
+
+
 class BundleModelLoader(DefaultModelLoader):
     """Loads a ``convert --engine sglang`` bundle (see the module docstring)."""
 
@@ -144,8 +196,11 @@ class BundleModelLoader(DefaultModelLoader):
             with target_device:
                 model = _initialize_model(model_config, self.load_config, quant_config)
             model.load_weights(self._passthrough(bundle))
-            layers, fmt, layout = bundle.manifest.layers, bundle.target.source_format, bundle.manifest.layout_id
+            layers, moe, fmt = bundle.manifest.layers, bundle.manifest.moe, bundle.target.source_format
+            layout = bundle.manifest.layout_id
             w4a4 = layout in LAYOUTS.values()  # else a weight-only layout (Marlin, FlashInfer's bf16 x fp4)
+            if moe:
+                check_moe_backend(bundle, get_moe_runner_backend().value)
             for prefix, module in model.named_modules():
                 if prefix in layers:
                     tensors = {part: bundle.read(f"{prefix}.{part}").to(target_device) for part in layers[prefix].tensors}
@@ -155,11 +210,16 @@ class BundleModelLoader(DefaultModelLoader):
                     _install(module, tensors, ALIASES[fmt] if w4a4 else {}, padding)
                     if not w4a4:
                         _weight_only_state(module, layout, bundle.manifest.kernels[0], target_device)
-            missing = set(layers) - {prefix for prefix, _ in model.named_modules()}
+                elif prefix in moe:
+                    record = moe[prefix]
+                    check_expert_parallelism(bundle, record.expert_map is not None, module.moe_ep_size)
+                    tensors = {part: bundle.read(f"{prefix}.{part}").to(target_device) for part in record.tensors}
+                    _install_moe(module, tensors, bundle.moe_layout.aliases(record.hidden, record.intermediate))
+            missing = (set(layers) | set(moe)) - {prefix for prefix, _ in model.named_modules()}
             if missing:
                 raise RepackError(f"{bundle.root}: SGLang's model has no module {sorted(missing)[0]}; the bundle was "
                                   "converted from another architecture")
-            served = {id(m) for p, m in model.named_modules() if p in layers}
+            served = {id(m) for p, m in model.named_modules() if p in layers or p in moe}
             for module, quant_method in _modules_with_quant_method(model):
                 if id(module) not in served:
                     with device_loading_context(module, target_device):

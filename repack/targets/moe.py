@@ -128,6 +128,15 @@ MOE_REFUSALS = {
 }
 
 
+def moe_specs(layout: ModuleType, experts: int, hidden: int, intermediate: int, num_experts: int) -> dict:
+    """``layout.runtime_specs`` of a rank's ``experts`` of the layer's ``num_experts``: another engine's layout may
+    hold some tensors for every expert (SGLang's ModelOpt MoE keeps all experts' input scales under expert
+    parallelism); vLLM's hold the rank's alone."""
+    if getattr(layout, "engine", "vllm") != "vllm":
+        return layout.runtime_specs(experts, hidden, intermediate, num_experts)
+    return layout.runtime_specs(experts, hidden, intermediate)
+
+
 def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     """The MoE layout module for ``target`` (a Target, or a family name with the checkpoint's ``scheme``): the one
     vLLM's ``auto`` holds there for that scheme (``families.MOE_LAYOUTS``: sm100 W4A4 FlashInfer TRT-LLM-gen, sm120 W4A4

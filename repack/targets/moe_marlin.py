@@ -110,10 +110,12 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer", parts: Collection[st
         "w2_weight_scale": lambda: each(stack.w2_scales, lambda s: marlin.process_scales(s, hidden, padded, sf2, dtype)),
         "w13_weight_scale_2": lambda: marlin.held_multiplier(stack.w13_multiplier[:, 0], sf13, dtype).reshape(-1),
         "w2_weight_scale_2": lambda: marlin.held_multiplier(stack.w2_multiplier, sf2, dtype).reshape(-1),
-        "w13_weight_multiplier": lambda: stack.w13_multiplier[:, 0].to(torch.float32).contiguous(),
-        "w2_weight_multiplier": lambda: stack.w2_multiplier.to(torch.float32).contiguous(),
+        "w13_weight_multiplier": lambda: stack.w13_multiplier[:, 0].to(torch.float32),
+        "w2_weight_multiplier": lambda: stack.w2_multiplier.to(torch.float32),
     }
-    return {part: make[part]() for part in parts}
+    # dense strides: one expert's column of [1, 2] is "contiguous" to torch with stride 2 (an --ep rank of one expert)
+    return {part: make[part]().clone(memory_format=torch.contiguous_format) if part in INVERSE_READS else make[part]()
+            for part in parts}
 
 
 def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,

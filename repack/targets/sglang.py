@@ -20,7 +20,12 @@ SGLang serves them weight-only): FP4 Marlin, :mod:`.marlin`'s bytes without vLLM
 scale bf16; compressed-tensors ``NVFP4A16`` on sm100: FlashInfer's bf16 x fp4 cute-dsl state, the sm100 swizzle of
 :mod:`.layout` over unpadded codes (the section "weight-only" below).
 
-Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s, :mod:`.marlin`'s and :mod:`.layout`'s.
+NVFP4 MoE (FusedMoE): :class:`MoELayout`, the bytes of :mod:`.moe_trtllm` (ModelOpt, sm100: no hidden padding, the
+intermediate size padded per rank before loading) and :mod:`.moe_cutlass` (ModelOpt sm120, compressed-tensors) under
+SGLang's names and scalars (docs/sglang.md).
+
+Names, scalars and padding rules only: the layout math is :mod:`.w4a4`'s, :mod:`.marlin`'s, :mod:`.layout`'s and
+the MoE layouts'.
 """
 
 from __future__ import annotations
@@ -382,14 +387,15 @@ def _stored(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in stack.stored)
 
 
-def _moe_scalar_specs(source_format: str, trtllm: bool, experts: int) -> dict[str, TensorSpec]:
+def _moe_scalar_specs(source_format: str, trtllm: bool, experts: int, num_experts: int) -> dict[str, TensorSpec]:
     vector, pairs, scalar = (TensorSpec(_FLOAT32, shape) for shape in ((experts,), (experts, 2), ()))
+    every, every_pairs = TensorSpec(_FLOAT32, (num_experts,)), TensorSpec(_FLOAT32, (num_experts, 2))
     if source_format == "compressed-tensors":
         return {"w13_weight_global_scale": pairs, "w13_input_global_scale": pairs, "w2_weight_global_scale": vector,
                 "w2_input_global_scale": vector, **{n: vector for n in ("w13_weight_scale_2", "w2_weight_scale_2",
                                                                          "w13_input_scale_quant", "g1_alphas",
                                                                          "g2_alphas")}}
-    out = {"w13_weight_scale_2": pairs, "w13_input_scale": pairs, "w2_weight_scale_2": vector, "w2_input_scale": vector,
+    out = {"w13_weight_scale_2": pairs, "w13_input_scale": every_pairs, "w2_weight_scale_2": vector, "w2_input_scale": every,
            "g1_alphas": vector, "g1_alphas_up": vector, "g2_alphas": vector, "w13_input_scale_quant": scalar,
            "w2_input_scale_quant": scalar}
     return {**out, "g1_scale_c": vector} if trtllm else out
@@ -412,6 +418,15 @@ class MoELayout:
     @property
     def trtllm(self) -> bool:
         return self.BACKEND == "flashinfer_trtllm"
+
+    @property
+    def GATE_UP_REFUSAL(self) -> str | None:  # noqa: N802
+        """Why experts whose gate and up multipliers differ are refused (bundle.layers' ``moe_gate_up``): SGLang's
+        CUTLASS paths scale both halves with gate's alpha; TRT-LLM-gen holds both (``g1_alphas``, ``g1_scale_c``)."""
+        if self.trtllm:
+            return None
+        return ("SGLang 0.5.23's FlashInfer CUTLASS MoE scales both halves with {gate}'s and would mis-scale {up} "
+                "(its FlashInfer TRT-LLM-gen, ModelOpt on sm100, holds both)")
 
     @property
     def TP_ALIGNMENT(self) -> int:  # noqa: N802
@@ -515,8 +530,10 @@ class MoELayout:
             return moe_trtllm.decode_expert(held, expert, which, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
         return moe_cutlass.decode_expert(held, expert, which, hidden, intermediate)
 
-    def runtime_specs(self, experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
-        """dtype and shape of every tensor a layer stores (its aliases not: :meth:`aliases`)."""
+    def runtime_specs(self, experts: int, hidden: int, intermediate: int,
+                      num_experts: int | None = None) -> dict[str, TensorSpec]:
+        """dtype and shape of every tensor a layer stores (its aliases not: :meth:`aliases`), for ``experts`` of the
+        layer's ``num_experts`` (ModelOpt's input scales are every expert's: SGLang loads them all)."""
         if self.trtllm:
             specs = moe_trtllm.runtime_specs(experts, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
         else:
@@ -527,7 +544,7 @@ class MoELayout:
                 weights[f"{which}_blockscale_swizzled"] = specs[f"{which}_weight_scale"]
                 weights[f"{which}_weight_scale"] = TensorSpec(torch.float8_e4m3fn, (experts, rows, k // BLOCK_SIZE))
         aliased = self.aliases(hidden, intermediate)
-        every = {**weights, **_moe_scalar_specs(self.source_format, self.trtllm, experts)}
+        every = {**weights, **_moe_scalar_specs(self.source_format, self.trtllm, experts, num_experts or experts)}
         return {name: spec for name, spec in every.items() if name not in aliased}
 
 

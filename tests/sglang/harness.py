@@ -18,8 +18,9 @@ fails loudly instead of testing something else.
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
         ARCH: sm100 | sm120 | sm90 | sm80 (SGLang's auto backends on that GPU: dense FP4 GEMM and NVFP4 MoE; a
         dense layer FP4 Marlin serves records backend "marlin", whatever the backend), optionally
-        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``), ARCH+FP4_BACKEND (``--fp4-gemm-backend
-        FP4_BACKEND``: ``sm100+marlin``); ARCH-plugin: CKPT is a bundle, loaded
+        ARCH@MOE_BACKEND (``--moe-runner-backend MOE_BACKEND``), ARCH%FP4_BACKEND (``--fp4-gemm-backend FP4_BACKEND``:
+        ``sm100%marlin``) and a trailing ``+ep`` (``--ep-size`` = TP: expert parallelism); ARCH-plugin: CKPT is a
+        bundle, loaded
         with --load-format nvfp4_repack through the project's SGLang plugin (registered as SGLang's plugin loader
         runs it: the one job kind that imports the project)
 
@@ -167,6 +168,19 @@ def nvfp4_layers(model):
             yield prefix, layer
 
 
+def moe_state(layer) -> dict:
+    """A FusedMoE module's non-tensor post-load state: the CUTLASS SwiGLU parameters (None, or their shapes), the
+    dispatcher's quant config (each value None, or the module's tensor it is), whether the packed names remain."""
+    names = {id(v): k for k, v in layer_tensors(layer).items()}
+    out = {"packed": sorted(n for n in ("w13_weight_packed", "w2_weight_packed") if hasattr(layer, n))}
+    if hasattr(layer, "_cutlass_swiglu_params"):
+        out["cutlass_swiglu_params"] = [None if t is None else list(t.shape) for t in layer._cutlass_swiglu_params]
+    config = getattr(getattr(layer, "dispatcher", None), "quant_config", None)
+    if isinstance(config, dict):
+        out["dispatcher_quant_config"] = {k: None if v is None else names.get(id(v), "?") for k, v in config.items()}
+    return out
+
+
 def moe_layers(model):
     """``(prefix, layer)`` of every NVFP4 FusedMoE module."""
     for prefix, layer in model.named_modules():
@@ -185,6 +199,7 @@ def dump(model, out: Path, rank: int, backend: str) -> None:
             info = {"method": type(scheme or layer.quant_method).__name__, "backend": moe_backend, "moe": True,
                     "tensors": {}}
             info.update({k: getattr(layer, k) for k in MOE_NON_TENSOR if hasattr(layer, k)})
+            info.update(moe_state(layer))
         else:
             kernel = "marlin" if hasattr(layer, "workspace") else backend  # FP4 Marlin serves it whatever the backend
             info = {"method": type(scheme or layer.quant_method).__name__, "backend": kernel, "tensors": {}}
@@ -215,17 +230,18 @@ def register_plugin() -> None:
 
 
 def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
-    arch, _, moe_backend = arch.partition("@")
+    ep = arch.endswith("+ep")
+    arch, _, moe_backend = arch.removesuffix("+ep").partition("@")
     plugin = arch.endswith("-plugin")
     if plugin:
         register_plugin()
-    arch, _, fp4_backend = arch.removesuffix("-plugin").partition("+")
+    arch, _, fp4_backend = arch.removesuffix("-plugin").partition("%")
     _current["capability"] = PLATFORMS[arch]["device_capability"]
     with override_platform(**PLATFORMS[arch]):
         # resolved on the emulated GPU (its MoE runner backend choice reads the platform), as on that GPU
         args = ServerArgs(model_path=ckpt, device="cpu", tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
                           load_format="nvfp4_repack" if plugin else "auto", moe_runner_backend=moe_backend or "auto",
-                          fp4_gemm_runner_backend=fp4_backend or "auto")
+                          fp4_gemm_runner_backend=fp4_backend or "auto", ep_size=tp if ep else 1)
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
         moe_utils.initialize_moe_config()  # as the scheduler does
         if not torch.distributed.is_initialized():
