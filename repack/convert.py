@@ -647,7 +647,7 @@ def convert(
     if engine != "vllm":
         if vllm is not None:
             raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
-        _check_engine_options(engine, weight_only=weight_only, rescale=rescale)
+        _check_engine_options(engine, rescale=rescale)
         fuse = True  # the engine's fused modules
     version = resolve_version(engine, vllm)
     if tp < 1:
@@ -690,14 +690,14 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
     targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine.engine == "vllm"
-               else [engine_target(t, engine.engine, source) for t in targets])
+               else [engine_target(t, engine.engine, source, weight_only) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         sglang_moe = moe_layout(targets[0]) if engine.engine == "sglang" and expert_groups(source) else None
         if sglang_moe is not None and ep:
             _check_sglang_expert_parallelism(source, tp)
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
-                                  partition_scales=engine.engine != "vllm",
+                                  partition_scales=engine.engine != "vllm" and input_scales,
                                   **({} if sglang_moe is None else {"moe_rank_alignment": sglang_moe.TP_ALIGNMENT,
                                                                     "moe_gate_up": sglang_moe.GATE_UP_REFUSAL}))
         if layer_plans[0].experts:
@@ -731,30 +731,26 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                    bundles=[b for s in summaries for b in s.bundles])
 
 
-def _check_engine_options(engine: str, *, weight_only: bool, rescale: bool) -> None:
+def _check_engine_options(engine: str, *, rescale: bool) -> None:
     """One-line refusals of what another engine's bundles cannot hold."""
-    if weight_only:
-        raise RepackError(f"--engine {engine} --weight-only: not written yet (SGLang serves NVFP4 weight-only layers "
-                          "with Marlin or FlashInfer's bf16 x fp4 GEMM); convert W4A4 checkpoints for SGLang")
     if rescale:
         raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
                           "rescaled bundle would not be its state; convert without --rescale")
 
 
-def engine_target(family: Target, engine: str, source: SourceModel) -> Target:
-    """``family``'s layout of ``engine``'s state for ``source``, or a one-line refusal of what it cannot serve."""
-    if source.activation_scheme != "W4A4":
-        raise RepackError(f"--engine {engine}: {source.quant_algo} (weight-only) checkpoints are not written for "
-                          "SGLang yet (SGLang serves them with Marlin or FlashInfer's bf16 x fp4 GEMM)")
+def engine_target(family: Target, engine: str, source: SourceModel, weight_only: bool = False) -> Target:
+    """``family``'s layout of ``engine``'s state for ``source`` (``weight_only``: as the engine serves it weight-only),
+    or a one-line refusal of what it cannot serve."""
     if source.transforms.layers:
         raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
+    target = family.for_engine(engine, source.format, source.activation_scheme, weight_only)
+    if target is None:
+        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
+                          "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
     if expert_groups(source):
+        moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
         check_sglang_moe_architecture(source.checkpoint.config)
         _check_sglang_moe_input_scales(source)
-    target = family.for_engine(engine, source.format)
-    if target is None:
-        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves NVFP4 there with Marlin, whose "
-                          "layout is not written for SGLang here; -t sm100 or sm120")
     return target
 
 

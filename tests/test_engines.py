@@ -43,8 +43,11 @@ def test_every_layout_written_is_held_by_every_vllm_version():
 def test_every_sglang_layout_written_is_held_by_its_sglang_version():
     sglang = [t for target in TARGETS for t in target.layouts if t.engine == "sglang"]
     written = {t.layout_id for t in sglang}
-    moe = {moe_layout(t).LAYOUT_ID for t in sglang}
-    assert written == set(engines.SGLANG_LAYOUTS.values()) and moe == set(engines.SGLANG_MOE_LAYOUTS.values())
+    w4a4 = [t for t in sglang if t.layout_id in engines.SGLANG_LAYOUTS.values()]  # MoE: W4A4 layouts' only
+    moe = {moe_layout(t).LAYOUT_ID for t in w4a4}
+    assert written == {*engines.SGLANG_LAYOUTS.values(), *engines.SGLANG_MARLIN_LAYOUTS.values(),
+                       engines.SGLANG_BF16_FP4_LAYOUT}
+    assert moe == set(engines.SGLANG_MOE_LAYOUTS.values())
     assert written | moe == set(engines.SGLANG_0523.layouts)
 
 
@@ -125,4 +128,11 @@ def test_targets_names_sglang_where_it_has_layouts(capsys, monkeypatch):
     code, out, _ = cli(capsys, "targets")
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
     assert code == 0 and {"sm100", "sm120", "sm90"} <= set(rows)
-    assert {name for name, line in rows.items() if "sglang 0.5.23" in line} == {"sm100", "sm120"}
+    assert {name for name, line in rows.items() if "sglang 0.5.23" in line} == {"sm100", "sm120", "sm90", "sm80"}
+
+
+def test_inspect_names_the_engine_whose_kernels_a_bundle_records(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    convert(PRODUCERS / "modelopt_w4a16_nvfp4", "sm90", tmp_path / "out", engine="sglang")
+    code, out, _ = cli(capsys, "inspect", tmp_path / "out")
+    assert code == 0 and "scheme W4A16; sglang kernels: marlin" in " ".join(out.split())

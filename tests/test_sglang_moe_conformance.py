@@ -15,7 +15,6 @@ multipliers apart), in both formats, each expert's gate and up input scales equa
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ from repack.verify import expert_plan, verify_output
 from repack.verify_moe import engine_expert_findings
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
-from .test_sglang_conformance import HERE, _sglang_python, assert_same_state
+from .test_sglang_conformance import assert_same_state, run_harness
 
 ARCHS = ("sm100", "sm120")
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
@@ -72,23 +71,16 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120")}
 
 
-def _run_harness(python: Path, tp: int, out: Path, jobs: list[str]) -> None:
-    subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(out),
-                    *[arg for job in jobs for arg in ("--job", job)]],
-                   check=True, timeout=1500, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
     """SGLang's load-time result for every job, per TP size: ``{tp: folder}``."""
-    python = _sglang_python()
     out = {}
     for key, tp, ep in ((1, 1, ""), (2, 2, ""), ("ep", 2, "+ep")):
         out[key] = tmp_path_factory.mktemp(f"sglang-moe-{key}")
         jobs = [f"{name}-{arch}={checkpoints[name]}:{_spec(name, arch)}{ep}" for name, arch in JOBS]
         if key == 1:
             jobs += [f"{job}={checkpoints[name]}:{arch}" for job, (name, arch) in AUTO_JOBS.items()]
-        _run_harness(python, tp, out[key], jobs)
+        run_harness(tp, out[key], jobs)
     return out
 
 
@@ -224,7 +216,6 @@ def _served(oracle: dict, name: str, arch: str, key) -> bool:
 def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
     """SGLang's state after loading each served job's bundle with --load-format nvfp4_repack, per TP size (and, at
     TP 1, the ModelOpt sm120 bundle under SGLang's plain auto, ``backend-mismatch``): ``{tp: folder}``."""
-    python = _sglang_python()
     bundles = tmp_path_factory.mktemp("sglang-moe-bundles")
     out = {}
     for key, tp, ep in ((1, 1, ""), (2, 2, ""), ("ep", 2, "+ep")):
@@ -240,7 +231,7 @@ def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
         if key == "ep":  # a --tp bundle (rows split) under SGLang's expert parallelism
             jobs.append(f"ep-mismatch={bundles / 'ct_moe_nvfp4-sm100-2'}:sm100-plugin+ep")
         out[key] = tmp_path_factory.mktemp(f"sglang-moe-plugin-{key}")
-        _run_harness(python, tp, out[key], jobs)
+        run_harness(tp, out[key], jobs)
     return out
 
 

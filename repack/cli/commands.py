@@ -18,7 +18,14 @@ from rich.table import Table
 
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
-from ..targets.engines import ENGINES, SGLANG_0523, SGLANG_DENSE_BACKENDS, engine_versions, resolve_version
+from ..targets.engines import (
+    ENGINES,
+    SGLANG_0523,
+    SGLANG_DENSE_BACKENDS,
+    SGLANG_WEIGHT_ONLY_FAMILIES,
+    engine_versions,
+    resolve_version,
+)
 from ..targets.families import MOE_LAYOUTS
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
@@ -173,12 +180,13 @@ def convert(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     weight_only: Annotated[bool, _flag(
         "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
-        "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only).",
+        "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only). With --engine "
+        "sglang: SGLang's FP4 Marlin state (serve with --fp4-gemm-backend marlin).",
         "--weight-only")] = False,
     engine: Annotated[Engine, typer.Option(
         "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
-                         "W4A4 checkpoints, dense and Qwen3-MoE, its fused modules under its names; "
-                         "docs/sglang.md).")] = Engine.vllm,
+                         "dense W4A4 and weight-only checkpoints, and W4A4 Qwen3-MoE, its fused modules under its "
+                         "names; docs/sglang.md).")] = Engine.vllm,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
         "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
@@ -254,7 +262,8 @@ def _inspect_bundle(path: Path) -> None:
     stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
                  f"from {show(manifest.source.path)}")
     stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
-    stdout.print(f"scheme {show(manifest.scheme)}; vLLM kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
+    engine = "vLLM" if bundle.target.engine == "vllm" else bundle.target.engine  # whose kernels the manifest names
+    stdout.print(f"scheme {show(manifest.scheme)}; {engine} kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
     stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
                                              for engine, versions in manifest.engines.items())))
     stdout.print(f"tensor parallel: rank {manifest.tp_rank} of {manifest.tp_size}; fusion: "
@@ -471,8 +480,9 @@ def targets(as_json: JsonOpt = False) -> None:
         w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
         served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
                   for engine, versions in layout["engines"].items()}
-        if row["name"] in SGLANG_DENSE_BACKENDS:  # W4A4 with --engine sglang (docs/sglang.md)
-            served.add(f"sglang {SGLANG_0523.version} (W4A4, --engine sglang)")
+        if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
+            schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
+            served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
         moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
                       row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)), row["description"])

@@ -40,7 +40,17 @@ from torch import nn
 from ..bundle.manifest import MANIFEST_NAME
 from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
-from ..targets.sglang import ALIASES, ENGINE, KEEPS_PADDING, SAME_STATE_BACKENDS
+from ..targets.sglang import (
+    ALIASES,
+    ATTRIBUTES,
+    DELETED,
+    ENGINE,
+    KEEPS_PADDING,
+    LAYOUTS,
+    MARLIN_KERNEL,
+    SGLANG_BF16_FP4_LAYOUT,
+    backends,
+)
 from . import LOAD_FORMAT
 
 
@@ -75,7 +85,7 @@ def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int, capability: t
         have = f"sm{capability[0]}{capability[1]}"
         raise RepackError(f"{folder}: the bundle is for {target.name} but this GPU is {have}; convert the source with "
                           f"--target {have} --engine sglang")
-    if backend not in SAME_STATE_BACKENDS:
+    if backend not in backends(manifest.layout_id):
         raise RepackError(f"{folder}: --fp4-gemm-backend {backend} holds other bytes than the bundle's "
                           f"({manifest.kernels[0]}); serve it with --fp4-gemm-backend {manifest.kernels[0]}")
     return bundle
@@ -96,6 +106,30 @@ def _install(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[
             setattr(module, alias, getattr(module, name))
     if padding is not None:
         module.weights_padding_cols = padding
+
+
+def _weight_only_state(module: nn.Module, layout: str, kernel: str, device: torch.device) -> None:
+    """What SGLang's weight-only post-load leaves beside the tensors: the loaded parameters it deletes, its plain
+    attributes, and FP4 Marlin's scratch ``workspace`` (SGLang's own ``marlin_make_workspace``, sized by the GPU)."""
+    from sglang.srt.layers.quantization import marlin_utils_fp4
+
+    for name in DELETED.get(layout, ()):
+        if hasattr(module, name):
+            delattr(module, name)
+    for name, value in ATTRIBUTES.get(layout, {}).items():
+        setattr(module, name, value)
+    if kernel == MARLIN_KERNEL:
+        module.workspace = marlin_utils_fp4.marlin_make_workspace(device)
+
+
+def _bf16_fp4_prepared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """FlashInfer's ``prepare_bf16_fp4_weights`` (cute-dsl) on the bundle's tensors, as SGLang calls it: on sm100 a
+    6-D view of the swizzled scales, no copy."""
+    import flashinfer
+
+    weight, scale, alpha = flashinfer.prepare_bf16_fp4_weights(
+        tensors["weight"], tensors["weight_scale_interleaved"], tensors["alpha"], backend="cute-dsl")
+    return {"weight": weight, "weight_scale_interleaved": scale, "alpha": alpha}
 
 
 def check_moe_backend(bundle: Bundle, running: str) -> None:
@@ -163,12 +197,19 @@ class BundleModelLoader(DefaultModelLoader):
                 model = _initialize_model(model_config, self.load_config, quant_config)
             model.load_weights(self._passthrough(bundle))
             layers, moe, fmt = bundle.manifest.layers, bundle.manifest.moe, bundle.target.source_format
+            layout = bundle.manifest.layout_id
+            w4a4 = layout in LAYOUTS.values()  # else a weight-only layout (Marlin, FlashInfer's bf16 x fp4)
             if moe:
                 check_moe_backend(bundle, get_moe_runner_backend().value)
             for prefix, module in model.named_modules():
                 if prefix in layers:
                     tensors = {part: bundle.read(f"{prefix}.{part}").to(target_device) for part in layers[prefix].tensors}
-                    _install(module, tensors, ALIASES[fmt], layers[prefix].weights_padding_cols if KEEPS_PADDING[fmt] else None)
+                    if layout == SGLANG_BF16_FP4_LAYOUT:
+                        tensors = _bf16_fp4_prepared(tensors)
+                    padding = layers[prefix].weights_padding_cols if w4a4 and KEEPS_PADDING[fmt] else None
+                    _install(module, tensors, ALIASES[fmt] if w4a4 else {}, padding)
+                    if not w4a4:
+                        _weight_only_state(module, layout, bundle.manifest.kernels[0], target_device)
                 elif prefix in moe:
                     record = moe[prefix]
                     check_expert_parallelism(bundle, record.expert_map is not None, module.moe_ep_size)

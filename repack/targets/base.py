@@ -108,6 +108,8 @@ class Target(Family):
             names are RuntimeLayer's fields).
         read_as: a weight -> the weight as the layout's kernel reads it, where that differs (Marlin flushes the
             smallest block scales to 0): what ``from_runtime`` returns. ``None``: the weight itself.
+        runtime_layout: the :attr:`layout_key` of the layout whose tensors ``from_named`` gives the runtime, for an
+            engine's layout over another family's bytes (SGLang's FP4 Marlin on any family: ``sm80``'s).
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -122,6 +124,7 @@ class Target(Family):
     partition_specs: Callable[[int, int, int], dict[str, TensorSpec]] | None = None
     from_named: Callable[[dict[str, torch.Tensor], int, int], RuntimeLayer] | None = None
     read_as: Callable[[NVFP4Weight], NVFP4Weight] | None = None
+    runtime_layout: str | None = None
 
     @classmethod
     def of(cls, family: Family, **layout: object) -> Target:
@@ -137,6 +140,8 @@ class Target(Family):
         """How the runtime (backends, index formulas) names this layout: the layout id for the FP4 x FP4 one, which
         the families share (another engine's W4A4 layouts too: its names over the same bytes); else the family (its
         weight-only layout, which Marlin's W4A4 variant is too)."""
+        if self.runtime_layout is not None:
+            return self.runtime_layout
         return W4A4_LAYOUT_ID if self.layout_id == W4A4_LAYOUT_ID or self.engine != "vllm" else self.name
 
     def as_read(self, weight: NVFP4Weight) -> NVFP4Weight:
@@ -148,11 +153,14 @@ class Target(Family):
         for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
         return next((t for t in self.layouts if t.scheme == scheme and t.engine == "vllm"), self)
 
-    def for_engine(self, engine: str, source_format: str) -> "Target | None":
-        """The family's layout of ``engine``'s state for a W4A4 checkpoint of ``source_format``, if it has one."""
+    def for_engine(self, engine: str, source_format: str, scheme: str = "W4A4",
+                   weight_only: bool = False) -> "Target | None":
+        """The family's layout of ``engine``'s state for a ``scheme`` checkpoint of ``source_format``, if it has one:
+        the first (the engine's auto), or with ``weight_only`` the first whose kernel keeps activations in bf16."""
         if engine == "vllm":
-            return self.for_scheme("W4A4")
-        return next((t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)), None)
+            return self.for_scheme("W4A16" if weight_only else scheme)
+        return next((t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)
+                     and t.scheme == scheme and not (weight_only and t.layout_key == W4A4_LAYOUT_ID)), None)
 
     def layer_specs(self, n: int, k: int, partitions: int = 1) -> dict[str, TensorSpec]:
         """dtype and shape of each tensor of an ``[n, k]`` layer of ``partitions`` fused partitions."""

@@ -68,6 +68,17 @@ VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS
 SGLANG_LAYOUTS = {"modelopt": "sglang-modelopt-w4a4-v1", "compressed-tensors": "sglang-ct-w4a4-v1"}
 SGLANG_DENSE_BACKENDS = {"sm100": "flashinfer_cutedsl", "sm120": "flashinfer_cutlass"}
 SGLANG_SAME_STATE_BACKENDS = ("flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_cudnn")
+# SGLang's weight-only state (targets/sglang.py: Marlin's and FlashInfer's bf16 x fp4 layouts under its names), per
+# (source format, the checkpoint's activation scheme): FP4 Marlin for ModelOpt W4A16_NVFP4 on every GPU and for every
+# checkpoint where its auto backend is Marlin (sm80-sm90: W4A4 checkpoints served weight-only); compressed-tensors
+# NVFP4A16 on sm100 takes FlashInfer's bf16 x fp4 GEMM (prepare_bf16_fp4_weights, cute-dsl), elsewhere Marlin
+SGLANG_MARLIN_LAYOUTS = {("modelopt", "W4A16"): "sglang-modelopt-marlin-v1",
+                         ("compressed-tensors", "W4A16"): "sglang-ct-marlin-v1",
+                         ("modelopt", "W4A4"): "sglang-modelopt-w4a4-marlin-v1",
+                         ("compressed-tensors", "W4A4"): "sglang-ct-w4a4-marlin-v1"}
+SGLANG_BF16_FP4_LAYOUT = "sglang-ct-w4a16-cutedsl-v1"
+SGLANG_MARLIN_FAMILIES = ("sm90", "sm80")  # auto dense backend marlin: compute capability 8.0 to 9.x
+SGLANG_WEIGHT_ONLY_FAMILIES = ("sm100", "sm120", *SGLANG_MARLIN_FAMILIES)  # sm75: SGLang's FP4 Marlin needs sm80
 # SGLang's NVFP4 MoE state per (source format, family), checked against its own load by tests/sglang/: the layout id
 # and the MoE runner backend (``--moe-runner-backend``) it is for. ModelOpt on sm100: FlashInfer TRT-LLM-gen, what
 # SGLang's resolution picks for Qwen3-MoE there (arg_groups/model_overrides/qwen3_moe.py); on sm120 FlashInfer CUTLASS,
@@ -83,8 +94,9 @@ SGLANG_MOE_BACKENDS = {("modelopt", "sm100"): "flashinfer_trtllm", ("modelopt", 
 # the MoE architectures whose SGLang load is checked (Mixtral: SGLang loads ModelOpt's experts as dense layers,
 # QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded)
 SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23",
-                            tuple(SGLANG_LAYOUTS.values()) + tuple(dict.fromkeys(SGLANG_MOE_LAYOUTS.values())))
+SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (
+    *SGLANG_LAYOUTS.values(), *SGLANG_MARLIN_LAYOUTS.values(), SGLANG_BF16_FP4_LAYOUT,
+    *dict.fromkeys(SGLANG_MOE_LAYOUTS.values())))
 
 ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
 ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight
-from . import families, w4a4
+from . import families, sglang, w4a4
 from .base import W4A4_SCALARS, LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .families import Family
 from .layout import round_up
@@ -124,8 +124,9 @@ def scale_factor(scales: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 def process_scales(scales: torch.Tensor, n_padded: int, k_padded: int, sf: float,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """float8_e4m3fn ``[N, K/16]`` -> the S0E5M3 bytes ``[Kp/16, Np]`` Marlin reads (as float8_e4m3fn)."""
+                   dtype: torch.dtype, flush: bool = True) -> torch.Tensor:
+    """float8_e4m3fn ``[N, K/16]`` -> the S0E5M3 bytes ``[Kp/16, Np]`` Marlin reads (as float8_e4m3fn). ``flush``:
+    vLLM's zeroing of ``scale * sf * 2^7 < 2`` (SGLang's ``nvfp4_marlin_process_scales`` keeps them)."""
     n, groups = scales.shape
     s = torch.zeros((k_padded // BLOCK_SIZE, n_padded), dtype=dtype, device=scales.device)
     s[:groups, :n] = scales.T.to(dtype)
@@ -133,7 +134,8 @@ def process_scales(scales: torch.Tensor, n_padded: int, k_padded: int, sf: float
     if sf > 1.0:
         s = (s.float() * sf).to(torch.half)
     s = s * 2**7
-    s[s < 2] = 0
+    if flush:
+        s[s < 2] = 0
     return ((s.view(torch.int16) << 1).view(torch.uint8).view(s.shape[0], -1, 2)[..., 1]).contiguous().view(
         torch.float8_e4m3fn)
 
@@ -247,7 +249,7 @@ def target(family: Family) -> Target:
     w4a4_layout = replace(weight_only, layout_id=family.w4a4_layout_id, scheme="W4A4",
                           to_runtime=partial(to_runtime_w4a4, dtype=dtype),
                           from_runtime=partial(from_runtime_w4a4, dtype=dtype), runtime_specs=runtime_specs_w4a4)
-    return replace(weight_only, variants=(w4a4_layout,))
+    return replace(weight_only, variants=(w4a4_layout, *sglang.weight_only_variants(weight_only)))
 
 
 TARGETS = (target(families.SM80), target(families.SM75))

@@ -52,4 +52,5 @@ WEIGHT_ONLY = Target.of(
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
 )
-TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY), *sglang.variants(WEIGHT_ONLY)))
+TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY), *sglang.variants(WEIGHT_ONLY),
+                                           *sglang.weight_only_variants(WEIGHT_ONLY)))

@@ -38,12 +38,14 @@ weight_global_scale: the float32 ``[1]`` multiplier.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from functools import cache
 
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families
+from . import families, sglang
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .layout import aligned, pad_2d, round_up
 
@@ -284,7 +286,7 @@ def dequantize_runtime(layer: RuntimeLayer, n: int, k: int) -> torch.Tensor:
     return (dense * scales * mult)[:n, :k]
 
 
-TARGET = Target.of(
+WEIGHT_ONLY = Target.of(
     families.SM90,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
@@ -292,3 +294,4 @@ TARGET = Target.of(
     geometry=lambda n, k: LayerGeometry(*padded_shape(n, k), weights_padding_cols=0),
     stack_rows=stack_rows,
 )
+TARGET = replace(WEIGHT_ONLY, variants=sglang.weight_only_variants(WEIGHT_ONLY))
