@@ -126,7 +126,7 @@ def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hi
                       intermediate: int, padded: int | None = None) -> torch.Tensor:
     """:func:`to_runtime`'s ``w13_weight`` (``which`` "w13"; ``pieces``: each expert's ``(gate, up)`` rows) or
     ``w2_weight`` ("w2"; each expert's ``(down,)``), each expert repacked from its pieces (gate and up padded apart)."""
-    padded = padded_intermediate(hidden, intermediate)
+    padded = padded_intermediate(hidden, intermediate) if padded is None else padded
     if which == "w13":
         out = []
         for gate, up in pieces:
