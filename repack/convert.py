@@ -51,11 +51,12 @@ from .formats.transforms import runtime_matrix
 from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
-from .targets.families import W4A4_LAYOUT_ID
-from .targets.engines import ENGINE_NAMES, HADAMARD_W4A4, EngineVersion, bundle_engines, resolve_version
+from .targets.families import AUTO, LINEAR_BACKENDS, MARLIN
+from .targets.engines import (ENGINE_NAMES, HADAMARD_W4A4, QUTLASS_MARLIN, EngineVersion, bundle_engines,
+                              resolve_version)
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.sglang import check_sglang_moe_architecture
-from .targets.w4a4 import runs_humming
+from .targets.w4a4 import runs_humming, runs_qutlass
 
 Progress = Callable[[int, str], None]  # (bytes just written, what) -> None
 Notice = Callable[[str], None]  # one line for the user (the CLI prints it on stderr)
@@ -610,6 +611,7 @@ def convert(
     ep: bool = False,
     vllm: str | None = None,
     engine: str = "vllm",
+    linear_backend: str = AUTO,
     progress: Progress | None = None,
     on_plan: Callable[[SourceModel, list[OutputBundle]], None] | None = None,
     notify: Notice | None = None,
@@ -634,8 +636,11 @@ def convert(
 
     The layout follows vLLM's ``auto``: a W4A4 checkpoint gets each family's W4A4 layout where it has one (sm100,
     sm120; sm90 is weight-only for every checkpoint), a weight-only
-    one the W4A16 layout. ``weight_only``: the W4A16 layout for every checkpoint (activations stay bf16), as before
-    W4A4 layouts existed. ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
+    one the W4A16 layout. ``weight_only``: the layout of the family's weight-only kernel for every checkpoint
+    (activations stay bf16): the W4A16 layout (as before W4A4 layouts existed), Marlin's W4A4 variant where Marlin is
+    that kernel (sm120, sm80, sm75). ``linear_backend``: the layout of the kernel vLLM's ``--linear-backend`` of that
+    name picks (``flashinfer_cutedsl`` on sm120: FlashInfer's cute-dsl W4A16 layout), refused where none is written.
+    ``vllm``: the vLLM version the bundle is for (``0.33``, ``0.34``; None: the newest
     supported); the manifest lists every supported version whose state after loading is the bundle's
     (targets/engines.py), and a bundle the named version cannot serve is refused before anything is written.
 
@@ -644,6 +649,7 @@ def convert(
     """
     if engine not in ENGINE_NAMES:
         raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
+    _check_linear_backend(linear_backend, weight_only=weight_only, engine=engine)
     if engine != "vllm":
         if vllm is not None:
             raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
@@ -669,7 +675,8 @@ def convert(
     try:
         return _convert(source, targets, out, single, overwrite=overwrite, resume=resume, fsync=fsync,
                         max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale, weight_only=weight_only,
-                        ep=ep, engine=version, progress=progress, on_plan=on_plan, notify=notify)
+                        ep=ep, engine=version, linear_backend=linear_backend, progress=progress, on_plan=on_plan,
+                        notify=notify)
     except BaseException:
         _remove_if_empty(created)
         raise
@@ -677,8 +684,9 @@ def convert(
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
              overwrite: bool, resume: bool, fsync: bool, max_shard_size: int | str, fuse: bool, tp: int,
-             rescale: bool, weight_only: bool, ep: bool, engine: EngineVersion, progress: Progress | None,
-             on_plan: Callable | None, notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
+             rescale: bool, weight_only: bool, ep: bool, engine: EngineVersion, linear_backend: str,
+             progress: Progress | None, on_plan: Callable | None,
+             notify: Notice | None) -> ConvertSummary | list[ConvertSummary]:
     """:func:`convert` once ``out``'s parent exists. Several targets into a new ``out`` are staged together, as a
     --tp conversion's ranks are (``out`` appears whole, or a hidden staging folder is left); into an existing
     ``out`` (it holds earlier bundles), each is staged and installed inside it on its own."""
@@ -689,7 +697,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                          "this run does not write that target", notify)
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
-    targets = ([t.for_scheme(served_scheme(source, weight_only)) for t in targets] if engine.engine == "vllm"
+    targets = ([vllm_target(t, source, weight_only, linear_backend) for t in targets] if engine.engine == "vllm"
                else [engine_target(t, engine.engine, source, weight_only) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
@@ -730,6 +738,30 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
     first = summaries[0]
     return replace(first, bytes_out=sum(s.bytes_out for s in summaries), rescaled=rescaled,
                    bundles=[b for s in summaries for b in s.bundles])
+
+
+def _check_linear_backend(linear_backend: str, *, weight_only: bool, engine: str) -> None:
+    """One-line refusals of a --linear-backend convert does not know or cannot combine."""
+    if linear_backend != AUTO and linear_backend not in LINEAR_BACKENDS:
+        raise RepackError(f"--linear-backend {linear_backend}: expected one of {', '.join((AUTO, *LINEAR_BACKENDS))}")
+    if linear_backend != AUTO and weight_only:
+        raise RepackError(f"--linear-backend {linear_backend} --weight-only: --weight-only picks the family's "
+                          "weight-only kernel itself; give one of the two")
+    if linear_backend != AUTO and engine != "vllm":
+        raise RepackError(f"--linear-backend names a vLLM kernel; an --engine {engine} bundle holds SGLang's choice")
+
+
+def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_backend: str) -> Target:
+    """``family``'s layout of vLLM's state for ``source`` (:meth:`Target.for_scheme`), or a one-line refusal where vLLM
+    is told a --linear-backend whose kernel holds no layout written here."""
+    target = family.for_scheme(served_scheme(source), weight_only, linear_backend)
+    if target is None:
+        written = sorted({b for t in family.layouts if t.engine == "vllm" and t.scheme == served_scheme(source)
+                          for b, kernels in LINEAR_BACKENDS.items() if set(kernels) & set(t.kernels)})
+        raise RepackError(f"--linear-backend {linear_backend} -t {family.name}: vLLM's kernel for a "
+                          f"{served_scheme(source)} checkpoint there holds no layout written here; --linear-backend "
+                          f"{' or '.join([AUTO, *written])}")
+    return target
 
 
 def _check_engine_options(engine: str, *, rescale: bool) -> None:
@@ -786,17 +818,23 @@ def _layout_ids(plan: BundlePlan) -> list[str]:
 
 
 def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
-    """What of a bundle an engine version may not serve (targets/engines.py): on Blackwell (capability 10.0 and up), a
-    W4A4 checkpoint's layer that vLLM 0.34 serves through Humming's Hadamard kernel, whatever the bundle's layout
-    (vLLM picks it from the checkpoint's scheme)."""
-    if source.activation_scheme != "W4A4" or min(plan.target.compute_capabilities) < (10, 0):
+    """What of a bundle an engine version may not serve (targets/engines.py), on Blackwell (capability 10.0 and up),
+    where vLLM picks a layer's transform method from the checkpoint's scheme and the layer's kernel: a W4A4 checkpoint's
+    layer that vLLM 0.34 serves through Humming's Hadamard kernel (whatever the bundle's layout, but Marlin's: vLLM's
+    --linear-backend marlin keeps Humming out); a layer Marlin serves that vLLM 0.33 gives QuTLASS's method."""
+    if min(plan.target.compute_capabilities) < (10, 0):
         return []
+    marlin = plan.target.kernels == MARLIN
+    found: set[str] = set()
     for layer in plan.layers.layers.values():
         placed = layer_transforms(source.transforms, layer)
         inputs = [(t.matrix.type, None if t.matrix.whole else t.matrix.size) for t in placed if t.location == "input"]
-        if runs_humming(inputs, sum(t.location == "output" for t in placed)):
-            return [HADAMARD_W4A4]
-    return []
+        if marlin and runs_qutlass([block for _, block in inputs]):
+            found.add(QUTLASS_MARLIN)
+        outputs = sum(t.location == "output" for t in placed)
+        if not marlin and source.activation_scheme == "W4A4" and runs_humming(inputs, outputs):
+            found.add(HADAMARD_W4A4)
+    return sorted(found)
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
@@ -812,11 +850,10 @@ def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:
                       "dense layers of their own, which no engine serves")
 
 
-def served_scheme(source: SourceModel, weight_only: bool = False) -> str:
-    """The activation scheme the bundles serve: the checkpoint's (vLLM's auto; a W4A4 one with online transforms
-    too, which vLLM serves through QuTLASS or its transform method around the W4A4 kernel), or W4A16 with
-    ``weight_only``."""
-    return "W4A16" if weight_only else source.activation_scheme
+def served_scheme(source: SourceModel) -> str:
+    """The checkpoint's activation scheme, which vLLM's scheme (and so its kernel choice) follows: a W4A4 one with
+    online transforms too, which vLLM serves through QuTLASS or its transform method around the W4A4 kernel."""
+    return source.activation_scheme
 
 
 def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:

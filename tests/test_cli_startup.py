@@ -18,7 +18,7 @@ import pytest
 
 from repack import __version__
 from repack.errors import RepackError
-from repack.targets import TARGETS
+from repack.targets import TARGETS, resolve_family
 from repack.targets.moe import moe_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,13 +60,17 @@ def test_targets_lists_the_capability_table_without_the_layouts():
     run = subprocess.run([sys.executable, "-m", "repack.cli", "targets", "--json"], capture_output=True, text=True,
                          env=_child_env(), cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
+    # per scheme, the layout vLLM's auto holds (sm120: Marlin's for W4A16; its cute-dsl one is --linear-backend's);
+    # the family's backend: its FP4 layouts' (Marlin's runs on the reference backend)
+    auto = [{scheme: t.for_scheme(scheme) for scheme in ("W4A16", "W4A4") if t.for_scheme(scheme).scheme == scheme}
+            for t in TARGETS]
     expected = [{"name": t.name, "aliases": list(t.aliases),
                  "compute_capabilities": [f"{major}.{minor}" for major, minor in t.compute_capabilities],
-                 "backend": t.backend, "layout_id": t.layout_id,
-                 "layouts": {layout.scheme: {"layout_id": layout.layout_id, "kernels": list(layout.kernels),
-                                             "engines": {"vllm": ["0.33", "0.34"]}}
-                             for layout in t.layouts if layout.engine == "vllm"},
-                 "moe_layouts": _moe_layouts(t.name), "description": t.description} for t in TARGETS]
+                 "backend": resolve_family(t.name).backend, "layout_id": t.layout_id,
+                 "layouts": {scheme: {"layout_id": layout.layout_id, "kernels": list(layout.kernels),
+                                      "engines": {"vllm": ["0.33", "0.34"]}} for scheme, layout in layouts.items()},
+                 "moe_layouts": _moe_layouts(t.name), "description": t.description}
+                for t, layouts in zip(TARGETS, auto)]
     assert json.loads(run.stdout) == expected
 
 

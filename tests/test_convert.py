@@ -107,8 +107,9 @@ PRODUCER_FIXTURES = sorted(p.name for p in PRODUCERS.iterdir() if (p / "config.j
 @pytest.mark.parametrize("fixture", PRODUCER_FIXTURES)
 def test_convert_real_producer_checkpoints(tmp_path, target, fixture):
     out = tmp_path / "bundle"
-    # vLLM 0.34 (the default) refuses the Hadamard-rotated W4A4 fixtures on sm100 / sm120 (tests/test_engines.py)
-    convert(PRODUCERS / fixture, target.name, out, vllm="0.33" if "_had" in fixture else None)
+    # vLLM 0.34 (the default) refuses the Hadamard-rotated W4A4 fixtures on sm100 / sm120, 0.33 the weight-only ones
+    # on sm120 (Marlin there; tests/test_engines.py)
+    convert(PRODUCERS / fixture, target.name, out, vllm="0.33" if "_had" in fixture and "a16" not in fixture else None)
     manifest = check_bundle_against_source(PRODUCERS / fixture, out, target)
     assert manifest.layers
 

@@ -14,7 +14,8 @@ from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.runtime.formulas import decode
 from repack.targets.layout import swizzle_128x4_offsets
 from repack.sample.synthetic import random_nvfp4
-from repack.targets import RuntimeLayer, resolve_target
+from repack.targets import RuntimeLayer, resolve_target, sm120
+from repack.targets.families import SM120_CUTE_DSL
 from repack.targets.layout import round_up, vllm_geometry
 
 from .conftest import require
@@ -86,7 +87,7 @@ def test_sm100_matches_flashinfer(n, k):
 def test_sm120_matches_flashinfer(n, k):
     weight = random_nvfp4(n, k)
     expected_b, expected_sf, alpha = _prepare_cute_dsl_sm12x(*vllm_prepared(weight).tensors().values(), 16)
-    ours = resolve_target("sm120").to_runtime(weight)
+    ours = sm120.CUTE_DSL.to_runtime(weight)  # --linear-backend flashinfer_cutedsl (Marlin is sm120's default)
     assert ours.weight.dtype == expected_b.dtype == torch.int32
     assert torch.equal(ours.weight, expected_b)
     assert ours.weight_scale.dtype == expected_sf.dtype
@@ -102,5 +103,5 @@ def test_formula_decoders_read_flashinfers_own_output(n, k):
     prepared = vllm_prepared(weight)
     assert torch.equal(_unswizzle_sf_128x4(prepared.weight_scale, n, k // 16), weight.block_scales.view(torch.uint8))
     b, sf, alpha = _prepare_cute_dsl_sm12x(*prepared.tensors().values(), 16)
-    assert torch.equal(decode(RuntimeLayer(b, sf, alpha, 0), n, k, "sm120", torch.float64), dequantize(weight))
+    assert torch.equal(decode(RuntimeLayer(b, sf, alpha, 0), n, k, SM120_CUTE_DSL, torch.float64), dequantize(weight))
     assert torch.equal(decode(prepared, n, k, "sm100", torch.float64), dequantize(weight))

@@ -8,11 +8,15 @@ import torch
 from repack.errors import RepackError
 from repack.nvfp4 import NVFP4Weight, dequantize
 from repack.sample.synthetic import random_nvfp4
-from repack.targets import TARGETS, resolve_target
+from repack.targets import TARGETS, resolve_target, sm120
 from repack.targets.layout import round_up, swizzle_128x4, unswizzle_128x4, vllm_geometry
 from repack.targets.sm120 import pack_tiles, unpack_tiles
 
 from .conftest import LAYER_SHAPES
+
+
+# each family's weight-only layout, and sm120's cute-dsl one (--linear-backend flashinfer_cutedsl)
+WEIGHT_ONLY = [*TARGETS, sm120.CUTE_DSL]
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -20,7 +24,7 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("target", WEIGHT_ONLY, ids=lambda t: f"{t.name}-{t.layout_id}")
 @pytest.mark.parametrize("n,k", LAYER_SHAPES)
 def test_round_trip_is_bit_exact(target, n, k):
     weight = random_nvfp4(n, k, allow_zero_scales=True)
@@ -40,7 +44,7 @@ def test_round_trip_is_bit_exact(target, n, k):
         assert runtime.weights_padding_cols == (round_up(k, 64) - k) // 2
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.name)
+@pytest.mark.parametrize("target", WEIGHT_ONLY, ids=lambda t: f"{t.name}-{t.layout_id}")
 def test_runtime_layout_dequantizes_to_the_same_matrix(target):
     weight = random_nvfp4(80, 208)
     back = target.from_runtime(target.to_runtime(weight), 80, 208)

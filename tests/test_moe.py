@@ -28,7 +28,7 @@ from repack.formats import read_source
 from repack.formats.moe import expert_groups, find_expert_groups
 from repack.nvfp4 import BLOCK_SIZE
 from repack.sample.synthetic import write_qwen_moe
-from repack.targets import moe, moe_cutlass, moe_marlin, moe_trtllm
+from repack.targets import moe, moe_cutlass, moe_marlin, moe_trtllm, resolve_target
 from repack.targets.families import MOE_LAYOUTS
 from repack.targets.layout import swizzle_128x4
 from repack.verify import verify_output
@@ -159,6 +159,9 @@ def test_block_scale_interleave_port_is_flashinfers_128x4(experts, rows, cols, r
 def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
     assert moe.moe_layout("sm100") is moe_trtllm and moe.moe_layout("sm120") is moe_cutlass
     assert moe.moe_layout("sm80") is moe.moe_layout("sm100", "W4A16") is moe.moe_layout("sm120", "W4A16") is moe_marlin
+    sm120 = resolve_target("sm120")  # --weight-only on sm120: Marlin's dense W4A4 variant, so Marlin's MoE too
+    assert moe.moe_layout(sm120.for_scheme("W4A4")) is moe_cutlass
+    assert moe.moe_layout(sm120.for_scheme("W4A4", weight_only=True)) is moe_marlin
     assert moe.moe_layout("sm80", "W4A16") is moe_marlin  # weight-only experts: Marlin wherever vLLM has an MoE (issue 36)
     for family, schemes in MOE_LAYOUTS.items():  # the torch-free table names layout modules
         assert all(moe.moe_layout_by_id(layout_id) is moe.moe_layout(family, s) for s, layout_id in schemes.items())

@@ -11,7 +11,7 @@ from repack.errors import RepackError
 from repack.formats import read_source
 from repack.nvfp4 import dequantize
 from repack.runtime import load_bundle, nvfp4_linear, patch_model
-from repack.targets import TARGETS, resolve_target
+from repack.targets import FAMILIES, TARGETS, resolve_family, resolve_target
 from repack.targets.layout import vllm_geometry
 from repack.verify import w4a4_products
 
@@ -160,7 +160,8 @@ def blackwell_target():
     if not torch.cuda.is_available():
         return None
     capability = torch.cuda.get_device_capability()
-    return next((t for t in TARGETS if t.backend == "flashinfer" and capability in t.compute_capabilities), None)
+    return next((t for t in TARGETS if resolve_family(t.name).backend == "flashinfer"
+                 and capability in t.compute_capabilities), None)
 
 
 @pytest.mark.gpu
@@ -168,7 +169,8 @@ def blackwell_target():
 def test_flashinfer_kernel_on_blackwell(make_model, tmp_path):
     target = blackwell_target()
     model = make_model("compressed-tensors", shapes=ODD_SHAPES + [(4096, 4096)])
-    convert(model.path, target.name, tmp_path / "b")
+    # sm120's weight-only default is Marlin's (no GPU backend here): its cute-dsl layout runs FlashInfer's kernel
+    convert(model.path, target.name, tmp_path / "b", linear_backend="flashinfer_cutedsl")
     loaded = load_bundle(tmp_path / "b", "cuda")
     for prefix, weight in model.layers.items():
         x = torch.randn(16, weight.k).to(torch.bfloat16)
@@ -194,7 +196,7 @@ def dequantized_llama(fixture: str):
     return model
 
 
-@pytest.mark.parametrize("target", [t.name for t in TARGETS if t.backend == "flashinfer"])
+@pytest.mark.parametrize("target", [f.name for f in FAMILIES if f.backend == "flashinfer"])
 @pytest.mark.parametrize("fixture", ["ct_nvfp4a16", "modelopt_nvfp4"])
 def test_whole_model_logits(tmp_path, target, fixture):
     reference = dequantized_llama(fixture).float()
@@ -215,7 +217,7 @@ def test_whole_model_logits(tmp_path, target, fixture):
 
 
 
-@pytest.mark.parametrize("target", [t.name for t in TARGETS if t.backend == "flashinfer"])
+@pytest.mark.parametrize("target", [f.name for f in FAMILIES if f.backend == "flashinfer"])
 @pytest.mark.parametrize("fixture", ["modelopt_nvfp4", "ct_nvfp4"])
 def test_patched_w4a4_layers_quantize_their_activations(tmp_path, target, fixture):
     """A W4A4 bundle (the default) through patch_model: each layer of the model, on fresh bf16 activations, is the

@@ -41,8 +41,8 @@ W4A4_FIXTURES = ["modelopt_nvfp4", "ct_nvfp4"]
 W4A16_NAMES = W4A16_FIXTURES + [f"{shape}-{fmt}-w4a16" for shape in SYNTHETIC for fmt in FORMATS]
 W4A4_NAMES = W4A4_FIXTURES + [f"{shape}-{fmt}-w4a4" for shape in SYNTHETIC for fmt in FORMATS]
 # W4A4 checkpoints on Marlin: SGLang's auto on sm80-sm90; on sm100 / sm120 under --fp4-gemm-backend marlin, which
-# convert --weight-only writes (a job's arch "sm100+marlin")
-MARLIN_W4A4_ARCHS = (*SGLANG_MARLIN_FAMILIES, *(f"{family}+marlin" for family in DENSE_BACKENDS))
+# convert --weight-only writes (a job's arch "sm100%marlin")
+MARLIN_W4A4_ARCHS = (*SGLANG_MARLIN_FAMILIES, *(f"{family}%marlin" for family in DENSE_BACKENDS))
 JOBS = ([(name, arch) for name in W4A16_NAMES for arch in SGLANG_WEIGHT_ONLY_FAMILIES]
         + [(name, arch) for name in W4A4_NAMES for arch in MARLIN_W4A4_ARCHS])
 TINY = 2.0**-8  # an e4m3 subnormal block scale
@@ -80,8 +80,8 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
 
 
 def _convert_options(arch: str) -> dict:
-    """A job's convert target and options: ``sm100+marlin`` is -t sm100 --weight-only."""
-    family, _, backend = arch.partition("+")
+    """A job's convert target and options: ``sm100%marlin`` is -t sm100 --weight-only."""
+    family, _, backend = arch.partition("%")
     return {"target_name": family, "weight_only": backend == "marlin"}
 
 

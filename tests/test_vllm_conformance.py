@@ -1,8 +1,10 @@
 """vLLM itself as the oracle, once per supported version (0.33.0, 0.34.0: the ``vllm_version`` fixture, one venv
 each): every fused bundle layer, per tensor-parallel rank, byte-identical to
 what vLLM's own DefaultModelLoader + process_weights_after_loading leaves on its layer, and vLLM's
-refusals matched by ours: W4A16 bundles (``--weight-only`` for W4A4 checkpoints) against the cute-dsl W4A16
-kernel; W4A4 bundles (the default for W4A4 checkpoints) against the kernel vLLM's auto picks on sm100 / sm120.
+refusals matched by ours: W4A16 bundles against the cute-dsl W4A16 kernel (sm100: ``--weight-only`` for W4A4
+checkpoints; sm120: ``--linear-backend flashinfer_cutedsl``, weight-only checkpoints; sm120's default, Marlin:
+tests/test_vllm_marlin_conformance.py); W4A4 bundles (the default for W4A4 checkpoints) against the kernel vLLM's
+auto picks on sm100 / sm120.
 
 vLLM runs in its own virtualenvs (tests/vllm/make_env.sh; FlashInfer 0.7.2.post1, the project's env has the
 newest) through tests/vllm/harness.py, in one process per TP size (two on gloo for TP = 2),
@@ -136,8 +138,22 @@ def harness_arch(arch: str) -> str:
     return ARCHS[base] + arch[len(base):]
 
 
+def weight_only_checkpoint(name: str) -> bool:
+    """Whether the job's checkpoint is weight-only (NVFP4A16, W4A16_NVFP4, the synthetic ModelOpt ones and the
+    variants of the W4A16 ``TRANSFORM_BASE``)."""
+    return "a16" in name or name.endswith("-modelopt") or name in TRANSFORM_VARIANTS
+
+
 def _jobs(names: list[str]) -> list[tuple[str, str]]:
-    return [(name, arch) for name in names for arch in ARCHS]
+    """The cute-dsl W4A16 jobs: sm100's for every checkpoint (``--weight-only`` for W4A4 ones); sm120's for weight-only
+    ones, which vLLM holds with ``--linear-backend flashinfer_cutedsl`` (its auto there is Marlin, and for a W4A4
+    checkpoint that kernel holds its scalars too: tests/test_vllm_marlin_conformance.py)."""
+    return [(name, arch) for name in names for arch in ARCHS if arch == "sm100" or weight_only_checkpoint(name)]
+
+
+def cute_dsl(arch: str) -> dict:
+    """convert's options for the cute-dsl W4A16 layout on ``arch``."""
+    return dict(linear_backend="flashinfer_cutedsl") if arch == "sm120" else dict(weight_only=True)
 
 
 TP1 = _jobs(PRODUCER_FIXTURES + [f"odd-{f}" for f in SYNTHETIC_FORMATS])
@@ -216,7 +232,7 @@ def _assert_tp1_bundle_matches(dumped: Path, source: Path, target: str, out: Pat
 def test_fused_bundle_is_byte_identical_to_vllm(name, arch, checkpoints, oracle, tmp_path):
     # W4A4 checkpoints too: the W4A16 kernel
     _assert_tp1_bundle_matches(oracle[1] / f"{name}-{arch}", checkpoints[name], arch, tmp_path / "bundle",
-                               _assert_rank_identical, weight_only=True)
+                               _assert_rank_identical, **cute_dsl(arch))
 
 
 @pytest.mark.parametrize("name,arch", TP2, ids=[f"{n}-{a}" for n, a in TP2])
@@ -227,10 +243,10 @@ def test_tp2_ranks_are_byte_identical_to_vllm_or_both_refuse(name, arch, checkpo
     if name.startswith("ct_") or refused:
         # ct with a per-rank K of 88 (not a multiple of 16): vLLM 0.33 builds shifted block scales; we refuse.
         with pytest.raises(RepackError, match="--tp 2"):
-            convert(checkpoints[name], arch, out, tp=2, weight_only=True)
+            convert(checkpoints[name], arch, out, tp=2, **cute_dsl(arch))
         assert refused or name.startswith("ct_"), "we refuse what vLLM loads"
         return
-    convert(checkpoints[name], arch, out, tp=2, weight_only=True)
+    convert(checkpoints[name], arch, out, tp=2, **cute_dsl(arch))
     for rank in range(2):
         assert _assert_rank_identical(out / f"rank-{rank}", dumped, rank) == 8
     assert verify_output(out).passed
@@ -280,9 +296,9 @@ def test_fused_transform_bundle_holds_vllms_transforms_or_both_refuse(name, arch
     w4a4_job = oracle[1] / f"{name}-{arch}-w4a4" / "methods.json"  # vLLM's choice for the checkpoint's own scheme
     if w4a4_job.exists() and HUMMING in json.loads(w4a4_job.read_text()):  # 0.34: Humming's, --weight-only or not
         with pytest.raises(RepackError, match="--vllm 0.33"):
-            convert(checkpoints[name], arch, out, fuse=True, weight_only=True, vllm=vllm_version)
+            convert(checkpoints[name], arch, out, fuse=True, vllm=vllm_version, **cute_dsl(arch))
         return
-    convert(checkpoints[name], arch, out, fuse=True, weight_only=True, vllm=vllm_version)  # W4A4: test_w4a4_transform_...
+    convert(checkpoints[name], arch, out, fuse=True, vllm=vllm_version, **cute_dsl(arch))  # W4A4: test_w4a4_transform_...
     assert _assert_rank_identical(out, dumped, 0) == 8
     assert open_bundle(out).manifest.transforms, "a transform bundle"
     assert verify_output(out).passed

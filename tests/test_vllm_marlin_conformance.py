@@ -30,12 +30,19 @@ from repack.targets import moe_marlin
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, seeded_folder
-from .test_vllm_conformance import HERE, SYNTHETIC, SYNTHETIC_FORMATS, _vllm_python
+from .test_vllm_conformance import HERE, SYNTHETIC, SYNTHETIC_FORMATS, _assert_transforms_identical, _vllm_python
 from .test_vllm_moe_conformance import _assert_rank_state
 
 DENSE = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
 MOE = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4", "ct_qwen2_moe_nvfp4"]
 KEPT = {"weight_multiplier"}  # in the bundle for the inverse (the scale factor), not loaded into vLLM
+# sm120 (both versions, tests below): vLLM's auto serves a weight-only checkpoint with Marlin (convert -t sm120's
+# default), a W4A4 one with --linear-backend marlin (convert -t sm120 --weight-only); Hadamard-rotated ones too, whose
+# blocks of 16..128 vLLM 0.33 gives QuTLASS's method (which refuses Marlin's kernel) and 0.34 its transform method
+SM120_W4A16 = ["modelopt_w4a16_nvfp4", "ct_nvfp4a16", "odd-modelopt"]
+SM120_W4A4 = ["modelopt_nvfp4", "ct_nvfp4", "odd-compressed-tensors"]
+ROTATED_W4A16 = ["ct_quip_v_had16_nvfp4a16", "ct_quip_v_rhad32_nvfp4a16", "ct_spinquant_r1r2r4_rhad_nvfp4a16"]
+ROTATED_W4A4 = ["ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_had16_nvfp4"]
 # Weight-only MoE checkpoints (issue 36): vLLM's auto serves their experts with Marlin on sm80, sm100 and sm120 alike.
 # "wo-*": fresh synthetic ones, hidden 192 (Marlin pads I to 128 when H is not a multiple of 128), I 96 (48 per rank
 # at TP 2), 3 experts (2 + 1 under --ep).
@@ -47,21 +54,25 @@ WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120")  # harness "<family>-moe": the fa
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
     gen, root, _ = seeded_folder(tmp_path_factory, "vllm-marlin-ckpts")
-    out = {name: PRODUCERS / name for name in DENSE + MOE + WEIGHT_ONLY_MOE[:2]}
+    out = {name: PRODUCERS / name for name in DENSE + MOE + WEIGHT_ONLY_MOE[:2] + ROTATED_W4A16 + ROTATED_W4A4}
     for fmt in ("modelopt", "compressed-tensors"):
         out[f"wo-{fmt}"] = write_qwen_moe(root / f"wo-{fmt}", fmt, generator=gen, **WEIGHT_ONLY_SHAPE)
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt, w4a4 in SYNTHETIC_FORMATS.items():
             out[f"{shape}-{fmt}"] = write_llama(root / f"{shape}-{fmt}", fmt, hidden=hidden, heads=heads, kv_heads=kv,
                                                 intermediate=inter, generator=gen, layers=2, w4a4=w4a4)
+    hidden, heads, kv, inter = SYNTHETIC["tp"]  # and the other scheme of each format, for sm120 at TP 2 (the
+    for fmt, w4a4 in SYNTHETIC_FORMATS.items():  # producers' per-rank K of 88 is refused, as vLLM refuses it)
+        name = f"tp-{fmt}-{'a16' if w4a4 else 'w4a4'}"
+        out[name] = write_llama(root / name, fmt, hidden=hidden, heads=heads, kv_heads=kv, intermediate=inter,
+                                generator=gen, layers=2, w4a4=not w4a4)
     return out
 
 
 SYNTHETIC_NAMES = [f"{s}-{f}" for s in SYNTHETIC for f in SYNTHETIC_FORMATS]
-# (name, harness arch, our target, TP): sm80 and its fp16 sibling sm75; sm120-auto: vLLM's own pick on sm120
+# (name, harness arch, our target, TP): sm80 and its fp16 sibling sm75 (sm120: SM120_CASES)
 DENSE_CASES = ([(n, "sm80", "sm80", tp) for n in DENSE + SYNTHETIC_NAMES for tp in (1, 2)]
-               + [(n, "sm75", "sm75", 1) for n in DENSE + SYNTHETIC_NAMES[:2]]
-               + [(n, "sm120-auto", "sm80", 1) for n in ("modelopt_w4a16_nvfp4", "ct_nvfp4a16")])
+               + [(n, "sm75", "sm75", 1) for n in DENSE + SYNTHETIC_NAMES[:2]])
 MOE_CASES = [(n, tp) for n in MOE for tp in (1, 2)]
 WEIGHT_ONLY_CASES = [(n, a, m) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS for m in ("tp1", "tp2", "ep")]
 
@@ -169,7 +180,8 @@ def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, check
     sm100 and sm120 (no FP4 x FP4 MoE backend takes bf16 activations), and every FusedMoE module of every rank is the
     bundle's, byte for byte (compressed-tensors' loaded global scales kept; the input ones, which the source lacks,
     left as vLLM allocated them: names only); sm80's dense Marlin layers too. The dense layers of sm100 / sm120
-    bundles are their families' W4A16 layouts, held to vLLM by tests/test_vllm_conformance.py."""
+    bundles are their families' W4A16 layouts (sm120's: Marlin's), held to vLLM by tests/test_vllm_conformance.py and
+    the sm120 cases below (the harness's sm120 MoE jobs force the cute-dsl kernel on their dense layers)."""
     tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
     suffix = "-ep" if ep else ""
     dumped, out = oracle[f"wo-{mode}", tp] / f"{name}-{arch}-moe{suffix}", tmp_path / "out"
@@ -190,12 +202,70 @@ def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, check
     assert verify_output(out).passed
 
 
-def test_vllm_auto_serves_weight_only_checkpoints_on_sm120_with_marlin(oracle):
-    """What ``--target sm120`` should write for a W4A16 checkpoint: vLLM 0.33's auto picks Marlin there (the
-    cute-dsl W4A16 kernel only on sm100 / sm103), the same bytes as sm80 (docs/marlin.md)."""
-    for name in ("modelopt_w4a16_nvfp4", "ct_nvfp4a16"):
-        meta = json.loads((oracle["dense", 1] / f"{name}-sm120-auto" / "rank-0.json").read_text())
-        assert {info["kernel"] for info in meta.values()} == {"MarlinNvFp4LinearKernel"}
+# (name, harness arch, TP): sm120-auto, vLLM's auto (weight-only checkpoints); sm120-marlin, --linear-backend marlin
+SM120_CASES = ([(n, "sm120-auto", 1) for n in SM120_W4A16 + ROTATED_W4A16]
+               + [(n, "sm120-marlin", 1) for n in SM120_W4A4 + ROTATED_W4A4]
+               + [(n, "sm120-auto", 2) for n in ("tp-modelopt", "tp-compressed-tensors-a16")]
+               + [(n, "sm120-marlin", 2) for n in ("tp-modelopt-w4a4", "tp-compressed-tensors")])
+
+
+@pytest.fixture(scope="module")
+def oracle_sm120(checkpoints, vllm_version, tmp_path_factory) -> dict:
+    """vLLM ``vllm_version``'s state of the sm120 jobs, per TP size."""
+    python, out = _vllm_python(vllm_version), {}
+    for tp in (1, 2):
+        folder = tmp_path_factory.mktemp(f"vllm{vllm_version}-marlin-sm120-tp{tp}")
+        args = [a for name, arch, t in SM120_CASES if t == tp
+                for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
+        subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
+                       check=True, timeout=1500, stdout=subprocess.DEVNULL)
+        out[tp] = folder
+    return out
+
+
+def _assert_marlin_state(folder, dumped, rank: int, version: str) -> None:
+    """vLLM 0.33: every tensor of every layer (:func:`_assert_marlin_rank_identical`); 0.34: the kernel-read ones (its
+    bookkeeping beside them: test_vllm_conformance.py); both: the online transforms vLLM holds, the kernel Marlin's."""
+    bundle = open_bundle(folder)
+    theirs = load_file(dumped / f"rank-{rank}.safetensors")
+    _assert_transforms_identical(bundle, theirs)
+    if version == "0.33":
+        assert _assert_marlin_rank_identical(folder, dumped, rank) == 8
+        return
+    meta = json.loads((dumped / f"rank-{rank}.json").read_text())
+    assert set(meta) == set(bundle.manifest.layers)
+    for prefix, info in meta.items():
+        assert info["kernel"] == "MarlinNvFp4LinearKernel", info["kernel"]
+        held = {part: bundle.read(f"{prefix}.{part}") for part in set(bundle.manifest.layers[prefix].tensors) - KEPT}
+        _assert_held_034(held, info, theirs, prefix)
+
+
+@pytest.mark.parametrize("name,arch,tp", SM120_CASES, ids=[f"{n}-{a}-tp{t}" for n, a, t in SM120_CASES])
+def test_sm120_weight_only_bundle_is_vllms_marlin_state_or_both_refuse(name, arch, tp, checkpoints, oracle_sm120,
+                                                                     vllm_version, tmp_path):
+    """``convert -t sm120`` of a weight-only checkpoint (``--weight-only`` of a W4A4 one: Marlin's W4A4 variant) is
+    what vLLM ``vllm_version`` holds on sm120 (its auto; --linear-backend marlin), fused and per TP rank, and verify
+    passes; where vLLM refuses the checkpoint (0.33: QuTLASS's method on Marlin's kernel), ``--vllm`` that version is
+    refused in one line naming the version that serves it, and the default bundle lists only the versions that do."""
+    dumped, out = oracle_sm120[tp] / f"{name}-{arch}", tmp_path / "out"
+    options = dict(weight_only=arch == "sm120-marlin", **(dict(tp=2) if tp == 2 else dict(fuse=True)))
+    theirs = (dumped / "refused.txt").read_text() if (dumped / "refused.txt").exists() else ""
+    if theirs:
+        assert vllm_version == "0.33" and "QutlassNvFP4 transform requires a FlashInfer kernel" in theirs, theirs[:500]
+        with pytest.raises(RepackError, match="--vllm 0.34"):
+            convert(checkpoints[name], "sm120", out, vllm=vllm_version, **options)
+        assert not out.exists()
+        convert(checkpoints[name], "sm120", out, **options)  # the newest version serves it
+        assert open_bundle(out).manifest.engines == {"vllm": ["0.34"]}
+        return
+    convert(checkpoints[name], "sm120", out, vllm=vllm_version, **options)
+    folders = [out] if tp == 1 else [out / f"rank-{r}" for r in range(2)]
+    for rank, folder in enumerate(folders):
+        manifest = open_bundle(folder).manifest
+        assert manifest.layout_id == ("marlin-v1-w4a4" if arch == "sm120-marlin" else "marlin-v1")
+        assert manifest.kernels == ["MarlinNvFp4LinearKernel"] and vllm_version in manifest.engines["vllm"]
+        _assert_marlin_state(folder, dumped, rank, vllm_version)
+    assert verify_output(out).passed
 
 
 # vLLM 0.34: the same kernel-read tensors; it keeps more names beside them (compressed-tensors' weight_packed as an

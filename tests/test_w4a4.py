@@ -33,19 +33,14 @@ from .conftest import ODD_SHAPES, PRODUCERS
 
 # sha256 of the tensor files the tool wrote before W4A4 layouts (commit c05a646) from the W4A4 producer fixtures:
 # --weight-only (and sm90, weight-only for every checkpoint, by default) must write them unchanged (config.json and
-# the manifest carry the tool's version and format fields, which move on their own).
+# the manifest carry the tool's version and format fields, which move on their own). sm120's weight-only kernel is
+# Marlin (vLLM's auto there): --weight-only writes Marlin's W4A4 variant (test_sm120_weight_only_is_marlins_w4a4_variant).
 BEFORE_W4A4 = {
     "ct_nvfp4-sm100-fuse": {
         "model.safetensors": "1722db3853737e559f216d6c7cef98088368d9b1bcd314d5b970f9af950fa3f7",
     },
     "ct_nvfp4-sm100-plain": {
         "model.safetensors": "54a3a3c80c3be1393eea9a341ea72f0ae13b6f66d95bee71e94a21f707211ee4",
-    },
-    "ct_nvfp4-sm120-fuse": {
-        "model.safetensors": "03aef53d5c8a29101b6bbb353d3b7b9a841aec49c4a10aeacedb19944f4c504d",
-    },
-    "ct_nvfp4-sm120-plain": {
-        "model.safetensors": "247b2f7b2cb301f38451dc4ccaa53964c8cc9cf9bd72cac01119f2276848e519",
     },
     "ct_nvfp4-sm90-plain": {
         "model.safetensors": "f6056d17647fea30eba483862f794545d0a4bdd01faf84f444f8935a7ea85e53",
@@ -55,12 +50,6 @@ BEFORE_W4A4 = {
     },
     "modelopt_nvfp4-sm100-plain": {
         "model.safetensors": "a6883fca1c2d24682dce78e435c8b34f00a2ca76a3149d7f1ade390931c6f9d0",
-    },
-    "modelopt_nvfp4-sm120-fuse": {
-        "model.safetensors": "270c605483465ca418ccfa8811b3a8ad6f67ee08996b5bc5582d46c134230e51",
-    },
-    "modelopt_nvfp4-sm120-plain": {
-        "model.safetensors": "4c1cf9708639f8265d8f14e6009c77cee6997e75c655300039240a74252458e3",
     },
     "modelopt_nvfp4-sm90-plain": {
         "model.safetensors": "3d96b7f8e51c1ec8d9e9f546c2a43ac6186ff87db53c4512df9c2308a4791333",
@@ -90,7 +79,8 @@ def test_weight_only_writes_the_bundles_of_before(key, tmp_path):
     ("ct_nvfp4", "sm120", w4a4.LAYOUT_ID, "FlashInferCutlassNvFp4LinearKernel"),
     ("ct_nvfp4", "sm90", "sm90-triton-v2", "RepackSm90NvFp4LinearKernel"),
     ("modelopt_w4a16_nvfp4", "sm100", "sm100-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),
-    ("ct_nvfp4a16", "sm120", "sm120-cute-dsl-v1", "FlashInferCuteDslNvFp4W4A16LinearKernel"),
+    ("ct_nvfp4a16", "sm120", "marlin-v1", "MarlinNvFp4LinearKernel"),  # vLLM's auto there: Marlin
+    ("modelopt_w4a16_nvfp4", "sm120", "marlin-v1", "MarlinNvFp4LinearKernel"),
     # online transforms: QuTLASS (or vLLM's transform method) around FlashInfer's W4A4 GEMM, on the W4A4 layout
     ("ct_quip_vu_had32_nvfp4", "sm100", w4a4.LAYOUT_ID, "FlashInferCuteDslNvFp4LinearKernel"),
     ("ct_spinquant_r1r2r4_had16_nvfp4", "sm90", "sm90-triton-v2", "RepackSm90NvFp4LinearKernel"),
@@ -213,7 +203,45 @@ def test_cli_weight_only_flag_and_inspect(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "a")]) == 0
     assert "scheme W4A4; vLLM kernels: FlashInferCutlassNvFp4LinearKernel" in " ".join(capsys.readouterr().out.split())
-    assert open_bundle(tmp_path / "b").manifest.layout_id == "sm120-cute-dsl-v1"
+    assert open_bundle(tmp_path / "b").manifest.layout_id == "marlin-v1-w4a4"  # vLLM's --linear-backend marlin
+
+
+@pytest.mark.parametrize("name", ["modelopt_nvfp4", "ct_nvfp4"])
+def test_sm120_weight_only_is_marlins_w4a4_variant(name, tmp_path):
+    """sm120's weight-only kernel is Marlin's (vLLM's auto for a weight-only checkpoint there): a W4A4 checkpoint
+    with --weight-only is what vLLM holds with --linear-backend marlin, sm80's W4A4 variant byte for byte (its
+    activation scalars kept beside the Marlin bytes; tests/test_vllm_marlin_conformance.py checks vLLM's own load)."""
+    convert(PRODUCERS / name, "sm120", tmp_path / "wo", fuse=True, weight_only=True)
+    convert(PRODUCERS / name, "sm120", tmp_path / "marlin", fuse=True, linear_backend="marlin")
+    convert(PRODUCERS / name, "sm80", tmp_path / "sm80", fuse=True)
+    bundles = [open_bundle(tmp_path / f) for f in ("wo", "marlin", "sm80")]
+    assert {(b.manifest.layout_id, b.manifest.scheme, b.manifest.kernels[0]) for b in bundles} == {
+        ("marlin-v1-w4a4", "W4A4", "MarlinNvFp4LinearKernel")}
+    files = [{f.name: _sha256(f) for f in (tmp_path / d).glob("*.safetensors")} for d in ("wo", "marlin", "sm80")]
+    assert files[0] == files[1] == files[2]
+    assert verify_output(tmp_path / "wo").passed
+
+
+def test_linear_backend_picks_the_layout_vllm_holds_with_it(tmp_path, capsys):
+    """convert --linear-backend: FlashInfer's cute-dsl W4A16 layout on sm120 (vLLM's --linear-backend
+    flashinfer_cutedsl); a backend whose kernel holds no layout here, or with --weight-only, is refused in one line."""
+    from repack.cli import main
+
+    convert(PRODUCERS / "ct_nvfp4a16", "sm120", tmp_path / "cute", fuse=True, linear_backend="flashinfer_cutedsl")
+    bundle = open_bundle(tmp_path / "cute")
+    assert (bundle.manifest.layout_id, bundle.manifest.kernels) == ("sm120-cute-dsl-v1",
+                                                                    ["FlashInferCuteDslNvFp4W4A16LinearKernel"])
+    assert verify_output(tmp_path / "cute").passed
+    refusals = [  # vLLM's cute-dsl W4A16 kernel holds a W4A4 checkpoint's scalars beside its bytes on sm120: not written
+        (["modelopt_nvfp4", "-t", "sm120", "--linear-backend", "flashinfer_cutedsl"], "no layout written here"),
+        (["ct_nvfp4a16", "-t", "sm100", "--linear-backend", "marlin"], "no layout written here"),
+        (["modelopt_nvfp4", "-t", "sm120", "--linear-backend", "marlin", "--weight-only"], "give one of the two"),
+    ]
+    for i, (args, words) in enumerate(refusals):
+        code = main(["convert", str(PRODUCERS / args[0]), *args[1:], "-o", str(tmp_path / str(i))])
+        err = capsys.readouterr().err
+        assert code == 1 and words in err and err.count("\n") == 1, err
+        assert not (tmp_path / str(i)).exists()
 
 
 def _w4a4_gpu() -> bool:

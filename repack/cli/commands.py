@@ -26,7 +26,7 @@ from ..targets.engines import (
     engine_versions,
     resolve_version,
 )
-from ..targets.families import MOE_LAYOUTS
+from ..targets.families import AUTO, BACKEND_LAYOUTS, LINEAR_BACKENDS, MOE_LAYOUTS
 
 VLLM_VERSIONS = [v.version for v in engine_versions("vllm")]
 
@@ -58,6 +58,9 @@ TargetOpt = Annotated[
     typer.Option("--target", "-t", metavar="TARGET",
                  help="Target GPU family (see `nvfp4-repack targets`); repeat it, or `all`, for several in one pass."),
 ]
+LinearBackend = Enum("LinearBackend", {name: name for name in (AUTO, *LINEAR_BACKENDS)}, type=str)  # vLLM's names
+
+
 class Engine(str, Enum):
     """The serving engine whose post-load state a bundle holds."""
 
@@ -179,10 +182,15 @@ def convert(
     rescale: Annotated[bool, _flag(
         "Fold unequal partition global scales into the block scales instead of refusing.", "--rescale")] = False,
     weight_only: Annotated[bool, _flag(
-        "Serve a W4A4 checkpoint weight-only (W4A16 layout, bf16 activations). By default a W4A4 checkpoint gets "
-        "the W4A4 layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only). With --engine "
-        "sglang: SGLang's FP4 Marlin state (serve with --fp4-gemm-backend marlin).",
+        "Serve a W4A4 checkpoint weight-only (bf16 activations), with the family's weight-only kernel: Marlin on "
+        "sm120 (vLLM's --linear-backend marlin), the W4A16 layout on sm100. By default a W4A4 checkpoint gets the W4A4 "
+        "layout vLLM's auto serves it with on sm100/sm120 (sm90 is always weight-only). With --engine sglang: "
+        "SGLang's FP4 Marlin state (serve with --fp4-gemm-backend marlin).",
         "--weight-only")] = False,
+    linear_backend: Annotated[LinearBackend, typer.Option(
+        "--linear-backend", help="The layout of the kernel vLLM picks with this --linear-backend (serve the bundle "
+                                 "with the same flag): e.g. flashinfer_cutedsl on sm120 for FlashInfer's cute-dsl "
+                                 "W4A16 kernel; default auto, vLLM's own choice.")] = LinearBackend.auto,
     engine: Annotated[Engine, typer.Option(
         "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
                          "dense W4A4 and weight-only checkpoints, and W4A4 Qwen3-MoE, its fused modules under its "
@@ -225,7 +233,8 @@ def convert(
         result = run_convert(
             source, target[0] if len(target) == 1 else target, destination, revision=revision, overwrite=overwrite,
             resume=resume, fsync=not no_fsync, max_shard_size=max_shard_size, fuse=fuse, tp=tp, rescale=rescale,
-            weight_only=weight_only, ep=ep, vllm=vllm, engine=engine.value, on_plan=start_bar,
+            weight_only=weight_only, ep=ep, vllm=vllm, engine=engine.value, linear_backend=linear_backend.value,
+            on_plan=start_bar,
             notify=lambda line: stderr.print(show(line), soft_wrap=True, highlight=False),
             progress=lambda nbytes, what: progress.update(task, advance=nbytes, description=show(what[-48:])),
         )
@@ -450,10 +459,10 @@ def targets(as_json: JsonOpt = False) -> None:
     """List the target GPU families, their aliases, GPUs, runtime backends and layouts.
 
     A W4A4 checkpoint converts into the family's W4A4 layout (sm100, sm120: the layout vLLM's FP4 x FP4 kernels
-    share), a weight-only one into its W4A16 layout; sm90 (no FP4 tensor cores) is weight-only for every checkpoint,
-    and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps its activation scalars unused).
-    MoE layers (convert --fuse / --tp N) take the family's MoE layout for the checkpoint's scheme (weight-only
-    experts: Marlin's on sm80, sm100 and sm120); sm90 and sm75 refuse MoE.
+    share), a weight-only one into its W4A16 layout (sm120: Marlin's, vLLM's auto there); sm90 (no FP4 tensor cores)
+    is weight-only for every checkpoint, and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps
+    its activation scalars unused). MoE layers (convert --fuse / --tp N) take the family's MoE layout for the
+    checkpoint's scheme (weight-only experts: Marlin's on sm80, sm100 and sm120); sm90 and sm75 refuse MoE.
     """
     rows = [
         {
@@ -487,6 +496,8 @@ def targets(as_json: JsonOpt = False) -> None:
         table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
                       row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)), row["description"])
     stdout.print(table)
+    for family, backend, scheme, layout_id in BACKEND_LAYOUTS:
+        stdout.print(f"{family} --linear-backend {backend} ({scheme} checkpoints): {layout_id}", highlight=False)
     for version in ENGINES:  # what a version holds differently from a bundle: convert refuses it for that version
         for feature, why in version.refuses.items():
             stdout.print(f"{version.label} ({version.release} checked) refuses {feature}: {why}", highlight=False)

@@ -180,19 +180,22 @@ def marlin_scales(exponent_bias: int) -> Decode:
     return lambda scales, positions: s0e5m3_scales(scales, positions) * 2.0**-exponent_bias
 
 
+MARLIN_BF16 = LayoutFormula(marlin_code_offsets, nibble_values, marlin_scale_offsets, marlin_scales(126))
+MARLIN_FP16 = LayoutFormula(marlin_code_offsets, nibble_values, marlin_scale_offsets, marlin_scales(14))
+# By layout key (Target.layout_key: the layout id); Marlin's W4A4 variants hold its weight-only bytes
 FORMULAS: dict[str, LayoutFormula] = {
-    "sm100": LayoutFormula(sm100_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
-    "sm120": LayoutFormula(sm120_code_offsets, nibble_values, sm120_scale_offsets, s0e5m3_scales),
-    "sm90": LayoutFormula(sm90_code_offsets, sm90_values, sm90_scale_offsets, e4m3_scales),
+    "sm100-cute-dsl-v1": LayoutFormula(sm100_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
+    "sm120-cute-dsl-v1": LayoutFormula(sm120_code_offsets, nibble_values, sm120_scale_offsets, s0e5m3_scales),
+    "sm90-triton-v2": LayoutFormula(sm90_code_offsets, sm90_values, sm90_scale_offsets, e4m3_scales),
     W4A4_LAYOUT: LayoutFormula(w4a4_code_offsets, nibble_values, swizzle_128x4_offsets, e4m3_scales),
-    "sm80": LayoutFormula(marlin_code_offsets, nibble_values, marlin_scale_offsets, marlin_scales(126)),
-    "sm75": LayoutFormula(marlin_code_offsets, nibble_values, marlin_scale_offsets, marlin_scales(14)),
+    "marlin-v1": MARLIN_BF16, "marlin-v1-w4a4": MARLIN_BF16,
+    "marlin-fp16-v1": MARLIN_FP16, "marlin-fp16-v1-w4a4": MARLIN_FP16,
 }
 
 
 def formula_for(target: str) -> LayoutFormula:
-    """By target name (its W4A16 layout) or by layout id (the W4A4 layout, shared by the families)."""
-    return FORMULAS[target] if target in FORMULAS else FORMULAS[resolve_target(target).name]
+    """By layout key, or by target name (the family's W4A16 layout)."""
+    return FORMULAS[target] if target in FORMULAS else FORMULAS[resolve_target(target).layout_key]
 
 
 def decode_blocks(layer: RuntimeLayer, n: int, k: int, target: str,

@@ -312,7 +312,7 @@ def patch_model(model: nn.Module, bundle: str | Path | Bundle | LoadedBundle, de
                                     records[0].k)  # fmt: skip
         if stacked is None:
             continue
-        layer = PackedLinear(stacked, sum(r.n for r in records), records[0].k, target.name, loaded.backend,
+        layer = PackedLinear(stacked, sum(r.n for r in records), records[0].k, target.layout_key, loaded.backend,
                              loaded.device, _stacked_bias(olds))  # fmt: skip
         _install_fused(model, name, members, layer, records[0].k)
         done.update(members)

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from ..nvfp4 import NVFP4Weight
-from .families import W4A4_LAYOUT_ID, Family
+from .families import AUTO, LINEAR_BACKENDS, W4A4_LAYOUT_ID, Family
 
 
 @dataclass(frozen=True)
@@ -138,29 +138,38 @@ class Target(Family):
     @property
     def layout_key(self) -> str:
         """How the runtime (backends, index formulas) names this layout: the layout id for the FP4 x FP4 one, which
-        the families share (another engine's W4A4 layouts too: its names over the same bytes); else the family (its
-        weight-only layout, which Marlin's W4A4 variant is too)."""
+        the families share (another engine's W4A4 layouts too: its names over the same bytes); else its own id."""
         if self.runtime_layout is not None:
             return self.runtime_layout
-        return W4A4_LAYOUT_ID if self.layout_id == W4A4_LAYOUT_ID or self.engine != "vllm" else self.name
+        return W4A4_LAYOUT_ID if self.layout_id == W4A4_LAYOUT_ID or self.engine != "vllm" else self.layout_id
 
     def as_read(self, weight: NVFP4Weight) -> NVFP4Weight:
         """``weight`` as this layout's kernel reads it: what :attr:`from_runtime` of :attr:`to_runtime` returns."""
         return weight if self.read_as is None else self.read_as(weight)
 
-    def for_scheme(self, scheme: str) -> "Target":
-        """The family's layout for a checkpoint of ``scheme`` as vLLM's ``auto`` serves it there: its W4A4 layout
-        for a W4A4 checkpoint where it has one (sm100, sm120), else its weight-only layout (sm90: no FP4 MMA)."""
-        return next((t for t in self.layouts if t.scheme == scheme and t.engine == "vllm"), self)
+    def for_scheme(self, scheme: str, weight_only: bool = False, linear_backend: str = AUTO) -> "Target | None":
+        """The family's layout vLLM holds for a checkpoint of ``scheme``. Its ``auto``: the W4A4 layout for a W4A4
+        checkpoint where the family has one (sm100, sm120; Marlin's W4A4 variant on sm80 / sm75), else the weight-only
+        layout (sm90: no FP4 MMA). ``weight_only``: the layout of the family's weight-only kernels for ``scheme``
+        (Marlin keeps a W4A4 checkpoint's activation scalars: its W4A4 variant), else its W4A16 layout (sm100).
+        ``linear_backend`` (vLLM's flag): the layout of that backend's kernels for ``scheme``; None if none is written."""
+        layouts = [t for t in self.layouts if t.engine == "vllm" and t.scheme == scheme]
+        if linear_backend != AUTO:
+            admitted = set(LINEAR_BACKENDS[linear_backend])
+            return next((t for t in layouts if admitted & set(t.kernels)), None)
+        kernels = self.w4a4_kernels if scheme == "W4A4" and not weight_only else self.kernels
+        return next((t for t in layouts if t.kernels == kernels), self)
 
     def for_engine(self, engine: str, source_format: str, scheme: str = "W4A4",
                    weight_only: bool = False) -> "Target | None":
         """The family's layout of ``engine``'s state for a ``scheme`` checkpoint of ``source_format``, if it has one:
-        the first (the engine's auto), or with ``weight_only`` the first whose kernel keeps activations in bf16."""
+        the engine's auto (its FP4 x FP4 layout where it has one, else its weight-only one), or with ``weight_only``
+        one whose kernel keeps activations in bf16."""
         if engine == "vllm":
-            return self.for_scheme("W4A16" if weight_only else scheme)
-        return next((t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)
-                     and t.scheme == scheme and not (weight_only and t.layout_key == W4A4_LAYOUT_ID)), None)
+            return self.for_scheme(scheme, weight_only)
+        found = [t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)
+                 and t.scheme == scheme and not (weight_only and t.layout_key == W4A4_LAYOUT_ID)]
+        return min(found, key=lambda t: t.layout_key != W4A4_LAYOUT_ID, default=None)
 
     def layer_specs(self, n: int, k: int, partitions: int = 1) -> dict[str, TensorSpec]:
         """dtype and shape of each tensor of an ``[n, k]`` layer of ``partitions`` fused partitions."""

@@ -20,6 +20,10 @@ from ..errors import RepackError
 HADAMARD_W4A4 = "hadamard-w4a4"  # a W4A4 layer whose only online transforms are Hadamard input rotations of one
 # block of 16..128 (targets/w4a4.py runs_humming): vLLM 0.33 runs QuTLASS on it, 0.34 Humming's Hadamard kernel
 
+QUTLASS_MARLIN = "qutlass-marlin"  # a layer Marlin serves (sm120's weight-only layouts) whose every online input
+# transform has a block of 16..128 (targets/w4a4.py runs_qutlass): on sm100 and up vLLM 0.33 gives it QuTLASS's method,
+# which refuses a kernel other than FlashInfer's; 0.34 gives it its transform method around Marlin
+
 # Every layout this project writes, by id: vLLM 0.33 and 0.34 hold each of them identically (every kernel-read
 # tensor equal in name, dtype, shape, stride and value; tests/test_vllm_conformance.py checks both versions).
 VLLM_LAYOUTS = ("sm100-cute-dsl-v1", "sm120-cute-dsl-v1", "sm90-triton-v2", "w4a4-cutlass-v1",
@@ -53,12 +57,16 @@ class EngineVersion:
 # (tests/test_vllm_marlin_conformance.py; 0.34 keeps more bookkeeping names beside them, as for the other layouts)
 MARLIN_LAYOUTS = ("marlin-v1", "marlin-v1-w4a4", "marlin-fp16-v1", "marlin-fp16-v1-w4a4", "moe-marlin-v1")
 
-VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS + MARLIN_LAYOUTS)
+VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS + MARLIN_LAYOUTS, {
+    QUTLASS_MARLIN: "vLLM 0.33 serves this checkpoint's Hadamard-rotated layers (input blocks of 16..128) on sm100 / "
+                    "sm120 through QuTLASS's method, which refuses Marlin's kernel (its own load of the source fails "
+                    "so): convert with --vllm 0.34 and serve with vLLM 0.34",
+})
 VLLM_034 = EngineVersion("vllm", "0.34", "0.34.0", VLLM_LAYOUTS + MARLIN_LAYOUTS, {
     HADAMARD_W4A4: "vLLM 0.34 serves this W4A4 checkpoint's Hadamard-rotated layers on sm100 / sm120 through "
-                   "Humming's Hadamard kernel (--weight-only too: it follows the checkpoint's scheme), whose layout "
-                   "Humming's CUDA ops make at load and nvfp4-repack does not write: convert with --vllm 0.33 and "
-                   "serve with vLLM 0.33",
+                   "Humming's Hadamard kernel (--weight-only on sm100 too: it follows the checkpoint's scheme), whose "
+                   "layout Humming's CUDA ops make at load and nvfp4-repack does not write: convert with --vllm 0.33 "
+                   "and serve with vLLM 0.33",
 })
 
 # SGLang's dense W4A4 state per source format (targets/sglang.py: w4a4's bytes under SGLang's names and scalars),

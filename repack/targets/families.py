@@ -19,11 +19,29 @@ W4A4_KERNELS = ("FlashInferCuteDslNvFp4LinearKernel", "FlashInferCutlassNvFp4Lin
                 "FlashInferCudnnNvFp4LinearKernel", "CutlassNvFp4LinearKernel")
 W4A16_CUTE_DSL = ("FlashInferCuteDslNvFp4W4A16LinearKernel",)
 MARLIN = ("MarlinNvFp4LinearKernel",)  # weight-only on every GPU from sm75 without FP4 MMA (targets/marlin.py)
+# vLLM's --linear-backend values and the NVFP4 kernels each admits (``_LINEAR_BACKEND_KERNEL_MAP``): convert's
+# --linear-backend picks the family's layout those kernels hold, as vLLM's flag picks its kernel
+LINEAR_BACKENDS: dict[str, tuple[str, ...]] = {
+    "flashinfer_cutedsl": ("FlashInferCuteDslNvFp4LinearKernel", *W4A16_CUTE_DSL),
+    "flashinfer_cutlass": ("FlashInferCutlassNvFp4LinearKernel",),
+    "flashinfer_cudnn": ("FlashInferCudnnNvFp4LinearKernel",),
+    "cutlass": ("CutlassNvFp4LinearKernel",),
+    "marlin": MARLIN,
+}
+AUTO = "auto"  # vLLM's own choice (its default --linear-backend)
+SM120_CUTE_DSL = "sm120-cute-dsl-v1"  # sm120's layout of FlashInfer's cute-dsl W4A16 kernel (--linear-backend flashinfer_cutedsl)
+# Layouts a family writes only when told vLLM's --linear-backend: (family, backend, checkpoint scheme, layout id)
+BACKEND_LAYOUTS = (("sm120", "flashinfer_cutedsl", "W4A16", SM120_CUTE_DSL),)
 
 
-def _auto_first(auto: str) -> tuple[str, ...]:
-    """:data:`W4A4_KERNELS` with the one vLLM's ``auto`` picks on the family first."""
-    return (auto, *(k for k in W4A4_KERNELS if k != auto))
+def linear_backend(kernel: str) -> str:
+    """The --linear-backend value that admits vLLM kernel class ``kernel``."""
+    return next(name for name, kernels in LINEAR_BACKENDS.items() if kernel in kernels)
+
+
+def _auto_first(auto: str, *absent: str) -> tuple[str, ...]:
+    """:data:`W4A4_KERNELS` with the one vLLM's ``auto`` picks on the family first, less those that do not run there."""
+    return (auto, *(k for k in W4A4_KERNELS if k != auto and k not in absent))
 
 
 @dataclass(frozen=True)
@@ -73,9 +91,11 @@ class Family:
 
 SM100 = Family("sm100", ("sm103", "sm107"), "sm100-cute-dsl-v1", ((10, 0), (10, 3), (10, 7)), "flashinfer",
                "B200, GB200, B300", FLASHINFER_CHECKED, W4A16_CUTE_DSL, _auto_first("FlashInferCuteDslNvFp4LinearKernel"))
-SM120 = Family("sm120", ("sm121",), "sm120-cute-dsl-v1", ((12, 0), (12, 1)), "flashinfer",
-               "RTX 50xx, RTX PRO 6000, GB10", FLASHINFER_CHECKED, W4A16_CUTE_DSL,
-               _auto_first("FlashInferCutlassNvFp4LinearKernel"))
+# Weight-only checkpoints: Marlin, vLLM's auto there (the cute-dsl W4A16 kernel only on sm100 / sm103): sm80's bytes
+# (targets/sm120.py); W4A4 ones: the FP4 x FP4 layout, Marlin's W4A4 variant with --weight-only
+SM120 = Family("sm120", ("sm121",), "marlin-v1", ((12, 0), (12, 1)), "flashinfer",
+               "RTX 50xx, RTX PRO 6000, GB10 (weight-only: Marlin)", FLASHINFER_CHECKED, MARLIN,
+               _auto_first("FlashInferCutlassNvFp4LinearKernel", "FlashInferCuteDslNvFp4LinearKernel"))  # sm10x only
 # Hopper has no FP4 tensor cores: weight-only for every checkpoint, with the plugin's own kernel class
 SM90 = Family("sm90", ("sm90a",), "sm90-triton-v2", ((9, 0),), "triton", "H100, H200", (),
               ("RepackSm90NvFp4LinearKernel",), ())

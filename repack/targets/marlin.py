@@ -38,6 +38,7 @@ from .layout import round_up
 TILE_K, TILE_N = 16, 64  # gptq_marlin_repack's tile (marlin::tile_k_size, tile_n_size)
 FP8_MAX = 448.0
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+W4A4_IDS = {"marlin-v1": "marlin-v1-w4a4", "marlin-fp16-v1": "marlin-fp16-v1-w4a4"}  # Marlin's W4A4 variants, by dtype
 
 
 def padded_nk(n: int, k: int) -> tuple[int, int]:
@@ -236,17 +237,19 @@ def runtime_specs_w4a4(n: int, k: int) -> dict[str, TensorSpec]:
 
 def target(family: Family) -> Target:
     """``family``'s Marlin layout, for its activation dtype; its W4A4 variant (a W4A4 checkpoint, which vLLM serves
-    weight-only there) holds the same bytes and the activation scalars vLLM keeps beside them."""
+    weight-only there) holds the same bytes and the activation scalars vLLM keeps beside them. A family whose W4A4
+    layout is another (sm120: FP4 x FP4) gets sm80's ids: the same bytes and scalars. Marlin has
+    no GPU backend here: the reference one everywhere; no FlashInfer code runs at its load."""
     dtype = DTYPES[family.dtype]
-    weight_only = Target.of(
+    weight_only = replace(Target.of(
         family,
         to_runtime=partial(to_runtime, dtype=dtype),
         from_runtime=partial(from_runtime, dtype=dtype),
         runtime_specs=runtime_specs,
         geometry=geometry,
         read_as=partial(read_as, dtype=dtype),
-    )
-    w4a4_layout = replace(weight_only, layout_id=family.w4a4_layout_id, scheme="W4A4",
+    ), backend="reference", flashinfer_versions=(), kernels=families.MARLIN)
+    w4a4_layout = replace(weight_only, layout_id=W4A4_IDS[family.layout_id], scheme="W4A4",
                           to_runtime=partial(to_runtime_w4a4, dtype=dtype),
                           from_runtime=partial(from_runtime_w4a4, dtype=dtype), runtime_specs=runtime_specs_w4a4)
     return replace(weight_only, variants=(w4a4_layout, *sglang.weight_only_variants(weight_only)))

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE
+from .families import MARLIN
 from .layout import round_up, swizzle_128x4, swizzle_128x4_offsets, unswizzle_128x4
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
 
         return moe_variant(target)  # type: ignore[return-value]  # the layout modules' interface
     family = target if isinstance(target, str) else target.name
-    scheme = scheme if isinstance(target, str) else target.scheme
+    if not isinstance(target, str):  # a dense layout of Marlin (sm120 --weight-only: its W4A4 variant) is weight-only
+        scheme = "W4A16" if target.kernels == MARLIN else target.scheme
     if family in MOE_REFUSALS:
         raise RepackError(MOE_REFUSALS[family])
     layout_id = MOE_LAYOUTS.get(family, {}).get(scheme)

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import moe_cutlass, moe_trtllm, w4a4
+from . import families, moe_cutlass, moe_trtllm, w4a4
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .engines import (
     SGLANG_0523,
@@ -292,7 +292,7 @@ def marlin_variant(family: Target, source_format: str, scheme: str) -> Target:
         from_runtime=marlin_from_runtime, runtime_specs=lambda n, k: marlin_specs(key, n, k, 1),
         geometry=marlin.geometry, scheme=scheme, engine=ENGINE, source_format=source_format,
         partition_specs=lambda n, k, parts: marlin_specs(key, n, k, parts), from_named=marlin_from_named,
-        read_as=marlin_read, runtime_layout="sm80"),
+        read_as=marlin_read, runtime_layout=families.SM80.layout_id),
         layout_id=SGLANG_MARLIN_LAYOUTS[key], kernels=(MARLIN_KERNEL,), backend="reference")
 
 
@@ -328,7 +328,7 @@ def bf16_fp4_variant(family: Target) -> Target:
         family, to_runtime=bf16_fp4_to_runtime, from_runtime=sm100.from_runtime, runtime_specs=bf16_fp4_specs,
         geometry=lambda n, k: LayerGeometry(n, k, 0), scheme="W4A16", engine=ENGINE,
         source_format="compressed-tensors", partition_specs=bf16_fp4_specs, from_named=bf16_fp4_from_named,
-        runtime_layout="sm100"),
+        runtime_layout=families.SM100.layout_id),
         layout_id=SGLANG_BF16_FP4_LAYOUT, kernels=("flashinfer_cutedsl",))
 
 

@@ -1,4 +1,10 @@
-"""sm120 / sm121 (Blackwell RTX, RTX PRO, GB10): FlashInfer's sm12x cute-dsl repack, done offline.
+"""sm120 / sm121 (Blackwell RTX, RTX PRO, GB10): the family's layouts, and FlashInfer's sm12x cute-dsl repack.
+
+vLLM's ``auto`` serves a weight-only checkpoint there with Marlin (``init_nvfp4_linear_kernel``: the cute-dsl W4A16
+kernel only on sm100 / sm103): the family's W4A16 layout is Marlin's (targets/marlin.py, sm80's bytes), and with
+``--weight-only`` a W4A4 checkpoint gets Marlin's W4A4 variant (vLLM's ``--linear-backend marlin``); a W4A4 checkpoint
+gets the FP4 x FP4 layout (targets/w4a4.py). FlashInfer's cute-dsl W4A16 kernel holds the layout below when vLLM is
+told ``--linear-backend flashinfer_cutedsl`` (``convert --linear-backend flashinfer_cutedsl``):
 
 The same as ``_prepare_cute_dsl_sm12x`` applied to vLLM's 64-padded codes and 128x4-swizzled scales, computed
 straight from the canonical linear scales (the swizzle and FlashInfer's unswizzle cancel):
@@ -19,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families, sglang, w4a4
+from . import families, marlin, sglang, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_2d, pad_codes, vllm_geometry
 
@@ -122,12 +128,12 @@ def runtime_specs(n: int, k: int) -> dict[str, TensorSpec]:
     }
 
 
-WEIGHT_ONLY = Target.of(
+CUTE_DSL = replace(Target.of(
     families.SM120,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
-)
-TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY), *sglang.variants(WEIGHT_ONLY),
-                                           *sglang.weight_only_variants(WEIGHT_ONLY)))
+), layout_id=families.SM120_CUTE_DSL, kernels=families.W4A16_CUTE_DSL)
+MARLIN = marlin.target(families.SM120)
+TARGET = replace(MARLIN, variants=(*MARLIN.variants, w4a4.variant(CUTE_DSL), *sglang.variants(CUTE_DSL), CUTE_DSL))

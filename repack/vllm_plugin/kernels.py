@@ -1,7 +1,7 @@
 """Which vLLM NVFP4 linear kernel runs a bundle's layers, and this project's Hopper kernel as a vLLM kernel class.
 
-sm100 and sm120 bundles hold exactly what vLLM's ``FlashInferCuteDslNvFp4W4A16LinearKernel`` leaves on its
-layers, so they run that class unchanged. vLLM has no NVFP4 layout of its own for sm90 that this project's
+sm100 bundles (and sm120's cute-dsl ones) hold exactly what vLLM's ``FlashInferCuteDslNvFp4W4A16LinearKernel``
+leaves on its layers, Marlin bundles what ``MarlinNvFp4LinearKernel`` leaves, so they run that class unchanged. vLLM has no NVFP4 layout of its own for sm90 that this project's
 kernels read, so sm90 bundles run :class:`RepackSm90NvFp4LinearKernel`: ``apply_weights`` is this project's
 ``nvfp4_repack::linear`` op (the Triton kernels on the GPU, the reference backend on CPU), and
 ``process_weights_after_loading`` is the offline transform run at load time, so the class also serves a
@@ -110,15 +110,11 @@ def prepared_launch(layer: torch.nn.Module, backend: str, transform: torch.Tenso
     return held[3]
 
 
-KERNEL_FOR_TARGET: dict[str, type[NvFp4LinearKernel]] = {
-    "sm100": FlashInferCuteDslNvFp4W4A16LinearKernel,
-    "sm120": FlashInferCuteDslNvFp4W4A16LinearKernel,
-    "sm90": RepackSm90NvFp4LinearKernel,
-}
-
-
-MARLIN_KERNEL = MarlinNvFp4LinearKernel.__name__  # sm80 and sm75 (targets/marlin.py)
+KERNELS: dict[str, type[NvFp4LinearKernel]] = {cls.__name__: cls for cls in (
+    FlashInferCuteDslNvFp4W4A16LinearKernel, MarlinNvFp4LinearKernel, RepackSm90NvFp4LinearKernel)}
+MARLIN_KERNEL = MarlinNvFp4LinearKernel.__name__  # sm80, sm75 and sm120's weight-only layout (targets/marlin.py)
 
 
 def kernel_class(target: Target) -> type[NvFp4LinearKernel]:
-    return MarlinNvFp4LinearKernel if MARLIN_KERNEL in target.kernels else KERNEL_FOR_TARGET[target.name]
+    """The kernel class that reads ``target``'s weight-only layout (the capability table's first)."""
+    return KERNELS[target.kernels[0]]

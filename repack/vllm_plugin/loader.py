@@ -53,6 +53,7 @@ from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
 from ..targets import Target
 from ..targets.engines import engine_versions, running_row
+from ..targets.families import linear_backend
 from .experts import check_kept_scales, check_method, check_placement, moe_modules, preimage, serve_experts
 from .kernels import MARLIN_KERNEL, kernel_class
 
@@ -241,13 +242,15 @@ def _kernels_take_input_transforms(model: nn.Module, bundle: Bundle) -> None:
 
 
 def _check_w4a4_kernel(bundle: Bundle, chosen: str) -> None:
-    """A W4A4 bundle keeps the kernel vLLM picked (its ``auto``: cute-dsl on sm10x, FlashInfer CUTLASS on sm12x)
-    when that kernel reads the bundle's layout; any other (Marlin, TRT-LLM, a weight-only kernel) is refused."""
+    """A W4A4 bundle keeps the kernel vLLM picked (its ``auto``: cute-dsl on sm10x, FlashInfer CUTLASS on sm12x, Marlin
+    below sm90; ``--linear-backend marlin`` for Marlin's W4A4 variant elsewhere) when that kernel reads the bundle's
+    layout; any other is refused, naming the --linear-backend that picks the bundle's kernel."""
     if chosen not in bundle.target.kernels:
+        wanted = linear_backend(bundle.target.kernels[0])
         raise RepackError(
             f"{bundle.root}: vLLM chose {chosen} for this W4A4 bundle, but its {bundle.manifest.layout_id} layout is "
-            f"read by {', '.join(bundle.target.kernels)} only; serve it with --linear-backend auto, or re-convert "
-            f"with --weight-only"
+            f"read by {', '.join(bundle.target.kernels)} only; serve it with --linear-backend {wanted}, or re-convert "
+            f"for {chosen}"
         )
 
 

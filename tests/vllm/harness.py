@@ -90,9 +90,10 @@ ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute.
         "sm80": (80, None), "sm75": (75, None)}
 # Marlin jobs: vLLM's auto over its whole CUDA list under the emulated capability (every FP4 x FP4 kernel refuses
 # below sm100; Marlin answers from sm75); sm75 runs fp16 (no bf16 there); "sm120-auto": a weight-only checkpoint on
-# sm120 with --linear-backend auto (vLLM 0.33 picks Marlin there, not the cute-dsl W4A16 kernel)
+# sm120 with --linear-backend auto (vLLM 0.33 picks Marlin there, not the cute-dsl W4A16 kernel); "sm120-marlin": a
+# W4A4 checkpoint on sm120 with --linear-backend marlin (vLLM's own choice among its CUDA list filtered to Marlin)
 MARLIN = vmarlin.MarlinNvFp4LinearKernel
-MARLIN_ARCHS = {"sm80": "bfloat16", "sm75": "float16", "sm120-auto": "bfloat16"}
+MARLIN_ARCHS = {"sm80": "bfloat16", "sm75": "float16", "sm120-auto": "bfloat16", "sm120-marlin": "bfloat16"}
 assert MARLIN in vlinear._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CUDA]
 assert hasattr(vops, "gptq_marlin_repack")
 # vLLM's auto order for W4A4 on CUDA starts with these two: cute-dsl answers on sm10x, FlashInfer's CUTLASS on
@@ -117,7 +118,7 @@ assert isinstance(HadamardTransform.scaled_data_ptrs, set)
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
 
-_current: dict = {"arch": "sm100", "w4a4": False, "methods": []}  # the job being loaded: which capability and FlashInfer layout to emulate
+_current: dict = {"arch": "sm100", "w4a4": False, "marlin": False, "methods": []}  # the job being loaded: which capability and FlashInfer layout to emulate
 
 
 def is_w4a4(arch: str) -> bool:
@@ -126,12 +127,12 @@ def is_w4a4(arch: str) -> bool:
 
 def select(arch: str) -> tuple[str, str]:
     """``(FlashInfer arch, linear_backend)`` of a job, and the CPU platform's NVFP4 kernels set to match."""
-    if arch in MARLIN_ARCHS:  # vLLM's own auto over its CUDA list
+    if arch in MARLIN_ARCHS:  # vLLM's own choice over its CUDA list (auto, or --linear-backend marlin)
         NVFP4_KERNELS[PlatformEnum.CPU][:] = NVFP4_KERNELS[PlatformEnum.CUDA]
-        _current["arch"], _current["w4a4"] = arch.removesuffix("-auto"), False
-        return _current["arch"], "auto"
+        _current["arch"], _current["w4a4"], _current["marlin"] = arch.split("-")[0], False, True
+        return _current["arch"], "marlin" if arch.endswith("-marlin") else "auto"
     NVFP4_KERNELS[PlatformEnum.CPU][:] = W4A4_KERNELS if is_w4a4(arch) else [KERNEL]
-    _current["arch"], _current["w4a4"] = arch.removesuffix("-w4a4"), is_w4a4(arch)
+    _current["arch"], _current["w4a4"], _current["marlin"] = arch.removesuffix("-w4a4"), is_w4a4(arch), False
     return _current["arch"], "auto" if is_w4a4(arch) else "flashinfer_cutedsl"
 
 
@@ -156,8 +157,9 @@ def patch() -> None:
 
     # PATCH W4A4 2: vLLM gives W4A4 layers whose input transforms all have a block of 16..128 QuTLASS's method
     # (QutlassNvFP4LinearMethod) where current_platform.has_device_capability(100) holds, False on CPU; in W4A4
-    # jobs, while vLLM picks a layer's transform method, the platform answers the emulated capability. W4A16 jobs
-    # keep the CPU's answer (vLLM's transform method around the forced W4A16 kernel).
+    # and Marlin jobs (vLLM's own kernel choice), while vLLM picks a layer's transform method, the platform answers the
+    # emulated capability (sm120: vLLM 0.33 gives QuTLASS's method to a weight-only layer too, whose load then refuses
+    # Marlin's kernel). The forced cute-dsl W4A16 jobs keep the CPU's answer (vLLM's transform method around it).
     # compressed_tensors first: transform.linear imported on its own is a circular import
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors  # noqa: F401
     from vllm.model_executor.layers.quantization.compressed_tensors.transform.linear import (
@@ -167,7 +169,7 @@ def patch() -> None:
     from_schemes = CompressedTensorsLinearTransformMethod.from_schemes.__func__
 
     def from_schemes_emulated(cls, *args, **kwargs):
-        if not _current["w4a4"]:
+        if not (_current["w4a4"] or _current["marlin"]):
             return from_schemes(cls, *args, **kwargs)
         names = ("get_device_capability", "is_cuda")
         saved = {n: CpuPlatform.__dict__[n] for n in names if n in CpuPlatform.__dict__}

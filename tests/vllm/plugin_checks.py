@@ -287,13 +287,17 @@ def _differences(got: dict, expected: dict) -> list[str]:
     return [k for k in keys if got.get(k, "<absent>") != expected.get(k, "<absent>")]
 
 
-@pytest.mark.parametrize("target", ["sm100", "sm120"])
-@pytest.mark.parametrize("fixture", FIXTURES)
+CUTE_DSL = [(f, "sm100") for f in FIXTURES] + [(f, "sm120") for f in FIXTURES if "a16" in f]
+
+
+@pytest.mark.parametrize("fixture,target", CUTE_DSL)
 def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
-    """--weight-only bundles (W4A4 checkpoints too) against vLLM's load with the W4A16 cute-dsl kernel."""
+    """Bundles of the cute-dsl W4A16 layout against vLLM's load with that kernel: sm100's --weight-only ones (W4A4
+    checkpoints too), sm120's --linear-backend flashinfer_cutedsl ones (weight-only checkpoints)."""
     source = _source(tmp_path, fixture)
     bundle = tmp_path / "bundle"
-    convert(source, target, bundle, fuse=True, weight_only=True)
+    options = dict(linear_backend="flashinfer_cutedsl") if target == "sm120" else dict(weight_only=True)
+    convert(source, target, bundle, fuse=True, **options)
     expected = layer_state(load(source, "safetensors", target))
     _delete_weights(source)
     got = layer_state(load(bundle, LOAD_FORMAT, target))
@@ -301,7 +305,37 @@ def test_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
 
 
-@pytest.mark.parametrize("target", ["sm100", "sm120"])
+def sm120_weight_only(fixture: str) -> str:
+    """vLLM's configuration on sm120 whose state ``convert -t sm120 --weight-only`` holds: its auto for a weight-only
+    checkpoint, --linear-backend marlin for a W4A4 one (both Marlin: the harness's arch names)."""
+    return "sm120-auto" if "a16" in fixture else "sm120-marlin"
+
+
+@pytest.mark.parametrize("fixture", FIXTURES + ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16",
+                                                "ct_quip_v_had16_nvfp4a16", *OUTPUT_VARIANTS])
+def test_sm120_weight_only_plugin_state_equals_vllm_marlin_load(vllm_world, tmp_path, fixture):
+    """``convert -t sm120 --weight-only`` (weight-only checkpoints: the default) is Marlin's bundle, its W4A4 variant
+    for a W4A4 checkpoint: the plugin's state equals vLLM's Marlin load of the source on an emulated sm120 (auto, or
+    --linear-backend marlin), MarlinNvFp4LinearKernel, transforms and vLLM's transform method included; no repack.
+    Where vLLM refuses the source (0.33: a block-16..128 input Hadamard gets QuTLASS's method, which refuses Marlin's
+    kernel), convert --vllm of the running version refuses it in one line."""
+    source = _source(tmp_path, fixture)
+    bundle, served = tmp_path / "bundle", sm120_weight_only(fixture)
+    try:
+        expected = layer_state(load(source, "safetensors", served))
+    except ValueError as refusal:
+        assert not harness.V034 and "QutlassNvFP4 transform requires a FlashInfer kernel" in str(refusal), refusal
+        with pytest.raises(RepackError, match="--vllm 0.34"):
+            convert(source, "sm120", bundle, fuse=True, weight_only=True, vllm=RUNNING)
+        return
+    convert(source, "sm120", bundle, fuse=True, weight_only=True, vllm=RUNNING)
+    _delete_weights(source)
+    got = layer_state(load(bundle, LOAD_FORMAT, served))
+    assert {v for k, v in expected.items() if k.endswith(":kernel")} == {"MarlinNvFp4LinearKernel"}
+    assert not _differences(got, expected), f"{fixture}: differs in {_differences(got, expected)[:8]}"
+
+
+@pytest.mark.parametrize("target", ["sm100"])  # sm120's weight-only bundles are Marlin's: the test above
 @pytest.mark.parametrize("fixture", ["ct_quip_vu_rhad16_nvfp4", "ct_spinquant_r1r2r4_rhad_nvfp4a16",
                                      *OUTPUT_VARIANTS])
 def test_plugin_serves_transform_bundles_as_vllm_loads_them(vllm_world, tmp_path, fixture, target):
@@ -446,7 +480,8 @@ MOE_TP2 = [("ct_moe_nvfp4", "sm100", False), ("modelopt_moe_nvfp4", "sm120", Fal
 
 
 def test_plugin_state_equals_vllm_load_tp2(tmp_path):
-    """Both formats and both targets at TP = 2, weight-only and W4A4 (vLLM's auto W4A4 kernels), MoE bundles with
+    """Both formats and both targets at TP = 2, weight-only (sm120: Marlin, and cute-dsl with --linear-backend
+    flashinfer_cutedsl) and W4A4 (vLLM's auto W4A4 kernels), MoE bundles with
     and without expert parallelism (and one refused where vLLM's placement differs), in one two-process world (each
     process imports vLLM once)."""
     seed = int(torch.randint(0, 2**31, ()))
@@ -454,11 +489,16 @@ def test_plugin_state_equals_vllm_load_tp2(tmp_path):
     gen = torch.Generator().manual_seed(seed)
     cases = []
     for fmt, w4a4 in (("modelopt", False), ("compressed-tensors", True)):
-        for target in ("sm100", "sm120"):
+        # sm120: Marlin's (vLLM's auto for a weight-only checkpoint, --linear-backend marlin for a W4A4 one)
+        for target, served in (("sm100", "sm100"), ("sm120", "sm120-marlin" if w4a4 else "sm120-auto")):
             case = tmp_path / f"{fmt}-{target}"
             source = _tp2_llama(case / "source", fmt, gen, w4a4)
             convert(source, target, case / "bundle", fuse=True, tp=2, weight_only=True)
-            cases.append((str(source), str(case / "bundle"), target, False, False))  # OUT, as `vllm serve OUT` is given
+            cases.append((str(source), str(case / "bundle"), served, False, False))  # OUT, as `vllm serve OUT` is given
+    case = tmp_path / "cute-dsl-sm120"  # sm120's cute-dsl W4A16 layout, vLLM's --linear-backend flashinfer_cutedsl
+    source = _tp2_llama(case / "source", "modelopt", gen)
+    convert(source, "sm120", case / "bundle", tp=2, linear_backend="flashinfer_cutedsl")
+    cases.append((str(source), str(case / "bundle"), "sm120", False, False))
     for fmt, target in (("modelopt", "sm100"), ("compressed-tensors", "sm120")):  # W4A4 bundles, the default
         case = tmp_path / f"w4a4-{fmt}-{target}"
         source = _tp2_llama(case / "source", fmt, gen, w4a4=True)
@@ -890,10 +930,11 @@ def test_weight_only_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fix
     no repack."""
     source = _source(tmp_path, fixture)
     convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING)
-    expected = layer_state(load(source, "safetensors", target))
+    served = {"sm120": "sm120-auto"}.get(target, target)  # vLLM's auto for the dense layers too (sm120: Marlin)
+    expected = layer_state(load(source, "safetensors", served))
     assert expected["model.layers.0.mlp.experts.routed_experts:backend"] == "MARLIN"
     _delete_weights(source)
-    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, target))
+    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, served))
     unloaded = [k for k in expected if k.rsplit(".", 1)[-1] in UNLOADED_WEIGHT_ONLY]
     assert len(unloaded) == (4 if fixture.startswith("ct") else 0), unloaded  # 2 layers x (w13, w2)
     for key in unloaded:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...targets.families import SM100
 from ...targets.layout import round_up, vllm_geometry
 from ...targets.w4a4 import ALIGNMENT as W4A4_ALIGNMENT
 from ...targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
@@ -34,7 +35,7 @@ def linear(x, weight, weight_scale, weight_global_scale, n: int, k: int, target:
     y = mm_bf16_fp4(
         x_padded.contiguous(),
         weight,
-        sm100_scale_view(weight_scale, shape.n_padded, shape.k_padded) if target == "sm100" else weight_scale,
+        sm100_scale_view(weight_scale, shape.n_padded, shape.k_padded) if target in ("sm100", SM100.layout_id) else weight_scale,
         weight_global_scale,
         backend="cute-dsl",
     )
