@@ -168,9 +168,10 @@ def test_each_family_has_the_moe_layout_vllms_auto_picks_and_sm90_is_refused():
     with pytest.raises(RepackError, match=r"--target sm90: .* Humming's MoE, whose weight transform is a GPU op not "
                                           r"ported here\); .* convert with --target sm80$"):
         moe.moe_layout("sm90")
+    assert moe.moe_layout("sm75", "W4A16") is moe_marlin.FP16  # T4: Marlin in fp16 (its own bytes)
+    with pytest.raises(RepackError, match=r"--target sm75: W4A4 .* pass --weight-only .* convert with --target sm80"):
+        moe.moe_layout("sm75", "W4A4")
     for scheme in ("W4A4", "W4A16"):
-        with pytest.raises(RepackError, match=r"--target sm75: .* convert with --target sm80"):
-            moe.moe_layout("sm75", scheme)
         with pytest.raises(RepackError, match=r"--target sm90: .* convert with --target sm80$"):
             moe.moe_layout("sm90", scheme)
 
@@ -536,6 +537,6 @@ def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, tar
     for name in ("ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"):  # W4A16 experts: vLLM's Marlin MoE on each
         assert main(["inspect", str(PRODUCERS / name), "--json"]) == 0
         info = json.loads(capsys.readouterr().out)
-        assert info["targets"] == ["sm100", "sm120", "sm80"], name
+        assert info["targets"] == ["sm100", "sm120", "sm80", "sm75"], name
         assert info["moe"]["layouts"] == {"sm100": "moe-marlin-v1", "sm120": "moe-marlin-v1", "sm90": None,
-                                          "sm80": "moe-marlin-v1", "sm75": None}, name
+                                          "sm80": "moe-marlin-v1", "sm75": "moe-marlin-fp16-v1"}, name

@@ -241,9 +241,8 @@ def test_each_source_expert_tensor_is_read_once_for_every_rank(tmp_path, monkeyp
 
 @pytest.mark.parametrize("name,args,code,message", [
     ("ct_moe_nvfp4", ["-t", "sm90", "--fuse"], 1, "Error: --target sm90: NVFP4 MoE layers are not supported there"),
-    ("ct_moe_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: NVFP4 MoE layers are not supported there"),
+    ("ct_moe_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: W4A4 NVFP4 MoE layers are not supported"),
     ("ct_moe_nvfp4a16", ["-t", "sm90", "--tp", "2"], 1, "(--moe-backend marlin): convert with --target sm80"),
-    ("modelopt_moe_w4a16_nvfp4", ["-t", "sm75", "--fuse"], 1, "Error: --target sm75: NVFP4 MoE layers are not"),
     ("ct_moe_i48_nvfp4", ["-t", "sm120", "--fuse"], 1,  # 2I with its numbers, and no word of the hidden size (issue 38)
      "vLLM 0.33 does: 2 x intermediate size per rank (2 x 48 = 96) must be a multiple of 128\n"),
     ("ct_moe_nvfp4", ["-t", "sm100", "--fuse", "--ep"], 2, "--ep places whole experts on tensor-parallel ranks"),
@@ -404,7 +403,7 @@ def test_a_layer_missing_its_last_experts_is_refused_against_the_config(tmp_path
 WEIGHT_ONLY = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"]  # llm-compressor's NVFP4A16, ModelOpt's W4A16_NVFP4
 
 
-@pytest.mark.parametrize("target", ["sm80", "sm100", "sm120"])
+@pytest.mark.parametrize("target", ["sm80", "sm100", "sm120", "sm75"])
 @pytest.mark.parametrize("name,tp,ep", [(WEIGHT_ONLY[0], 1, False), (WEIGHT_ONLY[1], 2, False),
                                         (WEIGHT_ONLY[0], 2, True), (WEIGHT_ONLY[1], 2, True)])
 def test_weight_only_moe_converts_to_marlin_moe_on_every_family_vllm_serves_it(tmp_path, capsys, name, tp, ep, target):
@@ -418,13 +417,14 @@ def test_weight_only_moe_converts_to_marlin_moe_on_every_family_vllm_serves_it(t
     source = read_source(PRODUCERS / name)
     for rank in range(tp):
         bundle = open_bundle(out / f"rank-{rank}" if tp > 1 else out)
-        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is moe_marlin
+        layout = moe_marlin.FP16 if target == "sm75" else moe_marlin  # T4 runs fp16: its own scale bytes
+        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is layout
         for module, record in bundle.moe_layers().items():
             plan = plan_experts(source, tp, rank, ep)[record.source]
-            assert (record.layout_id, record.backend, record.input_scales) == ("moe-marlin-v1", "MARLIN", "none")
+            assert (record.layout_id, record.backend, record.input_scales) == (layout.LAYOUT_ID, "MARLIN", "none")
             stack = assemble_experts(source, plan)
             assert stack.w13_input_scale.shape == (0, 2) and stack.w2_input_scale.shape == (0,)
-            want = moe_marlin.to_runtime(stack, plan.prefix)
+            want = moe_marlin.to_runtime(stack, plan.prefix, dtype=torch.float16 if target == "sm75" else torch.bfloat16)
             held = bundle.moe_tensors(module)
             assert set(held) == set(want), module
             for part, tensor in want.items():

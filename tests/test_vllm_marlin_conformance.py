@@ -48,7 +48,7 @@ ROTATED_W4A4 = ["ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_had16_nvfp4"]
 # at TP 2), 3 experts (2 + 1 under --ep).
 WEIGHT_ONLY_MOE = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4", "wo-modelopt", "wo-compressed-tensors"]
 WEIGHT_ONLY_SHAPE = dict(hidden=192, experts=3, intermediate=96, layers=2, w4a4=False)
-WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120")  # harness "<family>-moe": the family's capability, vLLM's auto MoE
+WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120", "sm75")  # harness "<family>-moe": that capability, vLLM's auto MoE
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +177,12 @@ def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, tp, checkpoint
 def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, checkpoints, oracle, tmp_path, capsys):
     """Weight-only MoE checkpoints (llm-compressor NVFP4A16, ModelOpt W4A16_NVFP4, both formats synthetic) with
     ``convert -t <family> --fuse`` / ``--tp 2`` / ``--tp 2 --ep``: vLLM's auto picks MARLIN for the experts on sm80,
-    sm100 and sm120 (no FP4 x FP4 MoE backend takes bf16 activations), and every FusedMoE module of every rank is the
+    sm100, sm120 and sm75 (fp16; no FP4 x FP4 MoE backend takes bf16 activations), and every FusedMoE module of every
+    rank is the
     bundle's, byte for byte (compressed-tensors' loaded global scales kept; the input ones, which the source lacks,
-    left as vLLM allocated them: names only); sm80's dense Marlin layers too. The dense layers of sm100 / sm120
-    bundles are their families' W4A16 layouts (sm120's: Marlin's), held to vLLM by tests/test_vllm_conformance.py and
-    the sm120 cases below (the harness's sm120 MoE jobs force the cute-dsl kernel on their dense layers)."""
+    left as vLLM allocated them: names only); sm80's and sm75's dense Marlin layers too. The dense layers of sm100 /
+    sm120 bundles are their families' W4A16 layouts (sm120's: Marlin's), held to vLLM by tests/test_vllm_conformance.py
+    and the sm120 cases below (the harness's sm120 MoE jobs force the cute-dsl kernel on their dense layers)."""
     tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
     suffix = "-ep" if ep else ""
     dumped, out = oracle[f"wo-{mode}", tp] / f"{name}-{arch}-moe{suffix}", tmp_path / "out"
@@ -193,11 +194,12 @@ def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, check
     for rank in range(tp):
         folder = out / f"rank-{rank}" if tp > 1 else out
         bundle = open_bundle(folder)
-        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is moe_marlin
+        layout = moe_marlin.FP16 if arch == "sm75" else moe_marlin  # T4: fp16 activations, its own scale bytes
+        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is layout
         held = {module: ({k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT},
                          record.expert_map) for module, record in bundle.moe_layers().items()}
-        _assert_rank_state(dumped, rank, moe_marlin, held, source, (rank, arch, mode))
-        if arch == "sm80":
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, arch, mode))
+        if arch in ("sm80", "sm75"):
             assert _assert_marlin_rank_identical(folder, dumped, rank) == len(bundle.manifest.layers)
     assert verify_output(out).passed
 

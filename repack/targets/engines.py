@@ -55,7 +55,8 @@ class EngineVersion:
 
 # Marlin's (targets/marlin.py, moe_marlin.py): every kernel-read tensor checked against each version's own load
 # (tests/test_vllm_marlin_conformance.py; 0.34 keeps more bookkeeping names beside them, as for the other layouts)
-MARLIN_LAYOUTS = ("marlin-v1", "marlin-v1-w4a4", "marlin-fp16-v1", "marlin-fp16-v1-w4a4", "moe-marlin-v1")
+MARLIN_LAYOUTS = ("marlin-v1", "marlin-v1-w4a4", "marlin-fp16-v1", "marlin-fp16-v1-w4a4", "moe-marlin-v1",
+                  "moe-marlin-fp16-v1")
 
 VLLM_033 = EngineVersion("vllm", "0.33", "0.33.0", VLLM_LAYOUTS + MARLIN_LAYOUTS, {
     QUTLASS_MARLIN: "vLLM 0.33 serves this checkpoint's Hadamard-rotated layers (input blocks of 16..128) on sm100 / "

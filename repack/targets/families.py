@@ -114,13 +114,14 @@ FAMILIES: tuple[Family, ...] = (SM100, SM120, SM90, SM80, SM75)
 
 # Per family and checkpoint activation scheme, the NVFP4 MoE layout vLLM's auto holds (``select_nvfp4_moe_backend``):
 # FP4 x FP4 experts get FlashInfer's MoE on Blackwell and Marlin on sm80; weight-only ones (NVFP4A16 /
-# W4A16_NVFP4, or --weight-only) Marlin on all three (no FP4 x FP4 backend takes bf16 activations). sm90 (Humming's
-# MoE) and sm75 have none: targets/moe.py refuses them in one line.
+# W4A16_NVFP4, or --weight-only) Marlin on all three (no FP4 x FP4 backend takes bf16 activations) and on sm75 (in
+# fp16). sm90 (Humming's MoE) has none, nor sm75 for W4A4 experts: targets/moe.py refuses them in one line.
 MARLIN_MOE_LAYOUT_ID = "moe-marlin-v1"
 MOE_LAYOUTS: dict[str, dict[str, str]] = {
     "sm100": {"W4A4": "moe-flashinfer-trtllm-v1", "W4A16": MARLIN_MOE_LAYOUT_ID},
     "sm120": {"W4A4": "moe-flashinfer-cutlass-v1", "W4A16": MARLIN_MOE_LAYOUT_ID},
     "sm80": {"W4A4": MARLIN_MOE_LAYOUT_ID, "W4A16": MARLIN_MOE_LAYOUT_ID},
+    "sm75": {"W4A16": "moe-marlin-fp16-v1"},  # fp16 Marlin (T4); W4A4 experts there are not checked yet
 }
 ALL = "all"  # the target name that asks for every family
 

@@ -124,8 +124,6 @@ MOE_REFUSALS = {
     "sm90": "--target sm90: NVFP4 MoE layers are not supported there (vLLM 0.33 serves them with Humming's MoE, whose "
             "weight transform is a GPU op not ported here); vLLM also serves them with Marlin on Hopper "
             "(--moe-backend marlin): convert with --target sm80",
-    "sm75": "--target sm75: NVFP4 MoE layers are not supported there yet (Marlin with fp16 activations, not checked "
-            "against vLLM's load); convert with --target sm80 for Ampere+",
 }
 
 
@@ -141,8 +139,8 @@ def moe_specs(layout: ModuleType, experts: int, hidden: int, intermediate: int, 
 def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     """The MoE layout module for ``target`` (a Target, or a family name with the checkpoint's ``scheme``): the one
     vLLM's ``auto`` holds there for that scheme (``families.MOE_LAYOUTS``: sm100 W4A4 FlashInfer TRT-LLM-gen, sm120 W4A4
-    FlashInfer CUTLASS, Marlin for sm80 and for weight-only experts on sm100 / sm120); a one-line refusal on sm90
-    (Humming's MoE) and sm75."""
+    FlashInfer CUTLASS, Marlin for sm80 and for weight-only experts on sm100 / sm120 / sm75); a one-line refusal on
+    sm90 (Humming's MoE) and for W4A4 experts on sm75."""
     from .families import MOE_LAYOUTS
 
     if not isinstance(target, str) and target.engine == "sglang":
@@ -155,6 +153,10 @@ def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     if family in MOE_REFUSALS:
         raise RepackError(MOE_REFUSALS[family])
     layout_id = MOE_LAYOUTS.get(family, {}).get(scheme)
+    if layout_id is None and MOE_LAYOUTS.get(family):
+        raise RepackError(f"--target {family}: {scheme} NVFP4 MoE layers are not supported there yet (not checked "
+                          f"against vLLM's load); pass --weight-only (vLLM serves them weight-only there) or convert "
+                          f"with --target sm80 for Ampere+")
     if layout_id is None:
         raise RepackError(f"--target {family}: NVFP4 MoE layers are not supported there; supported for MoE: "
                           f"{', '.join(MOE_LAYOUTS)}")
@@ -167,4 +169,4 @@ def moe_layout_by_id(layout_id: str) -> ModuleType | None:
     """The MoE layout module whose ``LAYOUT_ID`` is ``layout_id`` (a bundle's record), if any."""
     from . import moe_cutlass, moe_marlin, moe_trtllm
 
-    return next((m for m in (moe_trtllm, moe_cutlass, moe_marlin) if m.LAYOUT_ID == layout_id), None)
+    return next((m for m in (moe_trtllm, moe_cutlass, moe_marlin, moe_marlin.FP16) if m.LAYOUT_ID == layout_id), None)

@@ -20,8 +20,10 @@ The inverse needs ``sf``: a bundle keeps each expert's source multiplier (``w13_
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
+from types import ModuleType
 from typing import Callable, Collection, Sequence
 
 import torch
@@ -34,6 +36,7 @@ from .layout import round_up
 from .moe import ExpertCodes, ExpertStack
 
 LAYOUT_ID = "moe-marlin-v1"
+FP16_LAYOUT_ID = "moe-marlin-fp16-v1"  # sm75 (T4): fp16 activations change the scales' bytes (FP16 below)
 BACKEND = "MARLIN"  # vLLM's NvFp4MoeBackend
 KERNEL = "MarlinExperts"
 KERNELS = (KERNEL,)
@@ -215,3 +218,17 @@ def expert_multiplier(tensors: dict[str, torch.Tensor], expert: int, which: str,
                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """What multiplies :func:`decode_expert`'s scales: ``w*_weight_scale_2 / 2^bias`` (float64)."""
     return tensors[f"{which}_weight_scale_2"][expert].double() * 2.0 ** -(7 + math.log2(marlin.global_exponent(dtype)))
+
+
+def _with_dtype(dtype: torch.dtype, layout_id: str) -> ModuleType:
+    """This layout with activations of ``dtype`` (its scales' bytes and global scales depend on it): the same names,
+    the dtype-taking functions bound to ``dtype``, its own layout id."""
+    module = ModuleType(f"{__name__}[{layout_id}]")
+    module.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
+    for name in ("to_runtime", "from_runtime", "read_as", "expert_multiplier"):
+        setattr(module, name, functools.partial(globals()[name], dtype=dtype))
+    module.LAYOUT_ID = layout_id
+    return module
+
+
+FP16 = _with_dtype(torch.float16, FP16_LAYOUT_ID)  # sm75's Marlin MoE: what vLLM holds there (T4 runs fp16)

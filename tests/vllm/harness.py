@@ -106,7 +106,7 @@ for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
 # MoE job -> the capability emulated (and the dense layers' arch); "-ep": with vLLM's --enable-expert-parallel
-MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120", "sm80") for ep in ("", "-ep")}
+MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120", "sm80", "sm75") for ep in ("", "-ep")}
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__

@@ -922,11 +922,11 @@ def test_marlin_bundle_refuses_another_dtype(vllm_world, tmp_path):
 UNLOADED_WEIGHT_ONLY = ("w13_input_global_scale", "w2_input_global_scale")
 
 
-@pytest.mark.parametrize("target", ["sm80", "sm100", "sm120"])
+@pytest.mark.parametrize("target", ["sm80", "sm100", "sm120", "sm75"])
 @pytest.mark.parametrize("fixture", ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"])
 def test_weight_only_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fixture, target):
     """A weight-only MoE checkpoint's bundle (issue 36: Marlin MoE wherever vLLM's auto serves it, sm80, sm100,
-    sm120) against vLLM's auto load of the source: every parameter and buffer, the MARLIN backend and MarlinExperts,
+    sm120, and sm75 in fp16) against vLLM's auto load of the source: every parameter and buffer, the MARLIN backend and MarlinExperts,
     no repack."""
     source = _source(tmp_path, fixture)
     convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING)
