@@ -25,7 +25,7 @@ from repack.sample.synthetic import write_qwen_moe
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
-from .test_sglang_conformance import assert_stored_as, oracle_dumps
+from .test_sglang_conformance import assert_stored_as, oracle_dumps, run_harness
 from .test_sglang_moe_conformance import _refused
 
 UNSTORED = ("workspace", "w13_blockscale_swizzled", "w2_blockscale_swizzled")
@@ -104,3 +104,40 @@ def test_weight_only_modelopt_moe_on_blackwell_is_refused_in_one_line(fmt, arch,
     with pytest.raises(RepackError, match="served weight-only are not written for SGLang there") as e:
         convert(ckpt, arch, tmp_path / "out", engine="sglang")
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
+    """SGLang's state after loading each served job's bundle with --load-format nvfp4_repack, per TP size."""
+    bundles = tmp_path_factory.mktemp("sglang-marlin-moe-bundles")
+    out = {}
+    for tp in (1, 2):
+        jobs = []
+        for name, arch in JOBS + PRODUCER_JOBS:
+            if _refused(oracle[tp] / f"{name}-{arch}") is None:
+                folder = bundles / f"{name}-{arch}-{tp}"
+                convert(checkpoints[name], arch, folder, tp=tp, engine="sglang")
+                jobs.append(f"{name}-{arch}={folder}:{arch}-plugin")
+        out[tp] = tmp_path_factory.mktemp(f"sglang-marlin-moe-plugin-{tp}")
+        run_harness(tp, out[tp], jobs)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name,arch", JOBS + PRODUCER_JOBS, ids=[f"{n}-{a}" for n, a in JOBS + PRODUCER_JOBS])
+def test_plugin_loads_sglangs_own_marlin_moe_state(name, arch, tp, oracle, plugin_oracle):
+    """The same layers, tensors (name, dtype, shape, strides, offset, aliases) and non-tensor state; the bytes of
+    every tensor but ModelOpt's uninitialized ``w*_blockscale_swizzled`` placeholders (module docstring)."""
+    theirs = oracle[tp] / f"{name}-{arch}"
+    if _refused(theirs) is not None:
+        pytest.skip("refused (the byte-identity test)")
+    ours = plugin_oracle[tp] / f"{name}-{arch}"
+    for rank in range(tp):
+        assert not (ours / "refused.txt").exists(), (ours / "refused.txt").read_text()[-2000:]
+        assert json.loads((ours / f"rank-{rank}.json").read_text()) == json.loads(
+            (theirs / f"rank-{rank}.json").read_text())
+        got, want = (load_file(folder / f"rank-{rank}.safetensors") for folder in (ours, theirs))
+        assert set(got) == set(want)
+        for key, tensor in want.items():
+            if key.rpartition(".")[2] not in UNSTORED[1:]:
+                assert torch.equal(got[key], tensor), key

@@ -38,6 +38,8 @@ METHODS = {("modelopt", "W4A4"): "ModelOptNvFp4FusedMoEMethod", ("modelopt", "W4
 WEIGHTS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
 INPUT_SCALES = ("w13_input_scale", "w2_input_scale")  # ModelOpt's, kept as loaded
+# compressed-tensors' loaded parameters its weight-only MoE scheme deletes (the plugin too)
+DELETED = ("w13_weight_global_scale", "w2_weight_global_scale", "w13_input_global_scale", "w2_input_global_scale")
 
 
 def global_scales(multiplier: torch.Tensor) -> torch.Tensor:
