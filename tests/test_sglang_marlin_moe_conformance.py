@@ -141,3 +141,21 @@ def test_plugin_loads_sglangs_own_marlin_moe_state(name, arch, tp, oracle, plugi
         for key, tensor in want.items():
             if key.rpartition(".")[2] not in UNSTORED[1:]:
                 assert torch.equal(got[key], tensor), key
+
+
+@pytest.fixture(scope="module")
+def ep_oracle(checkpoints, tmp_path_factory) -> Path:
+    """SGLang's load of the synthetic checkpoints on sm90 with expert parallelism (``--ep-size 2``, TP 2)."""
+    out = tmp_path_factory.mktemp("sglang-marlin-moe-ep")
+    run_harness(2, out, [f"{name}-sm90={checkpoints[name]}:sm90+ep" for name in SYNTHETIC])
+    return out
+
+
+@pytest.mark.parametrize("name", list(SYNTHETIC))
+def test_marlin_moe_ep_ranks_are_byte_identical_to_sglang(name, checkpoints, ep_oracle, tmp_path):
+    """``convert --tp 2 --ep``: each rank's experts whole, ModelOpt's input scales every expert's."""
+    out = tmp_path / "bundle"
+    convert(checkpoints[name], "sm90", out, tp=2, ep=True, engine="sglang")
+    for rank in range(2):
+        assert assert_rank_identical(out / f"rank-{rank}", ep_oracle / f"{name}-sm90", rank) == 2
+    assert verify_output(out).passed
