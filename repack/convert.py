@@ -706,6 +706,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
             _check_sglang_expert_parallelism(source, tp)
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
                                   partition_scales=engine.engine != "vllm" and input_scales,
+                                  expert_scales=engine.engine != "vllm",
                                   **({} if sglang_moe is None else {"moe_rank_alignment": sglang_moe.TP_ALIGNMENT,
                                                                     "moe_gate_up": sglang_moe.GATE_UP_REFUSAL}))
         if layer_plans[0].experts:
@@ -799,7 +800,7 @@ def _check_sglang_moe_input_scales(source: SourceModel) -> None:
     """SGLang 0.5.23's FusedMoE loader writes a ModelOpt expert's w1 and w3 ``input_scale`` each into both halves of
     its ``w13_input_scale`` (``_load_single_value``: the one read last stays), so the two must agree (they do where
     the producer calibrated them on their one input); a one-line refusal naming the first that does not."""
-    if source.format != "modelopt":
+    if source.format != "modelopt" or source.activation_scheme != "W4A4":  # W4A16_NVFP4: none stored
         return
     for group in expert_groups(source).values():
         gate, up = (read_input_scales(source, names) for names in (group.gate, group.up))

@@ -43,11 +43,14 @@ def test_every_layout_written_is_held_by_every_vllm_version():
 def test_every_sglang_layout_written_is_held_by_its_sglang_version():
     sglang = [t for target in TARGETS for t in target.layouts if t.engine == "sglang"]
     written = {t.layout_id for t in sglang}
-    w4a4 = [t for t in sglang if t.layout_id in engines.SGLANG_LAYOUTS.values()]  # MoE: W4A4 layouts' only
+    w4a4 = [t for t in sglang if t.layout_id in engines.SGLANG_LAYOUTS.values()]
     moe = {moe_layout(t).LAYOUT_ID for t in w4a4}
+    marlin = {moe_layout(t).LAYOUT_ID for t in sglang if t.name in engines.SGLANG_MARLIN_FAMILIES}  # FP4 Marlin MoE
     assert written == {*engines.SGLANG_LAYOUTS.values(), *engines.SGLANG_MARLIN_LAYOUTS.values(),
                        engines.SGLANG_BF16_FP4_LAYOUT}
     assert moe == set(engines.SGLANG_MOE_LAYOUTS.values())
+    assert marlin == set(engines.SGLANG_MARLIN_MOE_LAYOUTS.values())
+    moe |= marlin
     assert written | moe == set(engines.SGLANG_0523.layouts)
 
 

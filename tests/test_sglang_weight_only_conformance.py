@@ -177,7 +177,6 @@ def test_sglang_bundles_refuse_in_one_line(tmp_path):
         ("modelopt_w4a16_nvfp4", "sm75", {}, "-t sm75: SGLang 0.5.23 serves no NVFP4"),
         ("modelopt_nvfp4", "sm75", {}, "-t sm75: SGLang 0.5.23 serves no NVFP4"),
         ("modelopt_moe_w4a16_nvfp4", "sm100", {}, "MoE layers served weight-only"),
-        ("modelopt_moe_nvfp4", "sm90", {}, "MoE layers served weight-only"),
         ("modelopt_moe_nvfp4", "sm100", {"weight_only": True}, "MoE layers served weight-only"),
     ]:
         with pytest.raises(RepackError, match=says) as refused:

@@ -250,6 +250,7 @@ VLLM_GATE_UP = "vLLM keeps {gate}'s for both and would mis-scale {up}; pass --re
 
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,
                 input_scales: bool = False, ep: bool = False, partition_scales: bool = False,
+                expert_scales: bool | None = None,
                 moe_rank_alignment: int = 1, moe_gate_up: str | None = VLLM_GATE_UP) -> list[LayerPlan]:
     """One :class:`LayerPlan` per bundle to write: the source's layers as they are, or vLLM's fused modules,
     once or per tensor-parallel rank (``tp > 1`` implies fusion: vLLM's ranks hold fused modules), and for an MoE
@@ -286,7 +287,9 @@ def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale
         for layer in layers.values():
             layer_transforms(source.transforms, layer)  # refused here, before anything is written
         experts = {plan.module: replace(plan, rescale=bool(unequal[prefix][slice(*plan.experts)].any()))
-                   for prefix, plan in plan_experts(source, tp, rank, ep, partition_scales, moe_rank_alignment).items()
+                   for prefix, plan in plan_experts(source, tp, rank, ep,
+                                                 partition_scales if expert_scales is None else expert_scales,
+                                                 moe_rank_alignment).items()
                    } if moe else {}
         plans.append(LayerPlan(scaled(layers), {fused: list(parts) for fused, parts in fusion.items()}, tp, rank,
                                experts, ep))
@@ -667,6 +670,8 @@ def stored_expert_scales(source: SourceModel, plan: ExpertPlan, local: slice) ->
     scope = slice(None) if GLOBAL_INPUT_SCALES[source.format] else slice(*plan.experts)
 
     def read(names: tuple[str, ...], input_scale: bool) -> torch.Tensor:
+        if input_scale and source.input_scale_name(names[0]) not in source.checkpoint.tensors:
+            return torch.ones(len(names))  # a weight-only checkpoint: SGLang's ModelOpt MoE fills its input scales 1.0
         return torch.stack([source.checkpoint.read(source.input_scale_name(p) if input_scale
                                                    else source.layers[p].tensor_names[2]).reshape(()) for p in names]
                            ).to(torch.float32)

@@ -40,6 +40,8 @@ from torch import nn
 from ..bundle.manifest import MANIFEST_NAME
 from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
+from ..targets.engines import SGLANG_MARLIN_MOE_LAYOUTS
+from ..targets.sglang_marlin_moe import DELETED as MARLIN_MOE_DELETED
 from ..targets.sglang import (
     ALIASES,
     ATTRIBUTES,
@@ -151,14 +153,29 @@ def check_expert_parallelism(bundle: Bundle, bundle_ep: bool, ep_size: int) -> N
             else f"split by rows (--tp), but SGLang runs --ep-size {ep_size}; serve it without --ep-size"))
 
 
-def _install_moe(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+def _install_moe(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                 marlin: bool = False) -> None:
     """A FusedMoE module's post-load state: its tensors and aliases (compressed-tensors' packed names dropped, as
     SGLang renames them), then what SGLang's MoE post-load sets beside them."""
     for packed in ("w13_weight_packed", "w2_weight_packed"):
         if packed in module._parameters:
             delattr(module, packed)
     _install(module, tensors, aliases, None)
-    _finish_moe(module)
+    if marlin:
+        _finish_marlin_moe(module)
+    else:
+        _finish_moe(module)
+
+
+def _finish_marlin_moe(module: nn.Module) -> None:
+    """What ``prepare_moe_nvfp4_layer_for_marlin`` and compressed-tensors' weight-only MoE scheme leave beside the
+    tensors: the loaded global scales they delete, and FP4 Marlin's scratch ``workspace`` (SGLang's own function)."""
+    from sglang.srt.layers.quantization import marlin_utils_fp4
+
+    for name in MARLIN_MOE_DELETED:
+        if name in module._parameters:
+            delattr(module, name)
+    module.workspace = marlin_utils_fp4.marlin_make_workspace(module.w13_weight.device, 4)
 
 
 def _finish_moe(module: nn.Module) -> None:
@@ -214,7 +231,8 @@ class BundleModelLoader(DefaultModelLoader):
                     record = moe[prefix]
                     check_expert_parallelism(bundle, record.expert_map is not None, module.moe_ep_size)
                     tensors = {part: bundle.read(f"{prefix}.{part}").to(target_device) for part in record.tensors}
-                    _install_moe(module, tensors, bundle.moe_layout.aliases(record.hidden, record.intermediate))
+                    _install_moe(module, tensors, bundle.moe_layout.aliases(record.hidden, record.intermediate),
+                                 record.layout_id in SGLANG_MARLIN_MOE_LAYOUTS.values())
             missing = (set(layers) | set(moe)) - {prefix for prefix, _ in model.named_modules()}
             if missing:
                 raise RepackError(f"{bundle.root}: SGLang's model has no module {sorted(missing)[0]}; the bundle was "

@@ -103,7 +103,12 @@ SGLANG_MOE_BACKENDS = {("modelopt", "sm100"): "flashinfer_trtllm", ("modelopt", 
 # the MoE architectures whose SGLang load is checked (Mixtral: SGLang loads ModelOpt's experts as dense layers,
 # QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded)
 SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# SGLang's FP4 Marlin MoE state per source format (targets/sglang_marlin_moe.py: moe_marlin's bytes, SGLang's names):
+# ModelOpt's auto MoE backend on sm80-sm9x (NVFP4 and W4A16_NVFP4), compressed-tensors NVFP4A16 on every GPU and its
+# W4A4 checkpoints below sm100 (CompressedTensorsW4A16Nvfp4MoE)
+SGLANG_MARLIN_MOE_LAYOUTS = {"modelopt": "sglang-modelopt-moe-marlin-v1", "compressed-tensors": "sglang-ct-moe-marlin-v1"}
 SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (
+    *SGLANG_MARLIN_MOE_LAYOUTS.values(),
     *SGLANG_LAYOUTS.values(), *SGLANG_MARLIN_LAYOUTS.values(), SGLANG_BF16_FP4_LAYOUT,
     *dict.fromkeys(SGLANG_MOE_LAYOUTS.values())))
 

@@ -88,13 +88,16 @@ def largest_scales(stack: ExpertStack) -> tuple[float, float]:
 
 
 def to_runtime(stack: ExpertStack, name: str = "MoE layer", parts: Collection[str] = TENSORS,
-               dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype = torch.bfloat16, padded: int | None = None,
+               factors: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
     """The tensors vLLM holds on the FusedMoE module (and the kept multipliers), expert by expert; ``sf`` from
-    ``stack.largest_scales`` when set (a chunk of the layer's experts), else from the stack's own scales."""
+    ``stack.largest_scales`` when set (a chunk of the layer's experts), else from the stack's own scales.
+    Another engine's Marlin MoE (SGLang's) gives its own ``padded`` intermediate size and ``factors`` (``(1, 1)``:
+    no scale factor, no flush) and takes the weight tensors alone."""
     hidden, inter = stack.hidden, stack.intermediate
-    padded = padded_intermediate(hidden, inter, name)
-    largest = stack.largest_scales or largest_scales(stack)
-    sf13, sf2 = layer_factors(largest, dtype)
+    padded = padded_intermediate(hidden, inter, name) if padded is None else padded
+    flush = factors is None
+    sf13, sf2 = layer_factors(stack.largest_scales or largest_scales(stack), dtype) if factors is None else factors
 
     def each(values: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         return torch.stack([make(v) for v in values])
@@ -104,13 +107,14 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer", parts: Collection[st
 
     def scales13() -> torch.Tensor:
         return each(_pad_halves(stack.w13_scales, padded),
-                    lambda s: marlin.process_scales(s, 2 * padded, hidden, sf13, dtype))
+                    lambda s: marlin.process_scales(s, 2 * padded, hidden, sf13, dtype, flush))
 
     make: dict[str, Callable[[], torch.Tensor]] = {
         "w13_weight": codes13,
         "w13_weight_scale": scales13,
         "w2_weight": lambda: each(stack.w2_codes, lambda c: marlin.repack_codes(c, hidden, padded)),
-        "w2_weight_scale": lambda: each(stack.w2_scales, lambda s: marlin.process_scales(s, hidden, padded, sf2, dtype)),
+        "w2_weight_scale": lambda: each(stack.w2_scales,
+                                       lambda s: marlin.process_scales(s, hidden, padded, sf2, dtype, flush)),
         "w13_weight_scale_2": lambda: marlin.held_multiplier(stack.w13_multiplier[:, 0], sf13, dtype).reshape(-1),
         "w2_weight_scale_2": lambda: marlin.held_multiplier(stack.w2_multiplier, sf2, dtype).reshape(-1),
         "w13_weight_multiplier": lambda: stack.w13_multiplier[:, 0].to(torch.float32),
@@ -122,10 +126,10 @@ def to_runtime(stack: ExpertStack, name: str = "MoE layer", parts: Collection[st
 
 
 def codes_from_pieces(which: str, pieces: Sequence[tuple[torch.Tensor, ...]], hidden: int,
-                      intermediate: int) -> torch.Tensor:
+                      intermediate: int, padded: int | None = None) -> torch.Tensor:
     """:func:`to_runtime`'s ``w13_weight`` (``which`` "w13"; ``pieces``: each expert's ``(gate, up)`` rows) or
     ``w2_weight`` ("w2"; each expert's ``(down,)``), each expert repacked from its pieces (gate and up padded apart)."""
-    padded = padded_intermediate(hidden, intermediate)
+    padded = padded_intermediate(hidden, intermediate) if padded is None else padded
     if which == "w13":
         out = []
         for gate, up in pieces:
@@ -142,11 +146,14 @@ def _factor(held: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype) ->
 
 
 def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: int,
-                 dtype: torch.dtype = torch.bfloat16) -> ExpertCodes:
-    """Exact inverse of :func:`to_runtime` on codes and block scales (flushed scales as 0, as Marlin reads them)."""
-    padded = padded_intermediate(hidden, intermediate)
-    sf13 = _factor(tensors["w13_weight_scale_2"], tensors["w13_weight_multiplier"], dtype)
-    sf2 = _factor(tensors["w2_weight_scale_2"], tensors["w2_weight_multiplier"], dtype)
+                 dtype: torch.dtype = torch.bfloat16, padded: int | None = None,
+                 factors: tuple[float, float] | None = None) -> ExpertCodes:
+    """Exact inverse of :func:`to_runtime` on codes and block scales (flushed scales as 0, as Marlin reads them);
+    ``padded`` and ``factors`` as :func:`to_runtime` took them (None: vLLM's, the factors from the kept
+    multipliers)."""
+    padded = padded_intermediate(hidden, intermediate) if padded is None else padded
+    sf13, sf2 = factors or (_factor(tensors["w13_weight_scale_2"], tensors["w13_weight_multiplier"], dtype),
+                            _factor(tensors["w2_weight_scale_2"], tensors["w2_weight_multiplier"], dtype))
 
     def halves(t: torch.Tensor) -> torch.Tensor:  # [E, 2 Ip, C] -> [E, 2I, C]
         e, _, cols = t.shape
@@ -164,10 +171,10 @@ def from_runtime(tensors: dict[str, torch.Tensor], hidden: int, intermediate: in
     )
 
 
-def runtime_specs(experts: int, hidden: int, intermediate: int) -> dict[str, TensorSpec]:
+def runtime_specs(experts: int, hidden: int, intermediate: int, padded: int | None = None) -> dict[str, TensorSpec]:
     """dtype and shape of every tensor :func:`to_runtime` makes, from sizes alone (for shard planning; the shape
     check is :func:`check_shape`'s)."""
-    padded = round_up(intermediate, 64 if hidden % 128 == 0 else 128)
+    padded = round_up(intermediate, 64 if hidden % 128 == 0 else 128) if padded is None else padded
     scalar = TensorSpec(torch.float32, (experts,))
     return {
         "w13_weight": TensorSpec(torch.int32, (experts, hidden // 16, 4 * padded)),
@@ -188,13 +195,13 @@ def read_as(stack: ExpertStack, dtype: torch.dtype = torch.bfloat16) -> ExpertSt
 
 # --- index formulas (verify's numerics): expert e's codes and scales gathered by the dense Marlin formulas ---
 def decode_expert(tensors: dict[str, torch.Tensor], expert: int, which: str, hidden: int,
-                  intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  intermediate: int, padded: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes uint8 ``[N, K/2]`` and block scales (float64, times ``sf * 2^7``: :func:`expert_multiplier` holds the
     rest) of one expert's ``w13`` (gate then up rows) or ``w2``, gathered by the index formulas of
     ``runtime/formulas.py`` (independent of :func:`from_runtime`'s permutes)."""
     from ..runtime.formulas import marlin_code_offsets, marlin_scale_offsets, s0e5m3_scales
 
-    padded = padded_intermediate(hidden, intermediate)
+    padded = padded_intermediate(hidden, intermediate) if padded is None else padded
     n, k = (2 * intermediate, hidden) if which == "w13" else (hidden, intermediate)
     rows = torch.arange(n)
     held_rows = rows + (rows >= intermediate) * (padded - intermediate) if which == "w13" else rows

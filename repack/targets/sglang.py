@@ -44,7 +44,9 @@ from .engines import (
     SGLANG_BF16_FP4_LAYOUT,
     SGLANG_DENSE_BACKENDS,
     SGLANG_LAYOUTS,
+    SGLANG_MARLIN_FAMILIES,
     SGLANG_MARLIN_LAYOUTS,
+    SGLANG_MARLIN_MOE_LAYOUTS,
     SGLANG_MOE_ARCHITECTURES,
     SGLANG_MOE_BACKENDS,
     SGLANG_MOE_LAYOUTS,
@@ -548,13 +550,25 @@ class MoELayout:
         return {name: spec for name, spec in every.items() if name not in aliased}
 
 
+def marlin_moe_variant(target: Target):
+    """SGLang's FP4 Marlin MoE layout for a weight-only ``target`` (:mod:`.sglang_marlin_moe`), or a one-line refusal
+    where SGLang serves those experts otherwise (ModelOpt on sm100 / sm120: its auto is TRT-LLM-gen; W4A4
+    compressed-tensors served weight-only on Blackwell: its W4A4 CUTLASS MoE)."""
+    from .sglang_marlin_moe import MarlinMoELayout
+
+    fmt, scheme = target.source_format, target.scheme
+    if target.name not in SGLANG_MARLIN_FAMILIES and (fmt == "modelopt" or scheme == "W4A4"):
+        raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers served weight-only are not written for "
+                          f"SGLang there (its auto serves these experts with FP4 Marlin on sm80-sm90 only"
+                          + (", compressed-tensors NVFP4A16 everywhere)" if fmt == "compressed-tensors" else ")"))
+    return MarlinMoELayout(SGLANG_MARLIN_MOE_LAYOUTS[fmt], "auto", fmt, scheme)
+
+
 def moe_variant(target: Target) -> MoELayout:
     """SGLang's MoE layout for ``target`` (an SGLang layout of a family, :func:`variants`), or a one-line refusal."""
     key = (target.source_format, target.name)
-    if target.layout_id not in LAYOUTS.values():  # a weight-only layout: SGLang's experts would be FP4 Marlin's
-        raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers served weight-only (SGLang's FP4 Marlin "
-                          "MoE: weight-only checkpoints, W4A4 ones on sm80-sm90 or --weight-only) are not written for "
-                          "SGLang yet")
+    if target.layout_id not in LAYOUTS.values():  # a weight-only layout: SGLang's experts are FP4 Marlin's
+        return marlin_moe_variant(target)
     if key not in SGLANG_MOE_LAYOUTS:
         raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers are not written for SGLang there")
     return MoELayout(SGLANG_MOE_LAYOUTS[key], SGLANG_MOE_BACKENDS[key], (MOE_METHODS[target.source_format],),

@@ -79,6 +79,7 @@ assert isinstance(rope._is_cpu, bool)
 assert hasattr(modelopt_quant.ModelOptFp4LinearMethod, "process_weights_after_loading")
 assert not hasattr(marlin_utils_fp4, "gptq_marlin_repack") and hasattr(marlin_utils_fp4, "marlin_make_workspace")
 assert hasattr(fp4_utils, "is_cuda") and hasattr(fp4_utils, "get_device_capability")
+assert hasattr(modelopt_quant, "is_cuda") and hasattr(modelopt_quant, "get_device_capability")
 
 # Our arch -> SGLang's platform facts for that GPU (the names its probes answer under override_platform).
 PLATFORMS = {
@@ -135,6 +136,10 @@ def patch() -> None:
     # get_device_capability (not the platform override); they answer as the emulated GPU.
     fp4_utils.is_cuda = lambda: True
     fp4_utils.get_device_capability = lambda device_id=0: _current["capability"]
+    # ... and ModelOpt's NVFP4 MoE method picks FP4 Marlin on sm80-sm9x by modelopt_quant's own (``__init__``,
+    # ``create_moe_runner``; on sm100 / sm120 they answer as SGLang's auto does there).
+    modelopt_quant.is_cuda = lambda: True
+    modelopt_quant.get_device_capability = lambda device_id=0: _current["capability"]
 
     # PATCH 5: FP4 Marlin's CUDA leaf calls (imported only on a CUDA build): gptq_marlin_repack as the torch port the
     # vLLM oracle runs (tests/vllm/ports.py, checked against the CUDA op by tests/test_gpu_marlin.py), and the scratch

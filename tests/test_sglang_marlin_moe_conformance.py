@@ -1,0 +1,196 @@
+"""SGLang 0.5.23 as the oracle for its FP4 Marlin MoE: every ``convert --engine sglang`` FusedMoE layer (and the dense
+layers beside it) that SGLang serves through FP4 Marlin holds, per TP rank, exactly what SGLang's own ``get_model``
+leaves on its module (every tensor by name, dtype, shape, strides, offset and storage bytes): ModelOpt NVFP4 and
+W4A16_NVFP4 on an emulated sm90 / sm80 (its auto MoE runner backend there), compressed-tensors NVFP4A16 on sm80-sm120
+and its W4A4 checkpoints on sm90 / sm80 (served weight-only). SGLang's refusals are ours.
+
+Not stored, compared by dtype and shape: FP4 Marlin's scratch ``workspace`` (sized by the GPU, SGLang's own function
+makes it) and ModelOpt's ``w*_blockscale_swizzled``, which its ``create_weights`` swizzles from the still
+uninitialized scale parameters and its Marlin path never writes or reads (their bytes are whatever memory held).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from repack.bundle.reader import open_bundle
+from repack.convert import convert
+from repack.errors import RepackError
+from repack.sample.synthetic import write_qwen_moe
+from repack.verify import verify_output
+
+from .conftest import PRODUCERS, assert_held_as, seeded_folder
+from .test_sglang_conformance import assert_stored_as, oracle_dumps, run_harness
+from .test_sglang_moe_conformance import _refused
+
+UNSTORED = ("workspace", "w13_blockscale_swizzled", "w2_blockscale_swizzled")
+# name -> (format, W4A4?, arch): the synthetic checkpoints (hidden 128, intermediate 128; 256 / 96 for the refusals)
+SYNTHETIC = {"mo": ("modelopt", True), "mo16": ("modelopt", False), "ct": ("compressed-tensors", True),
+             "ct16": ("compressed-tensors", False)}
+JOBS = [(n, a) for n in SYNTHETIC for a in ("sm90", "sm80")] + [("ct16", "sm120"), ("ct16", "sm100")]
+PRODUCER_JOBS = [("modelopt_moe_nvfp4", "sm90"), ("ct_moe_nvfp4", "sm80"), ("modelopt_moe_w4a16_nvfp4", "sm90"),
+                 ("ct_moe_nvfp4a16", "sm120"), ("modelopt_moe_i48_nvfp4", "sm90"), ("ct_moe_i48_nvfp4", "sm90")]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    gen, root, _ = seeded_folder(tmp_path_factory, "sglang-marlin-moe-ckpts")
+    out = {name: write_qwen_moe(root / name, fmt, generator=gen, layers=2, hidden=128, experts=4, intermediate=128,
+                                w4a4=w4a4, shared_input_scales=True) for name, (fmt, w4a4) in SYNTHETIC.items()}
+    return out | {name: PRODUCERS / name for name, _ in PRODUCER_JOBS}
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
+    return oracle_dumps(tmp_path_factory, "sglang-marlin-moe",
+                        [f"{n}-{a}={checkpoints[n]}:{a}" for n, a in JOBS + PRODUCER_JOBS])
+
+
+def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
+    bundle = open_bundle(bundle_dir)
+    theirs = load_file(dumped / f"rank-{rank}.safetensors")
+    meta = json.loads((dumped / f"rank-{rank}.json").read_text())
+    moe = {prefix: info for prefix, info in meta.items() if info.get("moe")}
+    assert set(moe) == set(bundle.manifest.moe) and set(meta) - set(moe) == set(bundle.manifest.layers)
+    for prefix, info in meta.items():
+        record = bundle.manifest.moe.get(prefix)
+        if record is not None:
+            assert (info["backend"], [info["method"]]) == (record.backend, record.kernels), prefix
+            assert set(record.tensors) == set(info["tensors"]) - set(UNSTORED), prefix
+        for name, view in info["tensors"].items():
+            if record is not None and name in UNSTORED:
+                continue
+            stored = view.get("alias", name)
+            if name == "workspace":
+                continue  # the dense layers' scratch (tests/test_sglang_conformance.py's SCRATCH)
+            check = assert_held_as if record is not None else assert_stored_as  # sm100's 6-D view of a dense buffer
+            check(bundle.read(f"{prefix}.{stored}"), view, theirs[f"{prefix}.{stored}"], (prefix, name))
+    return len(moe)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name,arch", JOBS + PRODUCER_JOBS, ids=[f"{n}-{a}" for n, a in JOBS + PRODUCER_JOBS])
+def test_marlin_moe_bundle_is_byte_identical_to_sglang(name, arch, tp, checkpoints, oracle, tmp_path):
+    dumped, out = oracle[tp] / f"{name}-{arch}", tmp_path / "bundle"
+    refused = _refused(dumped)
+    if refused is not None:
+        with pytest.raises(RepackError) as ours:
+            convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
+        assert "\n" not in str(ours.value) and not out.exists()
+        return
+    convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
+    for rank in range(tp):
+        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank) == 2
+    assert verify_output(out).passed
+
+
+def test_sglang_serves_these_moe_layers_with_fp4_marlin(oracle):
+    """The jobs above are SGLang's FP4 Marlin MoE (not another backend's state that happens to match)."""
+    for name, arch in JOBS:
+        for layer in json.loads((oracle[1] / f"{name}-{arch}" / "rank-0.json").read_text()).values():
+            if layer.get("moe"):
+                assert layer["tensors"]["w13_weight_scale_2"]["dtype"] == "bfloat16" and "workspace" in layer["tensors"]
+
+
+@pytest.mark.parametrize("fmt,arch", [("modelopt", "sm100"), ("modelopt", "sm120")])
+def test_weight_only_modelopt_moe_on_blackwell_is_refused_in_one_line(fmt, arch, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen, w4a4=False)
+    with pytest.raises(RepackError, match="served weight-only are not written for SGLang there") as e:
+        convert(ckpt, arch, tmp_path / "out", engine="sglang")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
+    """SGLang's state after loading each served job's bundle with --load-format nvfp4_repack, per TP size."""
+    bundles = tmp_path_factory.mktemp("sglang-marlin-moe-bundles")
+    out = {}
+    for tp in (1, 2):
+        jobs = []
+        for name, arch in JOBS + PRODUCER_JOBS:
+            if _refused(oracle[tp] / f"{name}-{arch}") is None:
+                folder = bundles / f"{name}-{arch}-{tp}"
+                convert(checkpoints[name], arch, folder, tp=tp, engine="sglang")
+                jobs.append(f"{name}-{arch}={folder}:{arch}-plugin")
+        out[tp] = tmp_path_factory.mktemp(f"sglang-marlin-moe-plugin-{tp}")
+        run_harness(tp, out[tp], jobs)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name,arch", JOBS + PRODUCER_JOBS, ids=[f"{n}-{a}" for n, a in JOBS + PRODUCER_JOBS])
+def test_plugin_loads_sglangs_own_marlin_moe_state(name, arch, tp, oracle, plugin_oracle):
+    """The same layers, tensors (name, dtype, shape, strides, offset, aliases) and non-tensor state; the bytes of
+    every tensor but ModelOpt's uninitialized ``w*_blockscale_swizzled`` placeholders (module docstring)."""
+    theirs = oracle[tp] / f"{name}-{arch}"
+    if _refused(theirs) is not None:
+        pytest.skip("refused (the byte-identity test)")
+    ours = plugin_oracle[tp] / f"{name}-{arch}"
+    for rank in range(tp):
+        assert not (ours / "refused.txt").exists(), (ours / "refused.txt").read_text()[-2000:]
+        assert json.loads((ours / f"rank-{rank}.json").read_text()) == json.loads(
+            (theirs / f"rank-{rank}.json").read_text())
+        got, want = (load_file(folder / f"rank-{rank}.safetensors") for folder in (ours, theirs))
+        assert set(got) == set(want)
+        for key, tensor in want.items():
+            if key.rpartition(".")[2] not in UNSTORED[1:]:
+                assert torch.equal(got[key], tensor), key
+
+
+@pytest.fixture(scope="module")
+def ep_oracle(checkpoints, tmp_path_factory) -> Path:
+    """SGLang's load of the synthetic checkpoints on sm90 with expert parallelism (``--ep-size 2``, TP 2)."""
+    out = tmp_path_factory.mktemp("sglang-marlin-moe-ep")
+    run_harness(2, out, [f"{name}-sm90={checkpoints[name]}:sm90+ep" for name in SYNTHETIC])
+    return out
+
+
+@pytest.mark.parametrize("name", list(SYNTHETIC))
+def test_marlin_moe_ep_ranks_are_byte_identical_to_sglang(name, checkpoints, ep_oracle, tmp_path):
+    """``convert --tp 2 --ep``: each rank's experts whole, ModelOpt's input scales every expert's."""
+    out = tmp_path / "bundle"
+    convert(checkpoints[name], "sm90", out, tp=2, ep=True, engine="sglang")
+    for rank in range(2):
+        assert assert_rank_identical(out / f"rank-{rank}", ep_oracle / f"{name}-sm90", rank) == 2
+    assert verify_output(out).passed
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_verify_fails_a_marlin_moe_tensor_that_is_not_sglangs(fmt, tmp_path):
+    """verify's exactness restates SGLang's Marlin MoE tensors from the source: a global scale SGLang computes
+    otherwise, or an expert's codes (through the inverse and the index formulas), is named."""
+    from repack.formats import read_source
+    from repack.formats.moe import expert_groups
+    from repack.targets.moe import MADE_FROM
+    from repack.verify import expert_plan
+    from repack.verify_moe import engine_expert_findings
+
+    gen = torch.Generator().manual_seed(1)
+    ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen,
+                          shared_input_scales=True)
+    convert(ckpt, "sm90", tmp_path / "out", engine="sglang")
+    bundle, source = open_bundle(tmp_path / "out"), read_source(ckpt)
+    module = "model.layers.0.mlp.experts"
+    record, layout = bundle.manifest.moe[module], bundle.moe_layout
+    plan, _ = expert_plan(record, expert_groups(source))
+    held = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n not in MADE_FROM}
+    weights = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n in MADE_FROM}
+
+    def rows(name, first, last):
+        return weights[name][first:last]
+
+    assert engine_expert_findings(source, plan, held, rows, layout) == []
+    wrong = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"] * 2}
+    assert engine_expert_findings(source, plan, wrong, rows, layout) == [
+        f"{module}: w2_weight_scale_2 is not what SGLang computes from the source's scales"]
+    weights["w2_weight"] = weights["w2_weight"].clone()
+    weights["w2_weight"][1, 0, 0] ^= 0x11
+    problems = engine_expert_findings(source, plan, held, rows, layout)
+    assert problems == [f"{module}.1.down_proj: codes differ", f"{module}.1.down_proj: codes or block scales read by "
+                        f"the {record.layout_id} index formulas differ from the source's"], problems
