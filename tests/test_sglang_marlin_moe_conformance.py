@@ -26,7 +26,7 @@ from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
 from .test_sglang_conformance import assert_stored_as, oracle_dumps, run_harness
-from .test_sglang_moe_conformance import _refused
+from .test_sglang_moe_conformance import _refused, assert_verify_names_what_is_not_sglangs
 
 UNSTORED = ("workspace", "w13_blockscale_swizzled", "w2_blockscale_swizzled")
 # name -> (format, W4A4?, arch): the synthetic checkpoints (hidden 128, intermediate 128; 256 / 96 for the refusals)
@@ -165,32 +165,4 @@ def test_marlin_moe_ep_ranks_are_byte_identical_to_sglang(name, checkpoints, ep_
 def test_verify_fails_a_marlin_moe_tensor_that_is_not_sglangs(fmt, tmp_path):
     """verify's exactness restates SGLang's Marlin MoE tensors from the source: a global scale SGLang computes
     otherwise, or an expert's codes (through the inverse and the index formulas), is named."""
-    from repack.formats import read_source
-    from repack.formats.moe import expert_groups
-    from repack.targets.moe import MADE_FROM
-    from repack.verify import expert_plan
-    from repack.verify_moe import engine_expert_findings
-
-    gen = torch.Generator().manual_seed(1)
-    ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen,
-                          shared_input_scales=True)
-    convert(ckpt, "sm90", tmp_path / "out", engine="sglang")
-    bundle, source = open_bundle(tmp_path / "out"), read_source(ckpt)
-    module = "model.layers.0.mlp.experts"
-    record, layout = bundle.manifest.moe[module], bundle.moe_layout
-    plan, _ = expert_plan(record, expert_groups(source))
-    held = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n not in MADE_FROM}
-    weights = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n in MADE_FROM}
-
-    def rows(name, first, last):
-        return weights[name][first:last]
-
-    assert engine_expert_findings(source, plan, held, rows, layout) == []
-    wrong = {**held, "w2_weight_scale_2": held["w2_weight_scale_2"] * 2}
-    assert engine_expert_findings(source, plan, wrong, rows, layout) == [
-        f"{module}: w2_weight_scale_2 is not what SGLang computes from the source's scales"]
-    weights["w2_weight"] = weights["w2_weight"].clone()
-    weights["w2_weight"][1, 0, 0] ^= 0x11
-    problems = engine_expert_findings(source, plan, held, rows, layout)
-    assert problems == [f"{module}.1.down_proj: codes differ", f"{module}.1.down_proj: codes or block scales read by "
-                        f"the {record.layout_id} index formulas differ from the source's"], problems
+    assert_verify_names_what_is_not_sglangs(fmt, "sm90", "w2_weight_scale_2", tmp_path)

@@ -265,6 +265,13 @@ def test_modelopt_gate_and_up_input_scales_that_differ_are_refused_for_sglang(tm
 def test_verify_fails_an_sglang_moe_tensor_that_is_not_sglangs(fmt, arch, tmp_path):
     """verify's exactness restates every SGLang MoE tensor from the source: a scalar SGLang computes otherwise, or an
     expert's codes (through the layout's inverse and, for the first and last expert, its index formulas), is named."""
+    assert_verify_names_what_is_not_sglangs(fmt, arch, "g1_alphas" if fmt == "modelopt" else "w13_input_scale_quant",
+                                            tmp_path)
+
+
+def assert_verify_names_what_is_not_sglangs(fmt: str, arch: str, scalar: str, tmp_path: Path) -> None:
+    """An SGLang MoE bundle's first layer passes verify's per-expert exactness; the same with ``scalar`` doubled, or
+    one code byte of expert 1's down_proj flipped, fails it, naming the tensor or the expert."""
     gen = torch.Generator().manual_seed(1)
     ckpt = write_qwen_moe(tmp_path / "ckpt", fmt, hidden=128, experts=2, intermediate=128, generator=gen,
                           shared_input_scales=True)
@@ -273,15 +280,13 @@ def test_verify_fails_an_sglang_moe_tensor_that_is_not_sglangs(fmt, arch, tmp_pa
     module = "model.layers.0.mlp.experts"
     record, layout = bundle.manifest.moe[module], bundle.moe_layout
     plan, _ = expert_plan(record, expert_groups(source))
-    names = [n for n in record.tensors if n not in MADE_FROM]
-    held = {n: bundle.read(f"{module}.{n}") for n in names}
+    held = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n not in MADE_FROM}
     weights = {n: bundle.read(f"{module}.{n}") for n in record.tensors if n in MADE_FROM}
 
     def rows(name, first, last):
         return weights[name][first:last]
 
     assert engine_expert_findings(source, plan, held, rows, layout) == []
-    scalar = "g1_alphas" if fmt == "modelopt" else "w13_input_scale_quant"
     wrong = {**held, scalar: held[scalar] * 2}
     assert engine_expert_findings(source, plan, wrong, rows, layout) == [
         f"{module}: {scalar} is not what SGLang computes from the source's scales"]

@@ -277,6 +277,7 @@ def test_sm120_weight_only_bundle_is_vllms_marlin_state_or_both_refuse(name, arc
 V034_DENSE = [(n, a, t) for n in DENSE for a, t in (("sm80", "sm80"), ("sm75", "sm75"))]
 V034_MOE = MOE[:4]
 V034_WEIGHT_ONLY = [(n, a) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS]
+V034_MOE_JOBS = [(n, "sm80") for n in V034_MOE] + V034_WEIGHT_ONLY
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +285,7 @@ def oracle_034(checkpoints, tmp_path_factory) -> dict:
     python = _vllm_python("0.34")
     out = {}
     for kind, jobs in (("dense", [(n, a) for n, a, _ in V034_DENSE]),
-                       ("moe", [(n, "sm80-moe") for n in V034_MOE] + [(n, f"{a}-moe") for n, a in V034_WEIGHT_ONLY])):
+                       ("moe", [(n, f"{a}-moe") for n, a in V034_MOE_JOBS])):
         folder = tmp_path_factory.mktemp(f"vllm034-marlin-{kind}")
         args = [a for name, arch in jobs for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--out", str(folder), *args], check=True, timeout=1500,
@@ -317,25 +318,10 @@ def test_marlin_bundle_holds_vllm_034s_kernel_tensors(name, arch, target, checkp
         _assert_held_034(held, info, theirs, prefix)
 
 
-@pytest.mark.parametrize("name", V034_MOE)
-def test_marlin_moe_bundle_holds_vllm_034s_kernel_tensors(name, checkpoints, oracle_034, tmp_path):
-    dumped = oracle_034["moe"] / f"{name}-sm80-moe"
-    assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
-    convert(checkpoints[name], "sm80", tmp_path / "bundle", fuse=True, vllm="0.34")
-    bundle = open_bundle(tmp_path / "bundle")
-    theirs = load_file(dumped / "moe-rank-0.safetensors")
-    meta = json.loads((dumped / "moe-rank-0.json").read_text())
-    assert sorted(meta) == sorted(bundle.moe_layers())
-    for module, info in meta.items():
-        assert (info["backend"], info["experts"]) == ("MARLIN", "MarlinExperts"), info
-        held = {k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT}
-        _assert_held_034(held, info, theirs, module)
-
-
-@pytest.mark.parametrize("name,arch", V034_WEIGHT_ONLY, ids=[f"{n}-{a}" for n, a in V034_WEIGHT_ONLY])
-def test_weight_only_moe_bundle_holds_vllm_034s_marlin_tensors(name, arch, checkpoints, oracle_034, tmp_path):
-    """vLLM 0.34's auto serves weight-only experts with Marlin on sm80, sm100 and sm120 too: each FusedMoE module
-    holds the bundle's tensors under their names, byte for byte."""
+@pytest.mark.parametrize("name,arch", V034_MOE_JOBS, ids=[f"{n}-{a}" for n, a in V034_MOE_JOBS])
+def test_marlin_moe_bundle_holds_vllm_034s_kernel_tensors(name, arch, checkpoints, oracle_034, tmp_path):
+    """vLLM 0.34 serves Marlin MoE on sm80 (W4A4 and weight-only experts) and weight-only experts on sm100 and sm120
+    too: each FusedMoE module holds the bundle's tensors under their names, byte for byte."""
     dumped = oracle_034["moe"] / f"{name}-{arch}-moe"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     convert(checkpoints[name], arch, tmp_path / "bundle", fuse=True, vllm="0.34")
