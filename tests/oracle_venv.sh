@@ -22,7 +22,7 @@ _venv_relocate() {  # folder from to: the path `from` that pip and venv wrote (t
     # a path ends (before /, a quote, a blank or the line's end: not /x/.venv-vllm inside /x/.venv-vllm-0.34), says `to`
     local dir=$1 from=$2 to=$3 file pattern d=$'\001'  # sed's delimiter: a byte no path holds
     pattern=$(printf '%s' "$from" | sed 's/[][\.*^$]/\\&/g')
-    grep -rlIF -- "$from" "$dir/bin" "$dir/pyvenv.cfg" 2>/dev/null | while IFS= read -r file; do
+    { grep -rlIF -- "$from" "$dir/bin" "$dir/pyvenv.cfg" 2>/dev/null || true; } | while IFS= read -r file; do
         [ -L "$file" ] || sed -i "s$d$pattern\\([/'\" ]\\|\$\\)$d$to\\1${d}g" "$file"
     done
 }
@@ -43,8 +43,10 @@ _venv_fail() {  # staging message: remove the staging folder, say why, fail
     return 1
 }
 
-build_venv() {
-    local venv=$1 requirements=$2 package=$3 want staging
+build_venv() {  # VENV is made absolute and canonical first: `python -m venv` writes its folder's canonical path,
+    # which is what _venv_relocate looks for (a VENV given as tests/sglang/../../.venv-sglang is found nowhere)
+    local venv requirements=$2 package=$3 want staging
+    venv=$(realpath -m "$1")
     want=$(venv_stamp "$requirements")
     if venv_fresh "$venv" "$want"; then return 0; fi
     staging=$(_venv_staging "$venv")
@@ -59,7 +61,8 @@ build_venv() {
 }
 
 derive_venv() {  # base venv stamp package; returns 2 where base cannot be hard-linked (another file system)
-    local base=$1 venv=$2 want=$3 package=$4 staging
+    local base venv want=$3 package=$4 staging
+    base=$(realpath -m "$1") venv=$(realpath -m "$2")
     if venv_fresh "$venv" "$want"; then return 0; fi
     staging=$(_venv_staging "$venv")
     cp -al "$base" "$staging" 2>/dev/null || { rm -rf "$staging"; return 2; }

@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).parent / "oracle_venv.sh"
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 set -eu
 [ "$1 $2" = "-m venv" ] || exit 3
-dir=$3
+dir=$(realpath -m "$3")  # as the real one: the folder's canonical path, whatever path it was given
 mkdir -p "$dir/bin"
 printf 'home = /usr/bin\ncommand = python -m venv %s\n' "$dir" > "$dir/pyvenv.cfg"
 printf "VIRTUAL_ENV='%s'\nexport VIRTUAL_ENV\n" "$dir" > "$dir/bin/activate"
@@ -66,16 +66,20 @@ def shebangs(venv: Path) -> set[str]:
     return {line for line in lines if line.startswith("#!")}
 
 
-def test_build_renames_a_complete_venv_whose_paths_name_it(shell, tmp_path):
+@pytest.mark.parametrize("given", [".venv-x", "sub/../.venv-x"], ids=["plain", "dotdot"])
+def test_build_renames_a_complete_venv_whose_paths_name_it(shell, tmp_path, given):
+    """tests/sglang/make_env.sh names its venv tests/sglang/../../.venv-sglang: built all the same, its canonical path
+    written in its files."""
     venv, req = tmp_path / ".venv-x", requirements(tmp_path, "six==1\n")
-    done = shell(f'build_venv "{venv}" "{req}" pkg==1')
+    (tmp_path / "sub").mkdir()
+    done = shell(f'build_venv "{tmp_path / given}" "{req}" pkg==1')
     assert done.returncode == 0, done.stderr
     assert (venv / ".requirements.sha256").read_text().strip() == hashlib.sha256(req.read_bytes()).hexdigest()
     assert (venv / "installed.txt").read_text().splitlines() == [f"-q torch==2.13.0 -r {req}", "-q --no-deps pkg==1"]
     assert shebangs(venv) == {f"#!{venv}/bin/python"}
     assert f"VIRTUAL_ENV='{venv}'" in (venv / "bin" / "activate").read_text()
     assert f"-m venv {venv}\n" in (venv / "pyvenv.cfg").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".venv-x", "fakebin", "requirements.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".venv-x", "fakebin", "requirements.txt", "sub"]
 
 
 def test_a_failed_rebuild_leaves_the_previous_venv(shell, tmp_path):
