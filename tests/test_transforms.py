@@ -144,7 +144,8 @@ def test_patched_model_matches_both_references(tmp_path, fixture, target):
     """Weight-only bundles (W4A4 checkpoints too: the references keep activations unquantized; W4A4 bundles of
     rotated checkpoints are checked by verify's fake-quant reference, test_w4a4_rotated_bundles_...)."""
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, target, out, weight_only=True, vllm="0.33")
+    # vLLM 0.33 serves sm100's rotated weight-only layers (QuTLASS on FlashInfer), 0.34 sm120's (Marlin: engines.py)
+    convert(PRODUCERS / fixture, target, out, weight_only=True, vllm="0.34" if target == "sm120" else "0.33")
     manifest = open_bundle(out).manifest
     source = read_source(PRODUCERS / fixture)
     assert set(manifest.transforms) == set(source.transforms.matrices), "each distinct matrix stored once"
@@ -170,7 +171,7 @@ def test_fused_bundle_runs_the_checkpoints_function(tmp_path, fixture):
     """--fuse: each fused module carries its partitions' one input (and output) transform; patch_model runs the
     fused bundle as the float reference computes (vLLM's state: tests/test_vllm_conformance.py)."""
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, "sm120", out, fuse=True, weight_only=True, vllm="0.33")  # the reference's bf16 activations
+    convert(PRODUCERS / fixture, "sm120", out, fuse=True, weight_only=True, vllm="0.34")  # the reference's bf16 activations
     manifest = open_bundle(out).manifest
     source = read_source(PRODUCERS / fixture)
     for prefix, record in manifest.layers.items():
@@ -193,7 +194,7 @@ def test_output_transforms_per_partition_of_a_fused_module(tmp_path, monkeypatch
     own matrix, which verify's float64 reference (the source's function) holds it to: skipping them fails."""
     source = output_variant(tmp_path / "source", variant)
     out = tmp_path / "bundle"
-    convert(source, "sm120", out, fuse=True, weight_only=weight_only, vllm="0.33")
+    convert(source, "sm120", out, fuse=True, weight_only=weight_only, vllm="0.34" if weight_only else "0.33")
     record = open_bundle(out).manifest.layers["model.layers.0.self_attn.qkv_proj"]
     assert [t.partitions for t in record.transforms if t.location == "output"] == parts
     seed = int(torch.randint(0, 2**31, ()))
@@ -282,7 +283,7 @@ def test_refused_producer_checkpoints(tmp_path, fixture):
 @pytest.mark.parametrize("fixture", ["ct_nvfp4a16", "ct_quip_vu_rhad16_nvfp4"])
 def test_models_of_every_dtype_run_and_match(tmp_path, fixture, dtype):
     out = tmp_path / "bundle"
-    convert(PRODUCERS / fixture, "sm120", out, weight_only=True, vllm="0.33")  # the reference's unquantized activations
+    convert(PRODUCERS / fixture, "sm120", out, weight_only=True, vllm="0.34")  # the reference's unquantized activations
     patched = dequantized_llama(fixture).to(dtype)
     patch_model(patched, out)
     with torch.no_grad():
