@@ -857,10 +857,11 @@ def served_scheme(source: SourceModel) -> str:
 
 
 def _rescale_errors(source: SourceModel, plan: BundlePlan) -> dict[str, float]:
-    """The relative L2 error ``--rescale`` adds to each rescaled layer of ``plan``: recorded in its manifest,
-    where verify bounds the layer's actual departure from the source by it."""
-    dense = {prefix: rescale_error(source, layer) for prefix, layer in plan.layers.layers.items()
-             if any(piece.scale_ratio != 1.0 for piece in layer.pieces)}
+    """The relative L2 error ``--rescale`` adds to each rescaled layer of ``plan``, as the layout's kernel reads the
+    rescaled weights (Marlin: scales flushed): recorded in its manifest, where verify bounds the layer's actual
+    departure from the source by it."""
+    dense = {prefix: rescale_error(source, layer, plan.target.as_read(assemble(source, layer)))
+             for prefix, layer in plan.layers.layers.items() if any(piece.scale_ratio != 1.0 for piece in layer.pieces)}
     return dense | {module: expert_rescale_error(source, experts) for module, experts in plan.layers.experts.items()
                     if experts.rescale}
 
