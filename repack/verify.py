@@ -518,7 +518,9 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     against the layout and the bundle's config; with the source, every expert exact (``expert_findings``: folded
     scalars and gate against up for every expert, codes, block scales and padding a chunk of experts at a time),
     then numerics (``expert_numerics``: computed as the FP4 x FP4 MoE GEMMs do against the float64 source) on the
-    experts :func:`numerics_experts` picks for ``numerics`` (``all``, ``sample`` or ``odd``)."""
+    experts :func:`numerics_experts` picks for ``numerics`` (``all``, ``sample`` or ``odd``). Another engine's state
+    (SGLang's): exactness tensor by tensor (``engine_expert_findings``), numerics through what its kernel reads
+    (``engine_expert_numerics``)."""
     record = bundle.manifest.moe[module]
     layout = bundle.moe_layout
     check = TensorCheck(module)

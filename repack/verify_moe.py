@@ -4,6 +4,8 @@ The layout's inverse recovers every expert's codes and block scales, which must 
 rank's rows) bit for bit; the scalars vLLM folds (alphas, the shared input scale) are not invertible, so they are
 recomputed from the source's and compared byte for byte, and so is the padding once the experts' data is exact.
 A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as a named expert and projection.
+Numerics then compute sampled experts from the held tensors read by the layout's index formulas, scaled as the
+engine's kernel reads them (vLLM's folded alphas; SGLang's names and scalars: its layouts' ``kernel_scalars``).
 """
 
 from __future__ import annotations
