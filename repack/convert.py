@@ -782,7 +782,7 @@ def engine_target(family: Target, engine: str, source: SourceModel, weight_only:
                           "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
     if expert_groups(source):
         moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
-        check_sglang_moe_architecture(source.checkpoint.config)
+        check_sglang_moe_architecture(source.checkpoint.config, expert_groups(source))
         _check_sglang_moe_input_scales(source)
     return target
 

@@ -2,7 +2,8 @@
 layers beside it) that SGLang serves through FP4 Marlin holds, per TP rank, exactly what SGLang's own ``get_model``
 leaves on its module (every tensor by name, dtype, shape, strides, offset and storage bytes): ModelOpt NVFP4 and
 W4A16_NVFP4 on an emulated sm90 / sm80 (its auto MoE runner backend there), compressed-tensors NVFP4A16 on sm80-sm120
-and its W4A4 checkpoints on sm90 / sm80 (served weight-only). SGLang's refusals are ours.
+and its W4A4 checkpoints on sm90 / sm80 (served weight-only); Qwen2-MoE (its dense shared expert beside the experts)
+on sm90, and NVFP4A16 on sm100 (the shared expert FlashInfer's bf16 x fp4). SGLang's refusals are ours.
 
 Not stored, compared by dtype and shape: FP4 Marlin's scratch ``workspace`` (sized by the GPU, SGLang's own function
 makes it) and ModelOpt's ``w*_blockscale_swizzled``, which its ``create_weights`` swizzles from the still
@@ -26,13 +27,17 @@ from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
 from .test_sglang_conformance import assert_stored_as, oracle_dumps, run_harness
-from .test_sglang_moe_conformance import _refused, assert_verify_names_what_is_not_sglangs
+from .test_sglang_moe_conformance import PASSTHROUGH, _refused, assert_verify_names_what_is_not_sglangs
 
 UNSTORED = ("workspace", "w13_blockscale_swizzled", "w2_blockscale_swizzled")
-# name -> (format, W4A4?, arch): the synthetic checkpoints (hidden 128, intermediate 128; 256 / 96 for the refusals)
-SYNTHETIC = {"mo": ("modelopt", True), "mo16": ("modelopt", False), "ct": ("compressed-tensors", True),
-             "ct16": ("compressed-tensors", False)}
-JOBS = [(n, a) for n in SYNTHETIC for a in ("sm90", "sm80")] + [("ct16", "sm120"), ("ct16", "sm100")]
+# name -> (format, W4A4?, the shared expert's intermediate size: Qwen2-MoE, else Qwen3-MoE): the synthetic checkpoints
+# (hidden 128, intermediate 128)
+SYNTHETIC = {"mo": ("modelopt", True, 0), "mo16": ("modelopt", False, 0), "ct": ("compressed-tensors", True, 0),
+             "ct16": ("compressed-tensors", False, 0), "q2mo": ("modelopt", True, 96),
+             "q2ct16": ("compressed-tensors", False, 96)}
+JOBS = ([(n, a) for n in ("mo", "mo16", "ct", "ct16") for a in ("sm90", "sm80")]
+        + [("ct16", "sm120"), ("ct16", "sm100"), ("q2mo", "sm90"), ("q2ct16", "sm100")])
+EP = ("mo", "mo16", "ct", "ct16", "q2mo")  # on sm90 with --ep
 PRODUCER_JOBS = [("modelopt_moe_nvfp4", "sm90"), ("ct_moe_nvfp4", "sm80"), ("modelopt_moe_w4a16_nvfp4", "sm90"),
                  ("ct_moe_nvfp4a16", "sm120"), ("modelopt_moe_i48_nvfp4", "sm90"), ("ct_moe_i48_nvfp4", "sm90")]
 
@@ -41,7 +46,8 @@ PRODUCER_JOBS = [("modelopt_moe_nvfp4", "sm90"), ("ct_moe_nvfp4", "sm80"), ("mod
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     gen, root, _ = seeded_folder(tmp_path_factory, "sglang-marlin-moe-ckpts")
     out = {name: write_qwen_moe(root / name, fmt, generator=gen, layers=2, hidden=128, experts=4, intermediate=128,
-                                w4a4=w4a4, shared_input_scales=True) for name, (fmt, w4a4) in SYNTHETIC.items()}
+                                w4a4=w4a4, shared_input_scales=True, shared_expert=shared)
+           for name, (fmt, w4a4, shared) in SYNTHETIC.items()}
     return out | {name: PRODUCERS / name for name, _ in PRODUCER_JOBS}
 
 
@@ -63,7 +69,7 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
             assert (info["backend"], [info["method"]]) == (record.backend, record.kernels), prefix
             assert set(record.tensors) == set(info["tensors"]) - set(UNSTORED), prefix
         for name, view in info["tensors"].items():
-            if record is not None and name in UNSTORED:
+            if (record is not None and name in UNSTORED) or (record is None and name in PASSTHROUGH):
                 continue
             stored = view.get("alias", name)
             if name == "workspace":
@@ -147,11 +153,11 @@ def test_plugin_loads_sglangs_own_marlin_moe_state(name, arch, tp, oracle, plugi
 def ep_oracle(checkpoints, tmp_path_factory) -> Path:
     """SGLang's load of the synthetic checkpoints on sm90 with expert parallelism (``--ep-size 2``, TP 2)."""
     out = tmp_path_factory.mktemp("sglang-marlin-moe-ep")
-    run_harness(2, out, [f"{name}-sm90={checkpoints[name]}:sm90+ep" for name in SYNTHETIC])
+    run_harness(2, out, [f"{name}-sm90={checkpoints[name]}:sm90+ep" for name in EP])
     return out
 
 
-@pytest.mark.parametrize("name", list(SYNTHETIC))
+@pytest.mark.parametrize("name", EP)
 def test_marlin_moe_ep_ranks_are_byte_identical_to_sglang(name, checkpoints, ep_oracle, tmp_path):
     """``convert --tp 2 --ep``: each rank's experts whole, ModelOpt's input scales every expert's."""
     out = tmp_path / "bundle"

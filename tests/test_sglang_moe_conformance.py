@@ -9,7 +9,11 @@ both); SGLang's refusals are ours, and its plugin loads each bundle into that st
 Checkpoints: the producers' Qwen3-MoE fixtures (hidden 64: refused by SGLang's TRT-LLM-gen; intermediate 128 and 48)
 and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 at TP 1 and to 64 per rank at TP 2, where
 SGLang cuts the rows 64 + 32; CUTLASS refuses ModelOpt's 2I = 192; hidden 256 with five experts; gate and up
-multipliers apart), in both formats, each expert's gate and up input scales equal as the producers calibrate them. SGLang runs in its venv through tests/sglang/harness.py.
+multipliers apart), in both formats, each expert's gate and up input scales equal as the producers calibrate them;
+a synthetic Qwen2-MoE (a dense NVFP4 shared expert beside each FusedMoE, its bf16 ``shared_expert_gate``, q/k/v
+biases; ModelOpt on sm100 run with ``--moe-runner-backend flashinfer_trtllm``, SGLang's auto there being "auto" for
+it); the producers' Qwen2-MoE, whose dense first layer SGLang builds as MoE, refused. SGLang runs in its venv through
+tests/sglang/harness.py.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvf
 # "apart": gate and up multipliers that differ, which only ModelOpt's TRT-LLM-gen state holds (g1_alphas_up,
 # g1_scale_c); SGLang's CUTLASS paths scale both halves with gate's (we refuse those)
 SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256),
-             "apart": dict(hidden=128, experts=4, intermediate=128, shared_scales=False)}
+             "apart": dict(hidden=128, experts=4, intermediate=128, shared_scales=False),
+             "qwen2": dict(hidden=128, experts=4, intermediate=128, shared_expert=96)}  # Qwen2-MoE: + a shared expert
 FORMATS = ("modelopt", "compressed-tensors")
 NAMES = PRODUCER_FIXTURES + [f"{shape}-{fmt}" for shape in SYNTHETIC for fmt in FORMATS]
 JOBS = [(name, arch) for name in NAMES for arch in ARCHS]
@@ -51,15 +56,17 @@ def _format(name: str) -> str:
 
 
 def _spec(name: str, arch: str) -> str:
-    """The harness's ARCH[@MOE_BACKEND]: SGLang run with the MoE runner backend the bundle is for (auto: none)."""
+    """The harness's ARCH[@MOE_BACKEND]: SGLang run with the MoE runner backend the bundle is for (auto: none; its auto
+    picks TRT-LLM-gen on sm100 for Qwen3-MoE only)."""
     backend = SGLANG_MOE_BACKENDS[(_format(name), arch)]
-    return arch if backend == "auto" or (arch, backend) == ("sm100", "flashinfer_trtllm") else f"{arch}@{backend}"
+    picked = (arch, backend) == ("sm100", "flashinfer_trtllm") and not name.startswith("qwen2")
+    return arch if backend == "auto" or picked else f"{arch}@{backend}"
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     gen, root, _ = seeded_folder(tmp_path_factory, "sglang-moe-ckpts")
-    out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
+    out = {name: PRODUCERS / name for name in (*PRODUCER_FIXTURES, "ct_qwen2_moe_nvfp4")}
     for shape, kwargs in SYNTHETIC.items():
         for fmt in FORMATS:
             out[f"{shape}-{fmt}"] = write_qwen_moe(root / f"{shape}-{fmt}", fmt, generator=gen, layers=2,
@@ -67,8 +74,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-# jobs beside the bundles' own: SGLang's plain auto for ModelOpt on sm120 (what the bundle's backend avoids)
-AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120")}
+# jobs beside the bundles' own: SGLang's plain auto for ModelOpt on sm120 and for Qwen2-MoE on sm100 (what the
+# bundle's backend avoids); the producers' Qwen2-MoE (a dense first layer, refused)
+AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120"),
+             "qwen2-modelopt-sm100auto": ("qwen2-modelopt", "sm100"),
+             "ct_qwen2_moe_nvfp4-sm100": ("ct_qwen2_moe_nvfp4", "sm100")}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +100,11 @@ def _storage_groups(names: dict[str, str]) -> set[frozenset[str]]:
     for name, held in names.items():
         groups.setdefault(held, set()).add(name)
     return {frozenset(g) for g in groups.values()}
+
+
+# a dense layer's bf16 tensors that are no NVFP4 state (Qwen2-MoE's qkv bias): the bundle passes the checkpoint's
+# through and SGLang's own loader fuses them (the plugin tests compare them with SGLang's load of the source)
+PASSTHROUGH = {"bias"}
 
 
 def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
@@ -117,6 +132,8 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
     for prefix, info in meta.items():
         if prefix not in moe:
             for name, view in info["tensors"].items():
+                if name in PASSTHROUGH:
+                    continue
                 stored = view.get("alias", name)
                 assert_held_as(bundle.read(f"{prefix}.{stored}"), view, theirs[f"{prefix}.{stored}"], (prefix, name))
     return len(moe)
@@ -184,13 +201,28 @@ def test_sglang_refuses_what_we_refuse(oracle):
     assert ep is not None and "_num_global_routed % storage_ep_size == 0" in ep
 
 
-def test_sglang_auto_on_sm120_leaves_a_state_its_runner_does_not_read(oracle):
-    """Why the ModelOpt sm120 bundle is for --moe-runner-backend flashinfer_cutlass: SGLang's auto (without
-    --quantization modelopt_fp4) leaves the runner backend "auto", whose create_moe_runner takes TRT-LLM-gen
-    (sm100-only kernels) and whose load makes no g1_scale_c for it."""
-    info = json.loads((oracle[1] / "modelopt_moe_nvfp4-sm120auto" / "rank-0.json").read_text())
+@pytest.mark.parametrize("job", ["modelopt_moe_nvfp4-sm120auto", "qwen2-modelopt-sm100auto"])
+def test_sglang_auto_leaves_a_state_its_runner_does_not_read(job, oracle):
+    """Why the ModelOpt sm120 bundle is for --moe-runner-backend flashinfer_cutlass and a Qwen2-MoE sm100 one for
+    flashinfer_trtllm: SGLang's auto (without --quantization modelopt_fp4 on sm120; on sm100 for a model with no
+    override) leaves the runner backend "auto", whose create_moe_runner takes TRT-LLM-gen (sm100-only kernels) and
+    whose load makes no g1_scale_c for it."""
+    info = json.loads((oracle[1] / job / "rank-0.json").read_text())
     moe = [layer for layer in info.values() if layer.get("moe")]
     assert moe and all(layer["backend"] == "auto" and "g1_scale_c" not in layer["tensors"] for layer in moe)
+
+
+def test_qwen2_moe_with_a_dense_layer_is_refused_as_sglang_builds_it_as_moe(oracle, tmp_path):
+    """SGLang 0.5.23's Qwen2-MoE reads no mlp_only_layers: the producers' fixture (layer 0 dense) gets a FusedMoE and a
+    shared expert in layer 0, and the checkpoint's dense MLP there is held nowhere. Refused for both producers."""
+    meta = json.loads((oracle[1] / "ct_qwen2_moe_nvfp4-sm100" / "rank-0.json").read_text())
+    assert meta["model.layers.0.mlp.experts"]["moe"] and "model.layers.0.mlp.shared_expert.gate_up_proj" in meta
+    assert "model.layers.0.mlp.gate_proj" in read_source(PRODUCERS / "ct_qwen2_moe_nvfp4").layers
+    assert not any(prefix.startswith("model.layers.0.mlp.gate_up_proj") for prefix in meta)
+    for fixture in ("ct_qwen2_moe_nvfp4", "modelopt_qwen2_moe_nvfp4"):
+        with pytest.raises(RepackError, match="layer 0 has a dense MLP .* builds every .* layer as MoE") as refused:
+            convert(PRODUCERS / fixture, "sm100", tmp_path / "out", engine="sglang")
+        assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("fixture,says", [
@@ -228,6 +260,7 @@ def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
                 jobs.append(f"{name}-{arch}={folder}:{arch_plugin}{ep}")
         if key == 1:
             jobs.append(f"backend-mismatch={bundles / 'modelopt_moe_nvfp4-sm120-1'}:sm120-plugin")
+            jobs.append(f"qwen2-backend-mismatch={bundles / 'qwen2-modelopt-sm100-1'}:sm100-plugin")
         if key == "ep":  # a --tp bundle (rows split) under SGLang's expert parallelism
             jobs.append(f"ep-mismatch={bundles / 'ct_moe_nvfp4-sm100-2'}:sm100-plugin+ep")
         out[key] = tmp_path_factory.mktemp(f"sglang-moe-plugin-{key}")
@@ -245,6 +278,7 @@ def test_plugin_loads_sglangs_own_moe_state(name, arch, key, oracle, plugin_orac
 
 
 @pytest.mark.parametrize("key,job,says", [(1, "backend-mismatch", "serve it with --moe-runner-backend flashinfer_cutlass"),
+                                          (1, "qwen2-backend-mismatch", "serve it with --moe-runner-backend flashinfer_trtllm"),
                                           ("ep", "ep-mismatch", "serve it without --ep-size")])
 def test_plugin_refuses_another_moe_placement_in_one_line(key, job, says, plugin_oracle):
     first = (plugin_oracle[key] / job / "refused.txt").read_text().splitlines()[0]

@@ -11,7 +11,8 @@ post-load state for this rank, under SGLang's names, so this loader:
 3. loads every other tensor through SGLang's own weight loaders (``model.load_weights``);
 4. gives each bundle layer the bundle's tensors, under SGLang's names, with the aliases SGLang makes
    (``weight_scale_interleaved`` sharing ``weight_scale``'s storage) and the state it keeps beside them
-   (``weights_padding_cols``), instead of running its ``process_weights_after_loading``; each FusedMoE module
+   (``weights_padding_cols``; FP4 Marlin's bias padded and permuted), instead of running its
+   ``process_weights_after_loading``; each FusedMoE module
    likewise (its aliases, the packed names compressed-tensors drops, and the non-tensor state SGLang's MoE
    post-load sets: :func:`_finish_moe`), once SGLang's MoE runner backend is the bundle's; every other module's
    post-load runs as in a load from the source.
@@ -122,6 +123,17 @@ def _weight_only_state(module: nn.Module, layout: str, kernel: str, device: torc
         setattr(module, name, value)
     if kernel == MARLIN_KERNEL:
         module.workspace = marlin_utils_fp4.marlin_make_workspace(device)
+        if getattr(module, "bias", None) is not None:
+            module.bias = nn.Parameter(_marlin_bias(module.bias, module.weight_scale.shape[1]), requires_grad=False)
+
+
+def _marlin_bias(bias: torch.Tensor, padded_n: int) -> torch.Tensor:
+    """A layer's bf16 bias (Qwen2's q/k/v: the checkpoint's, which SGLang's own loader fused and cut) as FP4 Marlin's
+    ``prepare_nvfp4_layer_for_marlin`` leaves it: padded to Marlin's N and permuted by SGLang's own
+    ``marlin_permute_bias`` (no NVFP4 state: a bundle passes biases through)."""
+    from sglang.srt.layers.quantization import marlin_utils_fp4
+
+    return marlin_utils_fp4.marlin_permute_bias(nn.functional.pad(bias, (0, padded_n - bias.shape[0])))
 
 
 def _bf16_fp4_prepared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -101,8 +101,15 @@ SGLANG_MOE_LAYOUTS = {("modelopt", "sm100"): "sglang-modelopt-moe-trtllm-v1",
 SGLANG_MOE_BACKENDS = {("modelopt", "sm100"): "flashinfer_trtllm", ("modelopt", "sm120"): "flashinfer_cutlass",
                        ("compressed-tensors", "sm100"): "auto", ("compressed-tensors", "sm120"): "auto"}
 # the MoE architectures whose SGLang load is checked (Mixtral: SGLang loads ModelOpt's experts as dense layers,
-# QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded)
-SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded). Qwen2-MoE: its shared
+# expert a dense NVFP4 MLP beside the FusedMoE (never fused into it: models/qwen2_moe.py passes no
+# support_shared_expert_fusion), and no model override, so ModelOpt on sm100 is served with --moe-runner-backend
+# flashinfer_trtllm (its auto there leaves "auto", as on sm120)
+SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# the MoE architectures SGLang 0.5.23 builds with a FusedMoE on every decoder layer, reading neither mlp_only_layers
+# nor decoder_sparse_step (qwen2_moe.py stage_facts: "all layers are sparse"): a checkpoint layer with a dense MLP
+# gets experts that nothing loads, its dense MLP's weights dropped
+SGLANG_ALL_LAYERS_MOE = ("Qwen2MoeForCausalLM",)
 # SGLang's FP4 Marlin MoE state per source format (targets/sglang_marlin_moe.py: moe_marlin's bytes, SGLang's names):
 # ModelOpt's auto MoE backend on sm80-sm9x (NVFP4 and W4A16_NVFP4), compressed-tensors NVFP4A16 on every GPU and its
 # W4A4 checkpoints below sm100 (CompressedTensorsW4A16Nvfp4MoE)

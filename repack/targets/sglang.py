@@ -41,6 +41,7 @@ from . import families, moe_cutlass, moe_trtllm, w4a4
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .engines import (
     SGLANG_0523,
+    SGLANG_ALL_LAYERS_MOE,
     SGLANG_BF16_FP4_LAYOUT,
     SGLANG_DENSE_BACKENDS,
     SGLANG_LAYOUTS,
@@ -603,9 +604,18 @@ MOE_REFUSED_ARCHITECTURES = {
 }
 
 
-def check_sglang_moe_architecture(config: dict) -> None:
-    """A one-line refusal of an MoE architecture whose SGLang load is not checked here (or not an NVFP4 FusedMoE)."""
+def check_sglang_moe_architecture(config: dict, moe_modules: Collection[str]) -> None:
+    """A one-line refusal of an MoE architecture whose SGLang load is not checked here (or not an NVFP4 FusedMoE), and
+    of a checkpoint whose dense MLP layers SGLang builds as FusedMoE (``SGLANG_ALL_LAYERS_MOE``; ``moe_modules``: the
+    source's FusedMoE layers, ``model.layers.N.mlp.experts``)."""
     arch = (config.get("architectures") or ["?"])[0]
+    if arch in SGLANG_ALL_LAYERS_MOE:
+        sparse = {int(m.split(".")[2]) for m in moe_modules}
+        dense = [i for i in range(int(config.get("num_hidden_layers", 0))) if i not in sparse]
+        if dense:
+            raise RepackError(f"--engine sglang: {arch} layer {', '.join(map(str, dense))} has a dense MLP "
+                              f"(mlp_only_layers / decoder_sparse_step), but SGLang 0.5.23 builds every {arch} layer "
+                              "as MoE: it would load no experts there and drop the dense MLP; serve it with vLLM")
     if arch in SGLANG_MOE_ARCHITECTURES:
         return
     why = MOE_REFUSED_ARCHITECTURES.get(arch, f"its SGLang load is not checked here yet; written for SGLang: "
