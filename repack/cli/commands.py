@@ -56,7 +56,8 @@ stderr = _Console(stderr=True)
 TargetOpt = Annotated[
     list[str],
     typer.Option("--target", "-t", metavar="TARGET",
-                 help="Target GPU family (see `nvfp4-repack targets`); repeat it, or `all`, for several in one pass."),
+                 help="Target GPU family (see `nvfp4-repack targets`), or a GPU's name (A100, L4, T4, H100, B200, "
+                      "\"RTX 4090\"); repeat it, or `all`, for several in one pass."),
 ]
 LinearBackend = Enum("LinearBackend", {name: name for name in (AUTO, *LINEAR_BACKENDS)}, type=str)  # vLLM's names
 
@@ -113,7 +114,7 @@ def _default_out(model: Path | str, targets: list[str]) -> Path:
     """``<model>-<target>`` (the first name given), or ``<model>-bundles`` for several target families (a Hub id's
     name part)."""
     name = Path(model).expanduser().resolve().name if Path(model).expanduser().exists() else str(model).rsplit("/")[-1]
-    suffix = "bundles" if several_families(targets) else targets[0].strip().lower()
+    suffix = "bundles" if several_families(targets) else "-".join(targets[0].lower().split())  # "RTX 4090": rtx-4090
     return Path(f"{name}-{suffix}")
 
 
@@ -481,26 +482,48 @@ def targets(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows, indent=2))
         return
+    cells = [_target_cells(row) for row in rows]
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
-                   "GPUs"):
+    for column in TARGET_COLUMNS:
         table.add_column(column)
-    for row in rows:
-        w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
-        served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
-                  for engine, versions in layout["engines"].items()}
-        if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
-            schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
-            served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
-        moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
-        table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)), row["description"])
-    stdout.print(table)
+    for row in cells:
+        table.add_row(*row.values())
+    if stdout.measure(table, options=stdout.options.update_width(UNCUT)).maximum <= stdout.width:
+        stdout.print(table)
+    else:  # narrower than the table (a terminal of 80 or 120 columns): one block per target, nothing cut
+        for row in cells:
+            stdout.print(f"[bold]{row['target']}[/]: {row['GPUs']}; SM {row['SM']}; aliases {row['aliases']}",
+                         highlight=False)
+            for column in TARGET_COLUMNS[3:-1]:
+                stdout.print(f"  {column}: {row[column]}", highlight=False)
+    stdout.print("--target also takes a GPU name, as nvidia-smi prints it or short: A100, L40S, RTX 4090, T4, H100, "
+                 "B200, RTX 5090, ...", highlight=False)
+    for row in rows:  # the kernel classes vLLM runs on each layout (the W4A4 layout's: its auto's first)
+        kernels = "; ".join(f"{scheme} {', '.join(layout['kernels'])}" for scheme, layout in row["layouts"].items())
+        stdout.print(f"{row['name']} vLLM kernels: {kernels}", highlight=False)
     for family, backend, scheme, layout_id in BACKEND_LAYOUTS:
         stdout.print(f"{family} --linear-backend {backend} ({scheme} checkpoints): {layout_id}", highlight=False)
     for version in ENGINES:  # what a version holds differently from a bundle: convert refuses it for that version
         for feature, why in version.refuses.items():
             stdout.print(f"{version.label} ({version.release} checked) refuses {feature}: {why}", highlight=False)
+
+
+TARGET_COLUMNS = ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
+                  "GPUs")
+
+
+def _target_cells(row: dict) -> dict[str, str]:
+    """One family's ``targets`` row as text, by column."""
+    w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
+    served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
+              for engine, versions in layout["engines"].items()}
+    if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
+        schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
+        served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
+    moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
+    return dict(zip(TARGET_COLUMNS, (row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
+                                     row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)),
+                                     row["description"])))
 
 
 def _holding(layout_id: str) -> dict[str, list[str]]:
