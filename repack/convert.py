@@ -662,7 +662,9 @@ def convert(
     parse_size(max_shard_size)  # a bad shard size fails before any work
     single = not several_families(target_name)
     if (fuse or tp > 1) and not single:
-        raise RepackError("--fuse/--tp take one target; convert each target in a run of its own")
+        what = ("--fuse/--tp take" if engine == "vllm" else
+                f"--engine {engine} (its bundles are fused, as the engine holds them) takes")
+        raise RepackError(f"{what} one target; convert each target in a run of its own")
     if resume and tp > 1:
         raise RepackError("--resume is not supported with --tp; convert again without --resume")
     if ep and tp == 1:

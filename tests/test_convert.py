@@ -265,6 +265,9 @@ def test_bench_convert_with_a_missing_dir_is_a_one_line_usage_error(tmp_path):
            f"'--max-shard-size': shard size '{size}': expected a positive size") for size in ("5", "abc", "0GB", "-1GB")],
         (["convert", "--sample", "-t", "all", "--fuse", "-o", "x"], 2, "--fuse/--tp take one target family"),
         (["convert", "--sample", "-t", "all", "--tp", "2", "-o", "x"], 2, "--fuse/--tp take one target family"),
+        # audit: this read "--fuse/--tp take one target" (neither given; --engine sglang fuses)
+        (["convert", "--sample", "-t", "all", "--engine", "sglang", "-o", "x"], 2,
+         "--engine sglang (its bundles are fused, as the engine holds them) takes one target family"),
         (["convert", "--sample", "-t", "sm100", "--tp", "2", "--resume", "-o", "x"], 2, "--resume is not supported with --tp"),
         (["convert", "--sample", "-t", "sm100", "--bogus", "-o", "x"], 2, "No such option: --bogus"),
     ],
