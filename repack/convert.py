@@ -777,7 +777,8 @@ def engine_target(family: Target, engine: str, source: SourceModel, weight_only:
     """``family``'s layout of ``engine``'s state for ``source`` (``weight_only``: as the engine serves it weight-only),
     or a one-line refusal of what it cannot serve."""
     if source.transforms.layers:
-        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
+        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang; convert without --engine "
+                          "for vLLM, which serves them (docs/transforms-serving.md)")
     target = family.for_engine(engine, source.format, source.activation_scheme, weight_only)
     if target is None:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "

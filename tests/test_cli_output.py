@@ -115,6 +115,19 @@ def test_a_gpu_name_converts_into_a_folder_named_after_it(tmp_path, capsys, monk
     assert json.loads((tmp_path / "tiny-llama-nvfp4-rtx-4090" / "manifest.json").read_text())["target"] == "sm80"
 
 
+@pytest.mark.parametrize("target,gpus,flashinfer", [("sm80", "A100, A30, A10, A40, L4, L40S", False),
+                                                     ("sm100", "B200, GB200, B300", True)])
+def test_inspect_names_a_bundles_gpus_and_no_empty_flashinfer_line(tmp_path, capsys, monkeypatch, target, gpus,
+                                                                     flashinfer):
+    """Audit (issue 36.6): ``inspect`` of a Marlin bundle named no GPU and printed "FlashInfer versions checked: "
+    with nothing after it (Marlin runs no FlashInfer code at load)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert _cli(["convert", "--sample", "-t", target, "-o", tmp_path / "b"], capsys)[0] == 0
+    code, out, _ = _cli(["inspect", tmp_path / "b"], capsys)
+    assert code == 0 and f"target {target} (" in out and gpus in out.splitlines()[0], out
+    assert ("FlashInfer versions checked: 0.7" in out) == flashinfer and "checked: \n" not in out, out
+
+
 # --- words ------------------------------------------------------------------------------------------------------------
 
 

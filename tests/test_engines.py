@@ -186,3 +186,10 @@ def test_several_targets_for_sglang_are_refused_naming_the_engine(tmp_path):
                                           "takes one target; convert each target in a run of its own$"):
         convert(PRODUCERS / "ct_nvfp4", ["sm100", "sm120"], tmp_path / "out", engine="sglang")
     assert not list(tmp_path.iterdir())
+
+
+def test_engine_is_case_insensitive_as_target_is(tmp_path, capsys):
+    """Audit: ``-t SM100`` worked, ``--engine SGLang`` was a usage error."""
+    code, _, err = cli(capsys, "convert", "--sample", "-t", "SM100", "--engine", "SGLang", "-o", tmp_path / "b")
+    assert code == 0, err
+    assert open_bundle(tmp_path / "b").manifest.engines == {"sglang": ["0.5.23"]}

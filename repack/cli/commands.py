@@ -195,9 +195,9 @@ def convert(
                                  "with the same flag): e.g. flashinfer_cutedsl on sm120 for FlashInfer's cute-dsl "
                                  "W4A16 kernel; default auto, vLLM's own choice.")] = LinearBackend.auto,
     engine: Annotated[Engine, typer.Option(
-        "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
-                         "dense W4A4 and weight-only checkpoints, and W4A4 Qwen3-MoE, its fused modules under its "
-                         "names; docs/sglang.md).")] = Engine.vllm,
+        "--engine", case_sensitive=False, help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
+                         "dense and MoE checkpoints, its fused modules under its names, for one target; what is "
+                         "written for which GPU and backend: docs/sglang.md).")] = Engine.vllm,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
         "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
@@ -270,11 +270,12 @@ def _inspect_bundle(path: Path) -> None:
     bundle = open_bundle(path)
     manifest = bundle.manifest
     stdout.print(f"[bold]bundle[/] {show(path)}  target [bold]{show(manifest.target)}[/] "
-                 f"({show(manifest.layout_id)}), format v{manifest.bundle_format_version}, "
-                 f"tool {show(manifest.tool_version)}")
+                 f"({show(manifest.layout_id)}; {show(bundle.target.description)}), "
+                 f"format v{manifest.bundle_format_version}, tool {show(manifest.tool_version)}")
     stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
                  f"from {show(manifest.source.path)}")
-    stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
+    if manifest.flashinfer_versions:  # a FlashInfer layout's (Marlin's and sm90's run no FlashInfer code at load)
+        stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
     engine = "vLLM" if bundle.target.engine == "vllm" else bundle.target.engine  # whose kernels the manifest names
     stdout.print(f"scheme {show(manifest.scheme)}; {engine} kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
     stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
