@@ -176,7 +176,7 @@ def test_inspect_names_the_engine_whose_kernels_a_bundle_records(capsys, tmp_pat
     monkeypatch.setenv("COLUMNS", "300")
     convert(PRODUCERS / "modelopt_w4a16_nvfp4", "sm90", tmp_path / "out", engine="sglang")
     code, out, _ = cli(capsys, "inspect", tmp_path / "out")
-    assert code == 0 and "scheme W4A16; sglang kernels: marlin" in " ".join(out.split())
+    assert code == 0 and "scheme W4A16; SGLang kernels: marlin" in " ".join(out.split())
 
 
 def test_several_targets_for_sglang_are_refused_naming_the_engine(tmp_path):
@@ -193,3 +193,12 @@ def test_engine_is_case_insensitive_as_target_is(tmp_path, capsys):
     code, _, err = cli(capsys, "convert", "--sample", "-t", "SM100", "--engine", "SGLang", "-o", tmp_path / "b")
     assert code == 0, err
     assert open_bundle(tmp_path / "b").manifest.engines == {"sglang": ["0.5.23"]}
+
+
+def test_inspect_names_sglangs_moe_backend_not_vllms(tmp_path, capsys, monkeypatch):
+    """Audit: an SGLang MoE bundle's table read "(vLLM backend auto, CompressedTensorsW4A4Nvfp4MoE)"."""
+    monkeypatch.setenv("COLUMNS", "300")
+    convert(PRODUCERS / "ct_moe_nvfp4", "sm120", tmp_path / "out", engine="sglang")
+    code, out, _ = cli(capsys, "inspect", tmp_path / "out")
+    text = " ".join(out.split())
+    assert code == 0 and "(SGLang backend auto, CompressedTensorsW4A4Nvfp4MoE)" in text and "vLLM" not in text, text

@@ -19,6 +19,7 @@ from rich.table import Table
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
 from ..targets.engines import (
+    DISPLAY_NAMES,
     ENGINES,
     SGLANG_0523,
     SGLANG_DENSE_BACKENDS,
@@ -276,7 +277,7 @@ def _inspect_bundle(path: Path) -> None:
                  f"from {show(manifest.source.path)}")
     if manifest.flashinfer_versions:  # a FlashInfer layout's (Marlin's and sm90's run no FlashInfer code at load)
         stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
-    engine = "vLLM" if bundle.target.engine == "vllm" else bundle.target.engine  # whose kernels the manifest names
+    engine = DISPLAY_NAMES[bundle.target.engine]  # whose kernels (SGLang: its FP4 GEMM backend) the manifest names
     stdout.print(f"scheme {show(manifest.scheme)}; {engine} kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
     stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
                                              for engine, versions in manifest.engines.items())))
@@ -302,7 +303,7 @@ def _inspect_bundle(path: Path) -> None:
                       *([show(transforms or "-")] if manifest.transforms else []))
     stdout.print(table)
     if manifest.moe:
-        stdout.print(_moe_table(manifest))
+        stdout.print(_moe_table(manifest, engine))
     if manifest.transforms:
         stdout.print(f"{count(len(manifest.transforms), 'online-transform matrix', 'online-transform matrices')}, "
                      f"each stored once: "
@@ -310,10 +311,11 @@ def _inspect_bundle(path: Path) -> None:
                                  for name, rec in manifest.transforms.items()), soft_wrap=True)
 
 
-def _moe_table(manifest) -> Table:
-    """A bundle's FusedMoE layers: vLLM's module, the experts it holds, top-k, sizes, layout and vLLM backend."""
+def _moe_table(manifest, engine: str) -> Table:
+    """A bundle's FusedMoE layers: the engine's module, the experts it holds, top-k, sizes, layout and the engine's MoE
+    backend."""
     first = next(iter(manifest.moe.values()))
-    table = Table(title=f"{count(len(manifest.moe), 'FusedMoE layer')}, layout {show(first.layout_id)} (vLLM backend "
+    table = Table(title=f"{count(len(manifest.moe), 'FusedMoE layer')}, layout {show(first.layout_id)} ({engine} backend "
                         f"{show(first.backend)}, {show(' or '.join(first.kernels))})")
     for column in ("module", "experts held", "top-k", "hidden", "intermediate (rows)", "input scale of"):
         table.add_column(column)
