@@ -760,9 +760,12 @@ def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_b
     if target is None:
         written = sorted({b for t in family.layouts if t.engine == "vllm" and t.scheme == served_scheme(source)
                           for b, kernels in LINEAR_BACKENDS.items() if set(kernels) & set(t.kernels)})
+        hopper = linear_backend == "marlin" and max(family.compute_capabilities) < (10, 0)  # sm90: the GPU tests' case
+        marlin = ("; for vLLM's Marlin there, convert with -t sm80 (Marlin's bytes, which the plugin serves on any GPU "
+                  "from sm80: docs/marlin.md)" if hopper else "")
         raise RepackError(f"--linear-backend {linear_backend} -t {family.name}: vLLM's kernel for a "
                           f"{served_scheme(source)} checkpoint there holds no layout written here; --linear-backend "
-                          f"{' or '.join([AUTO, *written])}")
+                          f"{' or '.join([AUTO, *written])}{marlin}")
     return target
 
 

@@ -128,6 +128,15 @@ def test_inspect_names_a_bundles_gpus_and_no_empty_flashinfer_line(tmp_path, cap
     assert ("FlashInfer versions checked: 0.7" in out) == flashinfer and "checked: \n" not in out, out
 
 
+def test_marlin_on_hopper_points_to_the_sm80_bundle(tmp_path, capsys, monkeypatch):
+    """Audit (issue 36): ``-t sm90 --linear-backend marlin`` (vLLM's Marlin on an H100, as the GPU tests serve it) said
+    only "--linear-backend auto"; the sm80 bundle is the one to convert, as the sm90 MoE refusal says."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _cli(["convert", "--sample", "-t", "H100", "--linear-backend", "marlin", "-o", "b"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "; for vLLM's Marlin there, convert with -t sm80" in err, err
+    assert not list(tmp_path.iterdir())
+
+
 # --- words ------------------------------------------------------------------------------------------------------------
 
 

@@ -469,7 +469,10 @@ def targets(as_json: JsonOpt = False) -> None:
     share), a weight-only one into its W4A16 layout (sm120: Marlin's, vLLM's auto there); sm90 (no FP4 tensor cores)
     is weight-only for every checkpoint, and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps
     its activation scalars unused). MoE layers (convert --fuse / --tp N) take the family's MoE layout for the
-    checkpoint's scheme (weight-only experts: Marlin's on sm80, sm100 and sm120); sm90 and sm75 refuse MoE.
+    checkpoint's scheme (weight-only experts: Marlin's on sm80, sm100 and sm120; sm75: fp16 Marlin's); sm90 refuses MoE
+    (convert for sm80: vLLM serves Marlin on Hopper with --moe-backend marlin). --target also takes a GPU's name.
+    "served by" names the engine versions whose post-load state each family's bundles are (SGLang's: convert --engine
+    sglang, docs/sglang.md).
     """
     rows = [
         {
