@@ -53,7 +53,7 @@ from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.families import AUTO, LINEAR_BACKENDS, MARLIN
 from .targets.engines import (ENGINE_NAMES, HADAMARD_W4A4, QUTLASS_MARLIN, EngineVersion, bundle_engines,
-                              resolve_version)
+                              engine_versions, resolve_version, serves)
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.sglang import check_sglang_moe_architecture
 from .targets.w4a4 import runs_humming, runs_qutlass
@@ -841,6 +841,22 @@ def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
         if not marlin and source.activation_scheme == "W4A4" and runs_humming(inputs, outputs):
             found.add(HADAMARD_W4A4)
     return sorted(found)
+
+
+def vllm_versions(source: SourceModel, family: str) -> list[str] | None:
+    """The vLLM versions whose state ``convert`` writes for ``source`` on ``family`` by default (fused where the model
+    has experts): every supported version, but where one serves a layer otherwise (targets/engines.py), so that
+    ``inspect`` says before a convert refuses it; None where the default convert refuses the plan itself (it says
+    why)."""
+    try:
+        target = vllm_target(resolve_target(family), source, False, AUTO)
+        layers = plan_layers(source, fuse=bool(expert_groups(source)), input_scales=target.scheme == "W4A4")[0]
+        if layers.experts:
+            moe_layout(target)
+        plan = plan_bundle(source, target, layers)
+    except RepackError:
+        return None
+    return [v.version for v in engine_versions("vllm") if serves(v, _layout_ids(plan), _features(source, plan))]
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:

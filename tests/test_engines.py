@@ -202,3 +202,18 @@ def test_inspect_names_sglangs_moe_backend_not_vllms(tmp_path, capsys, monkeypat
     code, out, _ = cli(capsys, "inspect", tmp_path / "out")
     text = " ".join(out.split())
     assert code == 0 and "(SGLang backend auto, CompressedTensorsW4A4Nvfp4MoE)" in text and "vLLM" not in text, text
+
+
+def test_inspect_of_a_source_says_which_vllm_versions_each_target_serves(capsys, monkeypatch):
+    """Audit (issue 35.1): ``inspect`` of a rotated W4A4 source said "possible targets: sm100, ..." and the default
+    convert then refused sm100 (vLLM 0.34 runs Humming's kernel there); now it names the version per target."""
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = cli(capsys, "inspect", PRODUCERS / ROTATED_W4A4)
+    assert code == 0 and ("possible targets: sm100 (vLLM 0.33 only: convert --vllm 0.33), sm120 (vLLM 0.33 only: "
+                          "convert --vllm 0.33), sm90, sm80, sm75") in out, out
+    info = json.loads(cli(capsys, "inspect", PRODUCERS / "ct_quip_v_had16_nvfp4a16", "--json")[1])
+    assert info["vllm_versions"] == {"sm100": ["0.33", "0.34"], "sm120": ["0.34"], "sm90": ["0.33", "0.34"],
+                                     "sm80": ["0.33", "0.34"], "sm75": ["0.33", "0.34"]}
+    assert "sm120 (vLLM 0.34 only), sm90" in cli(capsys, "inspect", PRODUCERS / "ct_quip_v_had16_nvfp4a16")[1]
+    assert json.loads(cli(capsys, "inspect", PRODUCERS / "modelopt_moe_nvfp4", "--json")[1])["vllm_versions"] == {
+        name: ["0.33", "0.34"] for name in ("sm100", "sm120", "sm80", "sm75")}

@@ -338,6 +338,7 @@ def _transform_summary(source) -> list[dict]:
 
 
 def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
+    from ..convert import vllm_versions
     from ..formats import read_source
 
     source = read_source(model, revision=revision)
@@ -358,8 +359,10 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
         "transforms": _transform_summary(source),
         "moe": _moe_summary(source),
     }
-    # the families convert writes this source for (an MoE one: those with an MoE layout, with --fuse / --tp)
+    # the families convert writes this source for (an MoE one: those with an MoE layout, with --fuse / --tp), and per
+    # family the vLLM versions its default bundle serves (a rotated checkpoint's may be one: convert refuses the other)
     info["targets"] = [t.name for t in FAMILIES if info["moe"] is None or (info["moe"].get("layouts") or {}).get(t.name)]
+    info["vllm_versions"] = {name: vllm_versions(source, name) for name in info["targets"]}
     if as_json:
         print(json.dumps(info, indent=2))
         return
@@ -392,7 +395,11 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
                      f"{'/'.join(map(str, moe['intermediate']))}, {moe['shared_expert_modules']} shared-expert "
                      f"modules; vLLM's MoE layouts: {layouts} (convert --fuse / --tp writes them: docs/moe.md)")
     moe = " (with --fuse or --tp N)" if info["moe"] and info["targets"] else ""
-    stdout.print(f"possible targets: {', '.join(info['targets']) or 'none'}{moe}")
+    every = [v.version for v in engine_versions("vllm")]
+    named = [name + ("" if not versions or versions == every else f" (vLLM {', '.join(versions)} only"
+                     + ("" if versions[-1] == every[-1] else f": convert --vllm {versions[-1]}") + ")")
+             for name, versions in info["vllm_versions"].items()]
+    stdout.print(f"possible targets: {', '.join(named) or 'none'}{moe}", highlight=False)
 
 
 def _activation_scales(source) -> list[str]:
