@@ -647,28 +647,11 @@ def convert(
     ``engine``: the serving engine whose post-load state the bundles hold: ``vllm``, or ``sglang`` (SGLang 0.5.23:
     its fused modules, always, under its names and scalars; docs/sglang.md).
     """
-    if engine not in ENGINE_NAMES:
-        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
-    _check_linear_backend(linear_backend, weight_only=weight_only, engine=engine)
-    if engine != "vllm":
-        if vllm is not None:
-            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
-        _check_engine_options(engine, rescale=rescale)
-        fuse = True  # the engine's fused modules
-    version = resolve_version(engine, vllm)
-    if tp < 1:
-        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    version, fuse = check_options(target_name, max_shard_size=max_shard_size, fuse=fuse, tp=tp, ep=ep, resume=resume,
+                                  rescale=rescale, weight_only=weight_only, linear_backend=linear_backend,
+                                  engine=engine, vllm=vllm)
     targets = resolve_targets(target_name)
-    parse_size(max_shard_size)  # a bad shard size fails before any work
     single = not several_families(target_name)
-    if (fuse or tp > 1) and not single:
-        what = ("--fuse/--tp take" if engine == "vllm" else
-                f"--engine {engine} (its bundles are fused, as the engine holds them) takes")
-        raise RepackError(f"{what} one target; convert each target in a run of its own")
-    if resume and tp > 1:
-        raise RepackError("--resume is not supported with --tp; convert again without --resume")
-    if ep and tp == 1:
-        raise RepackError("--ep: expert parallelism places experts on --tp N ranks; give --tp N with N > 1")
     out = Path(out)
     source = read_source(model, revision=revision)
     if not single:
@@ -682,6 +665,36 @@ def convert(
     except BaseException:
         _remove_if_empty(created)
         raise
+
+
+def check_options(target_name: str | Sequence[str], *, max_shard_size: int | str = "5GB", fuse: bool = False, tp: int = 1,
+                  ep: bool = False, resume: bool = False, rescale: bool = False, weight_only: bool = False,
+                  linear_backend: str = AUTO, engine: str = "vllm", vllm: str | None = None) -> tuple[EngineVersion, bool]:
+    """:func:`convert`'s option values and combinations, refused in one line before anything is read (the CLI reports
+    them as bad usage, exit code 2). Returns the engine version the bundles are for, and whether they are fused (an
+    engine other than vLLM holds its fused modules always)."""
+    if engine not in ENGINE_NAMES:
+        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
+    _check_linear_backend(linear_backend, weight_only=weight_only, engine=engine)
+    if engine != "vllm":
+        if vllm is not None:
+            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
+        _check_engine_options(engine, rescale=rescale)
+        fuse = True  # the engine's fused modules
+    version = resolve_version(engine, vllm)
+    if tp < 1:
+        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    parse_size(max_shard_size)  # a bad shard size fails before any work
+    if (fuse or tp > 1) and several_families(target_name):
+        what = ("--fuse/--tp take" if engine == "vllm" else
+                f"--engine {engine} (its bundles are fused, as the engine holds them) takes")
+        raise RepackError(f"{what} one target family; convert each target in a run of its own")
+    if resume and tp > 1:
+        raise RepackError("--resume is not supported with --tp (a --tp convert keeps nothing when interrupted); "
+                          "run the command again without --resume")
+    if ep and tp == 1:
+        raise RepackError("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
+    return version, fuse
 
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,

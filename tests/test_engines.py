@@ -183,7 +183,7 @@ def test_several_targets_for_sglang_are_refused_naming_the_engine(tmp_path):
     """Audit: ``convert(..., ["sm100", "sm120"], engine="sglang")`` said "--fuse/--tp take one target", flags the user
     never gave (an SGLang bundle is fused as SGLang holds it)."""
     with pytest.raises(RepackError, match=r"^--engine sglang \(its bundles are fused, as the engine holds them\) "
-                                          "takes one target; convert each target in a run of its own$"):
+                                          "takes one target family; convert each target in a run of its own$"):
         convert(PRODUCERS / "ct_nvfp4", ["sm100", "sm120"], tmp_path / "out", engine="sglang")
     assert not list(tmp_path.iterdir())
 

@@ -120,24 +120,23 @@ def _default_out(model: Path | str, targets: list[str]) -> Path:
 
 
 def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Callable[[str], int], *, fuse: bool,
-                         tp: int, ep: bool, resume: bool, vllm: str | None = None, engine: str = "vllm") -> None:
-    """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything (the
-    library refuses the same with RepackError)."""
+                         tp: int, ep: bool, resume: bool, rescale: bool, weight_only: bool, linear_backend: str,
+                         engine: str, vllm: str | None) -> None:
+    """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything: the
+    library's own checks (:func:`repack.convert.check_options`), a value's refusal naming its flag."""
+    from ..convert import check_options
+
     for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size)),
                         ("--vllm", lambda: resolve_version("vllm", vllm))):
         try:
             check()
         except RepackError as exc:
             raise typer.BadParameter(str(exc), param_hint=f"'{flag}'") from None
-    if (fuse or tp > 1 or engine != "vllm") and several_families(target):
-        what = ("--fuse/--tp take" if engine == "vllm" else
-                f"--engine {engine} (its bundles are fused, as the engine holds them) takes")
-        raise typer.BadParameter(f"{what} one target family; convert each target in a run of its own")
-    if resume and tp > 1:
-        raise typer.BadParameter("--resume is not supported with --tp (a --tp convert keeps nothing when interrupted); "
-                                 "run the command again without --resume")
-    if ep and tp < 2:
-        raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
+    try:
+        check_options(target, max_shard_size=max_shard_size, fuse=fuse, tp=tp, ep=ep, resume=resume, rescale=rescale,
+                      weight_only=weight_only, linear_backend=linear_backend, engine=engine, vllm=vllm)
+    except RepackError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _check_out(out: str, source: str) -> Path:
@@ -219,8 +218,8 @@ def convert(
     from ..convert import convert as run_convert
 
     source = _model_or_sample(model, sample, "MODEL")
-    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume, vllm=vllm,
-                         engine=engine.value)
+    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume, rescale=rescale,
+                         weight_only=weight_only, linear_backend=linear_backend.value, engine=engine.value, vllm=vllm)
     destination = _check_out(out, source) if out is not None else _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
