@@ -490,6 +490,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels), "engines": _holding(layout_id)}
                         for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
             "moe_layouts": MOE_LAYOUTS.get(t.name, {}),
+            "sglang": _sglang_support(t.name),
             "description": t.description,
         }
         for t in FAMILIES
@@ -532,13 +533,21 @@ def _target_cells(row: dict) -> dict[str, str]:
     w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
     served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
               for engine, versions in layout["engines"].items()}
-    if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
-        schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
-        served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
+    if row["sglang"]:  # with --engine sglang (docs/sglang.md)
+        served.add(f"sglang {row['sglang']['version']} ({row['sglang']['serves']}, --engine sglang)")
     moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
     return dict(zip(TARGET_COLUMNS, (row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
                                      row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)),
                                      row["description"])))
+
+
+def _sglang_support(family: str) -> dict[str, str] | None:
+    """What ``convert --engine sglang`` writes for ``family``: SGLang's version and the dense schemes (None: nothing,
+    sm75)."""
+    if family not in SGLANG_WEIGHT_ONLY_FAMILIES:
+        return None
+    serves = "W4A4, W4A16" if family in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
+    return {"version": SGLANG_0523.version, "serves": serves}
 
 
 def _holding(layout_id: str) -> dict[str, list[str]]:
