@@ -212,6 +212,7 @@ def convert(
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
       nvfp4-repack convert ./Qwen3-30B-A3B-NVFP4 --target sm100 --tp 4 --ep -o qwen3-moe-sm100-ep4
       nvfp4-repack convert nvidia/Llama-3.1-8B-Instruct-FP4 -t sm100 -t sm120 -t sm90 -o llama  # llama/sm100, ...
+      nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target "RTX 4090" -o llama-4090  # a GPU's name: sm80 (Marlin)
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --engine sglang -o llama-sglang-sm100
     """
     from ..bundle.plan import parse_size
@@ -524,7 +525,7 @@ def targets(as_json: JsonOpt = False) -> None:
             stdout.print(f"{version.label} ({version.release} checked) refuses {feature}: {why}", highlight=False)
 
 
-TARGET_COLUMNS = ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
+TARGET_COLUMNS = ("target", "aliases", "SM", "runtime backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
                   "GPUs")
 
 
