@@ -172,6 +172,26 @@ def bundle_engines(chosen: EngineVersion, layout_ids: Iterable[str], features: I
 
 
 def running_row(engine: str, running: str) -> EngineVersion | None:
-    """The row of the running release ``running`` (``0.34.0``, ``0.34.1.dev3``), if supported."""
-    series = ".".join(running.split(".")[:2])
-    return next((v for v in engine_versions(engine) if v.version == series), None)
+    """The row of the running release ``running`` (vLLM ``0.34.0``, ``0.34.1.dev3``: series ``0.34``; SGLang
+    ``0.5.23``, ``0.5.23.post1``: ``0.5.23``, a row as precise as its ``version``), if supported."""
+    parts = running.split(".")
+    return next((v for v in engine_versions(engine) if v.version == ".".join(parts[:v.version.count(".") + 1])), None)
+
+
+DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+VERSION_FLAGS = {"vllm": "--vllm"}  # convert's flag that picks the engine's version (SGLang has one version)
+
+
+def check_running(engine: str, listed: list[str], running: str, where: object) -> None:
+    """A bundle whose manifest lists ``listed`` versions of ``engine`` is served by the running release only if it is
+    one of them (another version's state may differ): else a one-line refusal naming what to run instead."""
+    row = running_row(engine, running)
+    if row is not None and row.version in listed:
+        return
+    name = DISPLAY_NAMES[engine]
+    supported = ", ".join(v.version for v in engine_versions(engine))
+    flag = VERSION_FLAGS.get(engine)
+    fix = (f"re-convert it with {flag} {row.version}" if row is not None and flag else
+           f"nvfp4-repack supports {name} {supported}")
+    raise RepackError(f"{where}: the bundle is for {name} {', '.join(listed) or 'none'}, but {name} {running} is "
+                      f"running; serve it with {name} {' or '.join(listed) or supported}, or {fix}")
