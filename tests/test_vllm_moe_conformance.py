@@ -126,24 +126,32 @@ def _assert_ranks_identical(source, dumped, layout, tp: int, ep: bool, version: 
 MOE_ALIASES = {"0.34": {"w13_weight_packed": "w13_weight", "w2_weight_packed": "w2_weight"}}
 MOE_DERIVED = {"0.34": {"_a1_gscale": "w13_input_scale", "_a2_gscale": "w2_input_scale"}}
 MOE_PRIVATE = {"0.34": {"FLASHINFER_TRTLLM": {"_experts_g1_scale_c"}}}
+# vLLM 0.34's ModelOpt MoE registers its input scales for weight-only experts too, which nothing loads or reads (retired;
+# their bytes are whatever memory held): checked by name, dtype, rows and ``retired``
+MOE_UNLOADED = {"0.34": {"modelopt": {"w13_input_scale", "w2_input_scale"}}}
 
 
 def _assert_version_extras(module: str, info: dict, theirs: dict, ours: dict, fmt: str, backend: str,
                            version: str) -> set[str]:
-    """vLLM ``version``'s extra FusedMoE tensors (:data:`MOE_ALIASES`, :data:`MOE_DERIVED`, :data:`MOE_PRIVATE`),
-    checked; returns their names."""
+    """vLLM ``version``'s extra FusedMoE tensors (:data:`MOE_ALIASES`, :data:`MOE_DERIVED`, :data:`MOE_PRIVATE`,
+    :data:`MOE_UNLOADED`), checked; returns their names."""
     views = info["tensors"]
     aliases = MOE_ALIASES.get(version, {}) if fmt == "compressed-tensors" else {}
     for alias, name in aliases.items():
         assert views[alias]["aliases"] == [name] and views[alias]["runtime_name"] == name, (module, alias)
         assert torch.equal(theirs[f"{module}.{alias}"], theirs[f"{module}.{name}"]), (module, alias)
-    derived = MOE_DERIVED.get(version, {})
+    derived = {} if backend == "MARLIN" else MOE_DERIVED.get(version, {})  # its W4A16 quant config derives none
     for name, scale in derived.items():
         assert torch.equal(theirs[f"{module}.{name}"], 1.0 / ours[scale]), (module, name)
     private = MOE_PRIVATE.get(version, {}).get(backend, set())
     for name in private:
         assert (views[name]["dtype"], views[name]["shape"]) == ("float32", [ours["w13_weight"].shape[0]]), (module, name)
-    return set(aliases) | set(derived) | private
+    unloaded = MOE_UNLOADED.get(version, {}).get(fmt, set()) - set(ours)
+    for name in unloaded:
+        view = views[name]
+        assert view["retired"] and view["dtype"] == "float32", (module, name)
+        assert view["shape"][0] == ours["w13_weight"].shape[0], (module, name)
+    return set(aliases) | set(derived) | private | unloaded
 
 
 def _assert_rank_state(dumped, rank: int, layout, held: dict, source, where, version: str = "0.33") -> None:
