@@ -57,8 +57,8 @@ from .targets.layout import is_aligned
 from .targets.sglang import restated_differences
 from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 from .targets.moe import MADE_FROM, moe_specs
-from .verify_moe import (EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, engine_expert_findings, expert_findings,
-                         expert_numerics, scalar_names)
+from .verify_moe import (EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, engine_expert_findings, engine_expert_numerics,
+                         expert_findings, expert_numerics, scalar_names)
 
 NUMERIC_TOLERANCE = 1e-2
 LAYERS_IN_FLIGHT = min(2, os.cpu_count() or 1)  # layers checked at once on the CPU (single-threaded torch each):
@@ -518,7 +518,9 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     against the layout and the bundle's config; with the source, every expert exact (``expert_findings``: folded
     scalars and gate against up for every expert, codes, block scales and padding a chunk of experts at a time),
     then numerics (``expert_numerics``: computed as the FP4 x FP4 MoE GEMMs do against the float64 source) on the
-    experts :func:`numerics_experts` picks for ``numerics`` (``all``, ``sample`` or ``odd``)."""
+    experts :func:`numerics_experts` picks for ``numerics`` (``all``, ``sample`` or ``odd``). Another engine's state
+    (SGLang's): exactness tensor by tensor (``engine_expert_findings``), numerics through what its kernel reads
+    (``engine_expert_numerics``)."""
     record = bundle.manifest.moe[module]
     layout = bundle.moe_layout
     check = TensorCheck(module)
@@ -535,20 +537,29 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
         return check
     if record.input_scales != input_scale_scope(src):
         check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
-    if getattr(layout, "engine", "vllm") != "vllm":  # SGLang's state: exactness, tensor by tensor
+    w4a4 = not layout.WEIGHT_ONLY  # Marlin: weight-only experts
+    if getattr(layout, "engine", "vllm") != "vllm":  # SGLang's state: exactness tensor by tensor, its kernel's scalars
         held = {name: bundle.read(f"{module}.{name}") for name in specs if name not in MADE_FROM}
-        for problem in engine_expert_findings(src, plan, held, lambda name, first, last: read_rows(
-                entries[name], first, last), layout):
-            check.fail(problem, "exactness")
-        return check
-    for name in sorted(set(kept_scales(src, plan.group, plan.experts)) - set(bundle.manifest.passthrough)):
-        check.fail(f"{name}: missing from the bundle (vLLM keeps it on {module} as loaded)", "exactness")
-    scalars = {name: read_rows(entries[name], 0, record.local_experts) for name in scalar_names(layout)}
 
-    def rows(name: str, first: int, last: int) -> torch.Tensor:  # the scalars in memory, the weights read as needed
-        return scalars[name][first:last] if name in scalars else read_rows(entries[name], first, last)
+        def weight_rows(name: str, first: int, last: int) -> torch.Tensor:
+            return read_rows(entries[name], first, last)
 
-    findings = expert_findings(src, plan, rows, layout)
+        findings = engine_expert_findings(src, plan, held, weight_rows, layout)
+
+        def measure(experts: list[int]) -> dict[str, float]:
+            return engine_expert_numerics(src, plan, held, weight_rows, layout, experts, gen, tokens=16)
+    else:
+        for name in sorted(set(kept_scales(src, plan.group, plan.experts)) - set(bundle.manifest.passthrough)):
+            check.fail(f"{name}: missing from the bundle (vLLM keeps it on {module} as loaded)", "exactness")
+        scalars = {name: read_rows(entries[name], 0, record.local_experts) for name in scalar_names(layout)}
+
+        def rows(name: str, first: int, last: int) -> torch.Tensor:  # the scalars in memory, the weights as needed
+            return scalars[name][first:last] if name in scalars else read_rows(entries[name], first, last)
+
+        findings = expert_findings(src, plan, rows, layout)
+
+        def measure(experts: list[int]) -> dict[str, float]:
+            return expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=w4a4)
     for problem in findings.problems:
         check.fail(problem, "exactness")
     if plan.rescale:  # --rescale: exactness and numerics were against the rescaled experts
@@ -556,8 +567,7 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     experts = numerics_experts(record.local_experts, findings.odd, numerics, gen)
     check.numerics_experts = len(experts)
     if experts:
-        w4a4 = not layout.WEIGHT_ONLY  # Marlin: weight-only experts
-        errors = expert_numerics(src, plan, rows, layout, experts, gen, tokens=16, w4a4=w4a4)
+        errors = measure(experts)
         check.max_rel_error = max(errors.values())
         bound, kind = (EXPERT_W4A4_REL_ERROR, "FP4 x FP4") if w4a4 else (EXPERT_REL_ERROR, "weight-only")
         for name, error in errors.items():

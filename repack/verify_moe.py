@@ -4,6 +4,8 @@ The layout's inverse recovers every expert's codes and block scales, which must 
 rank's rows) bit for bit; the scalars vLLM folds (alphas, the shared input scale) are not invertible, so they are
 recomputed from the source's and compared byte for byte, and so is the padding once the experts' data is exact.
 A corrupted expert, two swapped experts or swapped w1/w3 halves each show up as a named expert and projection.
+Numerics then compute sampled experts from the held tensors read by the layout's index formulas, scaled as the
+engine's kernel reads them (vLLM's folded alphas; SGLang's names and scalars: its layouts' ``kernel_scalars``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from .bundle.layers import ExpertPlan, assemble_experts, expert_input_scales, ex
 from .formats import SourceModel
 from .nvfp4 import (BLOCK_SIZE, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, dequantize_activations,
                     dequantized_products, quantize_activations)
-from .targets.moe import MADE_FROM
+from .targets.moe import MADE_FROM, ExpertStack
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     """Per expert (dim 0): whether the bytes differ."""
-    ne = a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)
-    return ne.reshape(ne.shape[0], -1).any(dim=1).tolist()
+    ne = a.contiguous().reshape(len(a), -1).view(torch.uint8) != b.contiguous().reshape(len(b), -1).view(torch.uint8)
+    return ne.any(dim=1).tolist()
 
 
 CHECK_EXPERTS = 8  # experts compared at once, at most: memory holds a few copies of that many (each side's codes,
@@ -93,19 +95,24 @@ def scalar_names(layout: ModuleType) -> list[str]:
 
 
 def engine_expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor],
-                           weight_rows: RowsOf, layout: ModuleType) -> list[str]:
+                           weight_rows: RowsOf, layout: ModuleType) -> ExpertFindings:
     """Exactness of another engine's FusedMoE layer (SGLang's: its names, its loaded scales kept, its own scalars):
     every non-weight tensor (``held``) against the one the layout makes from the source's stored scales, byte for
     byte, then the experts' codes, block scales and padding (``weight_rows``), ``CHECK_EXPERTS`` at a time, as for
     vLLM's layouts, and the first and last expert once more read by the layout's index formulas alone
-    (``decode_expert``, independent of its inverse). The problems, one line each."""
+    (``decode_expert``, independent of its inverse). The problems, one line each, and the local experts whose
+    scalars stand out (a row of a per-expert tensor other than the source gives, gate and up multipliers that differ:
+    SGLang's TRT-LLM-gen holds both), which sampled numerics always run."""
     first, last = plan.experts
     plan = replace(plan, stored=True)
-    expected = layout.to_runtime(assemble_experts(source, plan, fields=("multipliers",)), plan.prefix, list(held))
+    multipliers, expected = _engine_expected(source, plan, layout, list(held))
     problems = [f"{plan.prefix}: {name} is not what SGLang computes from the source's scales"
                 for name, tensor in held.items() if _differs_whole(tensor, expected[name])]
-    weights = [name for name in layout.runtime_specs(last - first, plan.group.hidden, plan.intermediate)
-               if name in MADE_FROM]
+    odd = set((multipliers[:, 0] != multipliers[:, 1]).nonzero().flatten().tolist())
+    for name, tensor in held.items():  # the rows of the tensors with one per local expert
+        if tensor.dim() and tensor.shape[0] == last - first and tensor.shape == expected[name].shape:
+            odd |= {e for e, bad in enumerate(_differs(tensor, expected[name])) if bad}
+    weights = _weight_names(layout, plan)
     scales = expert_input_scales(source, plan)
     for start in range(first, last, CHECK_EXPERTS):
         chunk = (start, min(start + CHECK_EXPERTS, last))
@@ -120,7 +127,22 @@ def engine_expert_findings(source: SourceModel, plan: ExpertPlan, held: Mapping[
                     block, getattr(stack, f"{which}_scales")[0]):
                 problems.append(f"{'/'.join(p[first + e] for p in projs)}: codes or block scales read by the "
                                 f"{layout.LAYOUT_ID} index formulas differ from the source's")
-    return problems
+    return ExpertFindings(problems, odd)
+
+
+def _engine_expected(source: SourceModel, plan: ExpertPlan, layout: ModuleType,
+                     names: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The experts' gate and up multipliers (float32 ``[E, 2]``) and the non-weight tensors ``names`` as the engine
+    computes them from the source's stored scales."""
+    stack = assemble_experts(source, replace(plan, stored=True), fields=("multipliers",))
+    return stack.w13_multiplier, layout.to_runtime(stack, plan.prefix, names)
+
+
+def _weight_names(layout: ModuleType, plan: ExpertPlan) -> list[str]:
+    """The layer's weight tensors (codes and block scales: ``MADE_FROM``) the layout stores."""
+    first, last = plan.experts
+    return [name for name in layout.runtime_specs(last - first, plan.group.hidden, plan.intermediate)
+            if name in MADE_FROM]
 
 
 def _differs_whole(held: torch.Tensor, want: torch.Tensor) -> bool:
@@ -199,6 +221,16 @@ EXPERT_W4A4_REL_ERROR = EXPERT_REL_ERROR
 CALIBRATED_STD = 0.25
 
 
+# One expert as its layer's kernel reads it: ``{"w13" | "w2": (codes, block scales read by the layout's index formulas
+# (decode_expert), each projection's alpha (gate and up; down), the global scale its activations are quantized with
+# (None: weight-only: the alpha is the weight's multiplier))}``, by the local expert's index.
+KernelRead = Callable[[int], dict[str, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]]]
+# (the expert's source stack, its local index, "w13" | "w2") -> (the largest activation scale it is quantized for, the
+# quantizer global scale the float64 reference quantizes the same activations with)
+SourceQuantizer = Callable[[ExpertStack, int, str], tuple[torch.Tensor, torch.Tensor]]
+PROJECTIONS = (("w13", ("gate", "up")), ("w2", ("down",)))
+
+
 def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor] | RowsOf,
                     layout: ModuleType, experts: list[int], generator: torch.Generator, tokens: int = 8,
                     w4a4: bool = False) -> dict[str, float]:
@@ -217,22 +249,72 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
     or a function giving rows of them (one expert's are read at a time)."""
     rows_held = held if callable(held) else rows_of(held)
     group, inter, weight_only = plan.group, plan.intermediate, layout.WEIGHT_ONLY  # Marlin: its own multiplier
+    parts = ("weight", "weight_scale", "weight_scale_2", "input_scale")[:3 if weight_only else 4]
+
+    def read(e: int) -> dict:
+        out = {}
+        for which, projs in PROJECTIONS:
+            one = {f"{which}_{part}": rows_held(f"{which}_{part}", e, e + 1) for part in parts}
+            codes, scales = layout.decode_expert(one, 0, which, group.hidden, inter)
+            if weight_only:
+                alpha, gs = layout.expert_multiplier(one, 0, which), None
+            elif not w4a4:  # a W4A4 layout's multiplier, read back from its alpha and input scale
+                alpha, gs = one[f"{which}_weight_scale_2"][0].double() / one[f"{which}_input_scale"][0].double(), None
+            else:
+                alpha, gs = one[f"{which}_weight_scale_2"][0], 1.0 / one[f"{which}_input_scale"][0]
+            out[which] = (codes, scales, (alpha,) * len(projs), gs)
+        return out
+
+    def quantizer(stack: ExpertStack, e: int, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = getattr(stack, f"{which}_input_scale").max().to(torch.float32)  # the largest the layer holds
+        return scale, 1.0 / scale
+
+    return _expert_numerics(source, plan, layout, experts, generator, tokens, w4a4, read, quantizer)
+
+
+def engine_expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, torch.Tensor],
+                           weight_rows: RowsOf, layout: ModuleType, experts: list[int], generator: torch.Generator,
+                           tokens: int = 8) -> dict[str, float]:
+    """:func:`expert_numerics` of another engine's FusedMoE layer (SGLang's: its names and scalars): each sampled
+    expert's weights read by the layout's index formulas (``decode_expert``) from ``weight_rows``, scaled by what the
+    engine's kernel reads from ``held`` (its non-weight tensors: ``layout.kernel_scalars``: each projection's alpha and
+    the activations' quantizer global scale), FP4 x FP4 (or weight-only, ``layout.WEIGHT_ONLY``), against the float64
+    source quantizing the same activations with the global scale the engine computes from the source's scales (as
+    exactness restates it: the engine's own rule for whose input scales count)."""
+    expected = _engine_expected(source, plan, layout, list(held))[1]
+    weights = _weight_names(layout, plan)
+
+    def read(e: int) -> dict:
+        one = {name: weight_rows(name, e, e + 1) for name in weights}
+        return {which: (*layout.decode_expert(one, 0, which, plan.group.hidden, plan.intermediate),
+                        *layout.kernel_scalars(held, e, which)) for which, _ in PROJECTIONS}
+
+    def quantizer(stack: ExpertStack, e: int, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        gs = layout.kernel_scalars(expected, e, which)[1].to(torch.float32)
+        return 1.0 / gs, gs
+
+    return _expert_numerics(source, plan, layout, experts, generator, tokens, not layout.WEIGHT_ONLY, read, quantizer)
+
+
+def _expert_numerics(source: SourceModel, plan: ExpertPlan, layout: ModuleType, experts: list[int],
+                     generator: torch.Generator, tokens: int, w4a4: bool, read: KernelRead,
+                     quantizer: SourceQuantizer) -> dict[str, float]:
+    """The error of each sampled expert's projections as ``read`` gives them, against the float64 source (as the
+    layout's kernel reads it: ``layout.read_as``, where it has one), activations quantized for FP4 x FP4 (``w4a4``)
+    with the held global scale and, in the reference, ``quantizer``'s (see :func:`expert_numerics`)."""
+    group = plan.group
     input_scales = expert_input_scales(source, plan)
     largest = largest_expert_scales(source, plan, layout, CHECK_EXPERTS)  # Marlin: the layer's one scale factor
+    read_as = getattr(layout, "read_as", None)
     errors = {}
     for e in experts:
         at = plan.experts[0] + e
         source_stack = assemble_experts(source, plan, chunk=(at, at + 1), input_scales=input_scales)  # it alone
-        if layout.LAYER_SCALE_FACTOR:  # as the kernel reads it: Marlin flushes the scales below its factor's range
-            source_stack = layout.read_as(replace(source_stack, largest_scales=largest))
-        for which, projs in (("w13", ("gate", "up")), ("w2", ("down",))):
-            one = {f"{which}_{part}": rows_held(f"{which}_{part}", e, e + 1)
-                   for part in ("weight", "weight_scale", "weight_scale_2", "input_scale")[:3 if weight_only else 4]}
-            codes, scales = layout.decode_expert(one, 0, which, group.hidden, inter)
-            if weight_only:
-                alpha, a_scale = layout.expert_multiplier(one, 0, which), torch.ones((), dtype=torch.float64)
-            else:
-                alpha, a_scale = one[f"{which}_weight_scale_2"][0], one[f"{which}_input_scale"][0]
+        if read_as is not None:  # as the kernel reads it: Marlin flushes the scales below its factor's range
+            source_stack = read_as(replace(source_stack, largest_scales=largest))
+        held = read(e)
+        for which, projs in PROJECTIONS:
+            codes, scales, alphas, gs = held[which]
             ref_codes = getattr(source_stack, f"{which}_codes")[0]
             ref_scales = getattr(source_stack, f"{which}_scales")[0]
             own = getattr(source_stack, f"{which}_multiplier")[0].reshape(-1)
@@ -243,18 +325,17 @@ def expert_numerics(source: SourceModel, plan: ExpertPlan, held: Mapping[str, to
                 ref = NVFP4Weight(ref_codes[part], ref_scales[part], own[i].reshape(1))
                 x = torch.randn(tokens, ref.k, generator=generator)
                 if w4a4:  # activations in the range the scale was calibrated for (amax = 2688 x input scale)
-                    source_scale = getattr(source_stack, f"{which}_input_scale").max().to(torch.float32)
-                    source_gs = 1.0 / source_scale
+                    source_scale, source_gs = quantizer(source_stack, e, which)
                     x = (x * (CALIBRATED_STD * E2M1_MAX * E4M3_MAX) * source_scale.double()).to(torch.bfloat16)
-                    x_codes, x_scales = quantize_activations(x, (1.0 / a_scale).reshape(1))
+                    x_codes, x_scales = quantize_activations(x, gs.reshape(1))
                     x_held = dequantize(NVFP4Weight(x_codes, x_scales, torch.ones(1)), torch.float64)
-                    got = dequantized_products(x_held, ours) * alpha.double()
+                    got = dequantized_products(x_held, ours) * alphas[i].double()
                     want = dequantized_products(
                         dequantize_activations(*quantize_activations(x, source_gs.reshape(1)), source_gs), ref)
                 else:
                     x = x.double()
-                    got = dequantized_products(x, ours) * (alpha.double() / a_scale.double())
+                    got = dequantized_products(x, ours) * alphas[i].double()
                     want = dequantized_products(x, ref)
                 error = (got - want).norm() / want.norm().clamp(min=1e-300)
-                errors[getattr(group, proj)[plan.experts[0] + e]] = float(error)
+                errors[getattr(group, proj)[at]] = float(error)
     return errors

@@ -295,12 +295,12 @@ def assert_verify_names_what_is_not_sglangs(fmt: str, arch: str, scalar: str, tm
     def rows(name, first, last):
         return weights[name][first:last]
 
-    assert engine_expert_findings(source, plan, held, rows, layout) == []
+    assert engine_expert_findings(source, plan, held, rows, layout).problems == []
     wrong = {**held, scalar: held[scalar] * 2}
-    assert engine_expert_findings(source, plan, wrong, rows, layout) == [
+    assert engine_expert_findings(source, plan, wrong, rows, layout).problems == [
         f"{module}: {scalar} is not what SGLang computes from the source's scales"]
     weights["w2_weight"] = weights["w2_weight"].clone()
     weights["w2_weight"][1, 0, 0] ^= 0x11
-    problems = engine_expert_findings(source, plan, held, rows, layout)
+    problems = engine_expert_findings(source, plan, held, rows, layout).problems
     assert problems == [f"{module}.1.down_proj: codes differ", f"{module}.1.down_proj: codes or block scales read by "
                         f"the {record.layout_id} index formulas differ from the source's"], problems

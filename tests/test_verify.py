@@ -16,6 +16,7 @@ from repack.cli import main
 from repack.convert import convert
 from repack import targets
 from repack.formats.safetensors_io import DTYPE_NAMES, tensor_bytes
+from repack.sample.synthetic import write_llama
 from repack.targets import TARGETS, Target
 from repack.verify import verify_bundle, verify_output
 
@@ -317,3 +318,36 @@ def test_a_several_target_output_of_mixed_formats_verifies_each_by_its_own(make_
     flip_tensor_byte(out / "sm120", f"{LAYER}.weight_scale", offset=0)
     failed = verify_output(out, source=model.path, seed=0).failures
     assert {c.name for c in failed} >= {f"sm120/{LAYER}"} and all(c.name.startswith("sm120/") for c in failed)
+
+
+# SGLang's dense layouts (issue 37: verify's numerics on each): (format, W4A4 checkpoint, target, --weight-only) ->
+# its layout and the name of the layer's codes
+SGLANG_DENSE = {("modelopt", True, "sm100", False): ("sglang-modelopt-w4a4-v1", "weight"),
+                ("compressed-tensors", True, "sm120", False): ("sglang-ct-w4a4-v1", "weight_packed"),
+                ("compressed-tensors", False, "sm100", False): ("sglang-ct-w4a16-cutedsl-v1", "weight"),
+                ("modelopt", False, "sm90", False): ("sglang-modelopt-marlin-v1", "weight"),
+                ("compressed-tensors", False, "sm120", False): ("sglang-ct-marlin-v1", "weight"),
+                ("modelopt", True, "sm100", True): ("sglang-modelopt-w4a4-marlin-v1", "weight"),
+                ("compressed-tensors", True, "sm90", False): ("sglang-ct-w4a4-marlin-v1", "weight")}
+
+
+@pytest.mark.parametrize("job", SGLANG_DENSE, ids=lambda j: f"{j[0]}-{'w4a4' if j[1] else 'w4a16'}-{j[2]}"
+                         + ("-weight-only" if j[3] else ""))
+def test_sglang_dense_layouts_get_numerics_that_catch_a_corrupted_layer(job, tmp_path, random_seed):
+    """Every SGLang dense layout (the W4A4 swizzle with its padding, FlashInfer's bf16 x fp4 state, FP4 Marlin) runs
+    verify's numerics on every layer under --numerics all (its names mapped to the runtime's layout), and a layer whose
+    codes are flipped (digests rewritten) fails them by name."""
+    fmt, w4a4, target, weight_only = job
+    layout, codes = SGLANG_DENSE[job]
+    source = write_llama(tmp_path / "src", fmt, hidden=64, heads=2, kv_heads=1, intermediate=96, layers=1, w4a4=w4a4,
+                         generator=torch.Generator().manual_seed(random_seed))
+    out, layer = tmp_path / "bundle", "model.layers.0.mlp.down_proj"
+    convert(source, target, out, engine="sglang", weight_only=weight_only)
+    assert open_bundle(out).manifest.layout_id == layout
+    report = verify_output(out, numerics="all")
+    assert report.passed and report.numerics_layers == len(report.layers) == 4, report.summary()
+    held = open_bundle(out).read(f"{layer}.{codes}").clone()
+    held.view(torch.uint8).reshape(-1)[:] ^= 0x5A
+    rewrite_consistently(out, f"{layer}.{codes}", held)
+    numerics = verify_output(out, numerics="all").summary().get("numerics", [])
+    assert any(m.startswith(f"{layer}: relative error ") for m in numerics), numerics

@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from repack.bundle.reader import open_bundle
 from repack.cli import main
 from repack.sample.synthetic import write_qwen_moe
+from repack.verify import verify_output
+from repack.verify_moe import EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, ExpertFindings
 
 from .test_verify import rewrite_consistently
 
@@ -147,6 +149,94 @@ def test_a_manifest_field_inspect_shows_is_checked_against_the_tensors(fused, fi
     (path / "manifest.json").write_text(json.dumps(manifest))
     code, text, _ = _verify(path, capsys)
     assert code == 1 and message in text, text
+
+
+
+# SGLang's MoE backend families (issue 37): (checkpoint format, W4A4 checkpoint, target) -> its layout
+SGLANG_FAMILIES = {("modelopt", True, "sm100"): "sglang-modelopt-moe-trtllm-v1",
+                   ("modelopt", True, "sm120"): "sglang-modelopt-moe-cutlass-v1",
+                   ("compressed-tensors", True, "sm100"): "sglang-ct-moe-cutlass-v1",
+                   ("modelopt", True, "sm90"): "sglang-modelopt-moe-marlin-v1",
+                   ("compressed-tensors", False, "sm100"): "sglang-ct-moe-marlin-v1"}
+SGLANG_JOBS = [(*family, tp) for family in SGLANG_FAMILIES for tp in (1, 2)]
+
+
+def _sglang_job_id(job) -> str:
+    fmt, w4a4, target, tp = job
+    return f"{'ct' if fmt != 'modelopt' else fmt}-{'w4a4' if w4a4 else 'w4a16'}-{target}-tp{tp}"
+
+
+@pytest.fixture(scope="module")
+def sglang_sources(tmp_path_factory) -> dict:
+    """Qwen3-MoE checkpoints every SGLang MoE backend takes (hidden 128, 2I a multiple of 128, I / 2 of 64), each
+    expert's gate and up input scales equal as the producers calibrate them (SGLang refuses others)."""
+    root = tmp_path_factory.mktemp("sglang-moe")
+    return {(fmt, w4a4): write_qwen_moe(root / f"{fmt}-{w4a4}", fmt, hidden=128, experts=4, intermediate=128,
+                                        generator=torch.Generator().manual_seed(12), w4a4=w4a4,
+                                        shared_input_scales=True)
+            for fmt in ("modelopt", "compressed-tensors") for w4a4 in (True, False)}
+
+
+def _sglang_bundle(sglang_sources, job, out):
+    """``convert --engine sglang`` of ``job``'s checkpoint; the folder holding rank 0's bundle (the whole bundle at
+    TP 1)."""
+    fmt, w4a4, target, tp = job
+    args = ["convert", str(sglang_sources[fmt, w4a4]), "-t", target, "--engine", "sglang", "-o", str(out)]
+    assert main(args + (["--tp", str(tp)] if tp > 1 else [])) == 0
+    rank0 = out / "rank-0" if tp > 1 else out
+    assert open_bundle(rank0).manifest.moe[LAYER0].layout_id == SGLANG_FAMILIES[job[:3]]
+    return rank0
+
+
+@pytest.mark.parametrize("job", SGLANG_JOBS, ids=_sglang_job_id)
+def test_sglang_moe_numerics_run_pass_and_catch_a_corrupted_expert(sglang_sources, job, tmp_path, monkeypatch,
+                                                                   capsys):
+    """Issue 37: verify computed no numerics for an SGLang MoE bundle (exactness only). Now its sampled experts are
+    computed as SGLang's kernel reads them (FP4 x FP4 with its quantizer scale and alphas, or FP4 Marlin's
+    multiplier) and pass within vLLM's bound; expert 0 (always sampled) with its w13 codes flipped, its digests
+    rewritten to match, fails numerics naming its gate and up projections, also with exactness blinded (as a layout
+    inverse wrong the same way as the layout would be)."""
+    out = tmp_path / "out"
+    rank0 = _sglang_bundle(sglang_sources, job, out)
+    capsys.readouterr()
+    report = verify_output(out)
+    moe = [c for c in report.layers if c.numerics_experts is not None]
+    assert report.passed and moe and all(c.numerics_experts >= 1 for c in moe), report.summary()
+    weight_only = open_bundle(rank0).moe_layout.WEIGHT_ONLY
+    bound, kind = (EXPERT_REL_ERROR, "weight-only") if weight_only else (EXPERT_W4A4_REL_ERROR, "FP4 x FP4")
+    assert report.numerics_experts == sum(c.numerics_experts for c in moe) and max(
+        c.max_rel_error for c in moe) <= bound, [(c.name, c.max_rel_error) for c in moe]
+    codes = open_bundle(rank0).moe_tensors(LAYER0)["w13_weight"].clone()
+    codes[0].view(torch.uint8).reshape(-1)[:] ^= 0x5A
+    rewrite_consistently(rank0, f"{LAYER0}.w13_weight", codes)
+    for blind in (False, True):
+        if blind:
+            monkeypatch.setattr("repack.verify.engine_expert_findings", lambda *args: ExpertFindings([], set()))
+        report = verify_output(out)
+        numerics = report.summary().get("numerics", [])
+        assert not report.passed and (bool(report.summary().get("exactness")) != blind), report.summary()
+        for proj in ("gate_proj", "up_proj"):
+            assert any(f"{LAYER0}.0.{proj}: relative error " in m and f"of the {kind} expert exceeds {bound:g}" in m
+                       for m in numerics), numerics
+
+
+@pytest.mark.parametrize("target,scalar,proj", [("sm100", "g1_scale_c", "up_proj"),
+                                                ("sm120", "g1_alphas", "gate_proj")], ids=["trtllm", "cutlass"])
+def test_an_sglang_expert_scalar_other_than_the_sources_joins_the_numerics_sample(sglang_sources, target, scalar,
+                                                                                  proj, tmp_path):
+    """Issue 37: an expert's held scalar changed (digests rewritten): exactness names the tensor, and that expert
+    (not in the default sample: expert 2 of 4, seeded) is computed too and fails by the factor, as vLLM's odd experts
+    are; TRT-LLM-gen's up half is read through g1_scale_c, which folds up's alpha with GEMM2's input scale."""
+    out = tmp_path / "out"
+    _sglang_bundle(sglang_sources, ("modelopt", True, target, 1), out)
+    held = open_bundle(out).moe_tensors(LAYER0)[scalar].clone()
+    held[2] *= 1.5
+    rewrite_consistently(out, f"{LAYER0}.{scalar}", held)
+    report = verify_output(out, seed=0)  # the seed's sample: experts 0 and 1
+    summary = report.summary()
+    assert [c.numerics_experts for c in report.layers if c.name == LAYER0] == [3], summary
+    assert f"{LAYER0}: {scalar} is not what SGLang computes from the source's scales" in summary["exactness"], summary
+    assert any(m.startswith(f"{LAYER0}.2.{proj}: relative error 0.5 ") for m in summary["numerics"]), summary
 
 
 def test_verify_help_has_no_rst_markup(capsys, monkeypatch):

@@ -351,6 +351,7 @@ def weight_only_variants(family: Target) -> tuple[Target, ...]:
 TRTLLM_HIDDEN_ALIGNMENT = 1  # trtllm_nvfp4_hidden_alignment (per-tensor activation scales, gated): no hidden padding
 MOE_SCALE_ALIASES = {"w13_blockscale_swizzled": "w13_weight_scale", "w2_blockscale_swizzled": "w2_weight_scale"}
 MOE_METHODS = {"modelopt": "ModelOptNvFp4FusedMoEMethod", "compressed-tensors": "CompressedTensorsW4A4Nvfp4MoE"}
+CT_MOE_SCALAR_ALIASES = {"w2_input_scale_quant": "w2_input_global_scale"}  # compressed-tensors: one tensor, two names
 _FLOAT32 = torch.float32
 
 
@@ -451,7 +452,7 @@ class MoELayout:
         aliases the swizzled-scale placeholders to the scales; ModelOpt's CUTLASS path writes the swizzled scales
         into the loaded scales' storage where their shapes agree (``alias_or_bind_derived_param``)."""
         if self.source_format == "compressed-tensors":
-            return {"w2_input_scale_quant": "w2_input_global_scale"}
+            return dict(CT_MOE_SCALAR_ALIASES)
         if self.trtllm:
             return dict(MOE_SCALE_ALIASES)
         same = self._same_shape(hidden, intermediate)
@@ -531,6 +532,26 @@ class MoELayout:
         if self.trtllm:
             return moe_trtllm.decode_expert(held, expert, which, hidden, intermediate, TRTLLM_HIDDEN_ALIGNMENT)
         return moe_cutlass.decode_expert(held, expert, which, hidden, intermediate)
+
+    def kernel_scalars(self, tensors: dict[str, torch.Tensor], expert: int,
+                       which: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """What SGLang's FP4 x FP4 MoE kernel scales local expert ``expert``'s ``which`` (``w13``, ``w2``) GEMM by,
+        from the layer's non-weight tensors (``tensors``, by SGLang's names): each projection's alpha (gate and up; down)
+        and the global scale its activations are quantized with (``w13_input_scale_quant``: one for every expert, or
+        compressed-tensors' each expert's). TRT-LLM-gen reads the up half's alpha only folded with GEMM2's input
+        quantization into ``g1_scale_c`` (``output1_scale_scalar``): up's alpha is its ratio to
+        ``w2_input_scale_quant``, float64; the CUTLASS paths scale both halves by ``g1_alphas``."""
+        held = {**{alias: tensors[name] for alias, name in CT_MOE_SCALAR_ALIASES.items() if name in tensors}, **tensors}
+
+        def value(name: str) -> torch.Tensor:
+            return held[name][expert] if held[name].dim() else held[name]
+
+        quantizer = value(f"{which}_input_scale_quant")
+        if which == "w2":
+            return (value("g2_alphas"),), quantizer
+        gate = value("g1_alphas")
+        up = value("g1_scale_c").double() / value("w2_input_scale_quant").double() if self.trtllm else gate
+        return (gate, up), quantizer
 
     def runtime_specs(self, experts: int, hidden: int, intermediate: int,
                       num_experts: int | None = None) -> dict[str, TensorSpec]:

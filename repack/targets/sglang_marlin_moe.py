@@ -19,7 +19,7 @@ W4A16_NVFP4 checkpoint stores none). Engine data only: the layout math is :mod:`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Collection, Sequence
 
 import torch
@@ -131,6 +131,21 @@ class MarlinMoELayout:
         hold ``scale * 2^7``: no factor)."""
         codes, scales = moe_marlin.decode_expert(tensors, expert, which, hidden, intermediate, padded=intermediate)
         return codes, (scales * 2.0**-7).to(torch.float8_e4m3fn)
+
+    def kernel_scalars(self, tensors: dict[str, torch.Tensor], expert: int,
+                       which: str) -> tuple[tuple[torch.Tensor, ...], None]:
+        """What SGLang's FP4 Marlin MoE kernel multiplies local expert ``expert``'s ``which`` (``w13``, ``w2``) by after
+        :meth:`decode_expert`'s block scales: ``w*_weight_scale_2 / 2^(bias - 7)`` (float64), the multiplier rounded to
+        bf16 (one for gate and up); no activation quantizer (weight-only)."""
+        multiplier = tensors[f"{which}_weight_scale_2"][expert].double() / marlin.global_exponent(DTYPE)
+        return (multiplier,) * (2 if which == "w13" else 1), None
+
+    @staticmethod
+    def read_as(stack: ExpertStack) -> ExpertStack:
+        """``stack`` as the kernel reads it: its multipliers rounded to bf16 (``nvfp4_marlin_process_global_scale``;
+        the block scales as they are: no flush)."""
+        return replace(stack, w13_multiplier=stack.w13_multiplier.to(DTYPE).to(torch.float32),
+                       w2_multiplier=stack.w2_multiplier.to(DTYPE).to(torch.float32))
 
     def runtime_specs(self, experts: int, hidden: int, intermediate: int,
                       num_experts: int | None = None) -> dict[str, TensorSpec]:
