@@ -13,7 +13,8 @@ something else.
         ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
         among its W4A4 kernels for that capability) | sm80 | sm75 | sm100-auto | sm120-auto (vLLM's auto over its
         whole CUDA list: a weight-only checkpoint's kernel, Marlin or cute-dsl) | sm120-marlin | FAMILY-moe[-ep]
-        (FAMILY: any of sm100, sm120, sm80, sm75, sm100-auto, sm120-auto: the dense layers' job)
+        (FAMILY: any of sm100, sm120, sm80, sm75, sm100-auto, sm120-auto, sm100-w4a4, sm120-w4a4: the dense layers'
+        job)
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
 ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
@@ -29,7 +30,8 @@ backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-
 ``nvfp4_block_scale_interleave`` runs as a torch port of its C++ host code (tests/vllm/ports.py), and every tensor
 of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor whole, plus ``moe-rank-R.json``: dtype,
 shape, stride, offset, the backend and experts class); dense layers load and are dumped as for the job's family
-(``sm100-moe``: the forced W4A16 cute-dsl kernel; ``sm120-auto-moe``: vLLM's auto, what a user gets).
+(``sm100-moe``: the forced W4A16 cute-dsl kernel; ``sm100-w4a4-moe``, ``sm120-auto-moe``: vLLM's auto, what a user
+gets).
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
 # MoE job -> the capability emulated (and the dense layers' arch); "-ep": with vLLM's --enable-expert-parallel
-MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120", "sm80", "sm75", "sm100-auto", "sm120-auto")
-            for ep in ("", "-ep")}
+MOE_ARCH = {f"{arch}-moe{ep}": arch for ep in ("", "-ep")
+            for arch in ("sm100", "sm120", "sm80", "sm75", "sm100-auto", "sm120-auto", "sm100-w4a4", "sm120-w4a4")}
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
