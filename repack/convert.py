@@ -800,8 +800,8 @@ def engine_target(family: Target, engine: str, source: SourceModel, weight_only:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
                           "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
     if expert_groups(source):
-        moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
-        check_sglang_moe_architecture(source.checkpoint.config, expert_groups(source))
+        layout = moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
+        check_sglang_moe_architecture(source.checkpoint.config, expert_groups(source), layout.BACKEND)
         _check_sglang_moe_input_scales(source)
     return target
 

@@ -27,7 +27,15 @@ from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
 from .test_sglang_conformance import assert_stored_as, oracle_dumps, run_harness
-from .test_sglang_moe_conformance import PASSTHROUGH, _refused, assert_verify_names_what_is_not_sglangs
+from .test_sglang_moe_conformance import (
+    DEEPSEEK,
+    PASSTHROUGH,
+    _refused,
+    assert_verify_names_what_is_not_sglangs,
+    bundle_name,
+    deepseek_v3,
+    moe_modules,
+)
 
 UNSTORED = ("workspace", "w13_blockscale_swizzled", "w2_blockscale_swizzled")
 # name -> (format, W4A4?, the shared expert's intermediate size: Qwen2-MoE, else Qwen3-MoE): the synthetic checkpoints
@@ -39,7 +47,8 @@ JOBS = ([(n, a) for n in ("mo", "mo16", "ct", "ct16") for a in ("sm90", "sm80")]
         + [("ct16", "sm120"), ("ct16", "sm100"), ("q2mo", "sm90"), ("q2ct16", "sm100")])
 EP = ("mo", "mo16", "ct", "ct16", "q2mo")  # on sm90 with --ep
 PRODUCER_JOBS = [("modelopt_moe_nvfp4", "sm90"), ("ct_moe_nvfp4", "sm80"), ("modelopt_moe_w4a16_nvfp4", "sm90"),
-                 ("ct_moe_nvfp4a16", "sm120"), ("modelopt_moe_i48_nvfp4", "sm90"), ("ct_moe_i48_nvfp4", "sm90")]
+                 ("ct_moe_nvfp4a16", "sm120"), ("modelopt_moe_i48_nvfp4", "sm90"), ("ct_moe_i48_nvfp4", "sm90"),
+                 ("ds-modelopt", "sm90"), ("ds-compressed-tensors", "sm90")]  # DeepSeek-V3 (DEEPSEEK)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +57,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     out = {name: write_qwen_moe(root / name, fmt, generator=gen, layers=2, hidden=128, experts=4, intermediate=128,
                                 w4a4=w4a4, shared_input_scales=True, shared_expert=shared)
            for name, (fmt, w4a4, shared) in SYNTHETIC.items()}
-    return out | {name: PRODUCERS / name for name, _ in PRODUCER_JOBS}
+    out |= {name: deepseek_v3(fixture, root / name) for name, fixture in DEEPSEEK.items()}
+    return out | {name: PRODUCERS / name for name, _ in PRODUCER_JOBS if name not in out}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +85,9 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
             if name == "workspace":
                 continue  # the dense layers' scratch (tests/test_sglang_conformance.py's SCRATCH)
             check = assert_held_as if record is not None else assert_stored_as  # sm100's 6-D view of a dense buffer
-            check(bundle.read(f"{prefix}.{stored}"), view, theirs[f"{prefix}.{stored}"], (prefix, name))
+            held = (record or bundle.manifest.layers[prefix]).tensors
+            check(bundle.read(f"{prefix}.{bundle_name(held, stored, info)}"), view, theirs[f"{prefix}.{stored}"],
+                  (prefix, name))
     return len(moe)
 
 
@@ -91,7 +103,7 @@ def test_marlin_moe_bundle_is_byte_identical_to_sglang(name, arch, tp, checkpoin
         return
     convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
     for rank in range(tp):
-        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank) == 2
+        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank) == moe_modules(name)
     assert verify_output(out).passed
 
 

@@ -104,8 +104,16 @@ SGLANG_MOE_BACKENDS = {("modelopt", "sm100"): "flashinfer_trtllm", ("modelopt", 
 # QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded). Qwen2-MoE: its shared
 # expert a dense NVFP4 MLP beside the FusedMoE (never fused into it: models/qwen2_moe.py passes no
 # support_shared_expert_fusion), and no model override, so ModelOpt on sm100 is served with --moe-runner-backend
-# flashinfer_trtllm (its auto there leaves "auto", as on sm120)
-SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# flashinfer_trtllm (its auto there leaves "auto", as on sm120). DeepSeek-V3: dense first layers and its shared
+# experts dense NVFP4 MLPs, where SGLang does not fuse the shared expert into the FusedMoE (SGLANG_FUSED_SHARED_EXPERT)
+SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM")
+# (n_routed_experts, n_shared_experts) for which SGLang 0.5.23 fuses an architecture's shared expert into the FusedMoE
+# as one more expert (deepseek_v2.py shared_experts_fusion_disable_reason: DeepSeek-V3 / R1's 256 and 1, on CUDA from
+# sm80, unless its MoE runner backend or --ep-size turns fusion off): a FusedMoE state not written
+SGLANG_FUSED_SHARED_EXPERT = {"DeepseekV3ForCausalLM": (256, 1)}
+# MoE runner backends an architecture's SGLang load is not checked on (the producers' DeepSeek-V3 has hidden size 64,
+# which SGLang's TRT-LLM-gen refuses)
+SGLANG_MOE_UNCHECKED_BACKENDS = {"DeepseekV3ForCausalLM": ("flashinfer_trtllm",)}
 # the MoE architectures SGLang 0.5.23 builds with a FusedMoE on every decoder layer, reading neither mlp_only_layers
 # nor decoder_sparse_step (qwen2_moe.py stage_facts: "all layers are sparse"): a checkpoint layer with a dense MLP
 # gets experts that nothing loads, its dense MLP's weights dropped
