@@ -53,7 +53,7 @@ from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.families import AUTO, LINEAR_BACKENDS, MARLIN
 from .targets.engines import (ENGINE_NAMES, HADAMARD_W4A4, QUTLASS_MARLIN, EngineVersion, bundle_engines,
-                              resolve_version)
+                              engine_versions, resolve_version, serves)
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.sglang import check_sglang_moe_architecture
 from .targets.w4a4 import runs_humming, runs_qutlass
@@ -647,26 +647,11 @@ def convert(
     ``engine``: the serving engine whose post-load state the bundles hold: ``vllm``, or ``sglang`` (SGLang 0.5.23:
     its fused modules, always, under its names and scalars; docs/sglang.md).
     """
-    if engine not in ENGINE_NAMES:
-        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
-    _check_linear_backend(linear_backend, weight_only=weight_only, engine=engine)
-    if engine != "vllm":
-        if vllm is not None:
-            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
-        _check_engine_options(engine, rescale=rescale)
-        fuse = True  # the engine's fused modules
-    version = resolve_version(engine, vllm)
-    if tp < 1:
-        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    version, fuse = check_options(target_name, max_shard_size=max_shard_size, fuse=fuse, tp=tp, ep=ep, resume=resume,
+                                  rescale=rescale, weight_only=weight_only, linear_backend=linear_backend,
+                                  engine=engine, vllm=vllm)
     targets = resolve_targets(target_name)
-    parse_size(max_shard_size)  # a bad shard size fails before any work
     single = not several_families(target_name)
-    if (fuse or tp > 1) and not single:
-        raise RepackError("--fuse/--tp take one target; convert each target in a run of its own")
-    if resume and tp > 1:
-        raise RepackError("--resume is not supported with --tp; convert again without --resume")
-    if ep and tp == 1:
-        raise RepackError("--ep: expert parallelism places experts on --tp N ranks; give --tp N with N > 1")
     out = Path(out)
     source = read_source(model, revision=revision)
     if not single:
@@ -680,6 +665,36 @@ def convert(
     except BaseException:
         _remove_if_empty(created)
         raise
+
+
+def check_options(target_name: str | Sequence[str], *, max_shard_size: int | str = "5GB", fuse: bool = False, tp: int = 1,
+                  ep: bool = False, resume: bool = False, rescale: bool = False, weight_only: bool = False,
+                  linear_backend: str = AUTO, engine: str = "vllm", vllm: str | None = None) -> tuple[EngineVersion, bool]:
+    """:func:`convert`'s option values and combinations, refused in one line before anything is read (the CLI reports
+    them as bad usage, exit code 2). Returns the engine version the bundles are for, and whether they are fused (an
+    engine other than vLLM holds its fused modules always)."""
+    if engine not in ENGINE_NAMES:
+        raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
+    _check_linear_backend(linear_backend, weight_only=weight_only, engine=engine)
+    if engine != "vllm":
+        if vllm is not None:
+            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
+        _check_engine_options(engine, rescale=rescale)
+        fuse = True  # the engine's fused modules
+    version = resolve_version(engine, vllm)
+    if tp < 1:
+        raise RepackError(f"--tp {tp}: expected a positive number of ranks")
+    parse_size(max_shard_size)  # a bad shard size fails before any work
+    if (fuse or tp > 1) and several_families(target_name):
+        what = ("--fuse/--tp take" if engine == "vllm" else
+                f"--engine {engine} (its bundles are fused, as the engine holds them) takes")
+        raise RepackError(f"{what} one target family; convert each target in a run of its own")
+    if resume and tp > 1:
+        raise RepackError("--resume is not supported with --tp (a --tp convert keeps nothing when interrupted); "
+                          "run the command again without --resume")
+    if ep and tp == 1:
+        raise RepackError("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
+    return version, fuse
 
 
 def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool, *,
@@ -758,9 +773,12 @@ def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_b
     if target is None:
         written = sorted({b for t in family.layouts if t.engine == "vllm" and t.scheme == served_scheme(source)
                           for b, kernels in LINEAR_BACKENDS.items() if set(kernels) & set(t.kernels)})
+        hopper = linear_backend == "marlin" and max(family.compute_capabilities) < (10, 0)  # sm90: the GPU tests' case
+        marlin = ("; for vLLM's Marlin there, convert with -t sm80 (Marlin's bytes, which the plugin serves on any GPU "
+                  "from sm80: docs/marlin.md)" if hopper else "")
         raise RepackError(f"--linear-backend {linear_backend} -t {family.name}: vLLM's kernel for a "
                           f"{served_scheme(source)} checkpoint there holds no layout written here; --linear-backend "
-                          f"{' or '.join([AUTO, *written])}")
+                          f"{' or '.join([AUTO, *written])}{marlin}")
     return target
 
 
@@ -775,14 +793,15 @@ def engine_target(family: Target, engine: str, source: SourceModel, weight_only:
     """``family``'s layout of ``engine``'s state for ``source`` (``weight_only``: as the engine serves it weight-only),
     or a one-line refusal of what it cannot serve."""
     if source.transforms.layers:
-        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang")
+        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang; convert without --engine "
+                          "for vLLM, which serves them (docs/transforms-serving.md)")
     target = family.for_engine(engine, source.format, source.activation_scheme, weight_only)
     if target is None:
         raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
                           "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
     if expert_groups(source):
-        moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
-        check_sglang_moe_architecture(source.checkpoint.config)
+        layout = moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
+        check_sglang_moe_architecture(source.checkpoint.config, expert_groups(source), layout.BACKEND)
         _check_sglang_moe_input_scales(source)
     return target
 
@@ -835,6 +854,22 @@ def _features(source: SourceModel, plan: BundlePlan) -> list[str]:
         if not marlin and source.activation_scheme == "W4A4" and runs_humming(inputs, outputs):
             found.add(HADAMARD_W4A4)
     return sorted(found)
+
+
+def vllm_versions(source: SourceModel, family: str) -> list[str] | None:
+    """The vLLM versions whose state ``convert`` writes for ``source`` on ``family`` by default (fused where the model
+    has experts): every supported version, but where one serves a layer otherwise (targets/engines.py), so that
+    ``inspect`` says before a convert refuses it; None where the default convert refuses the plan itself (it says
+    why)."""
+    try:
+        target = vllm_target(resolve_target(family), source, False, AUTO)
+        layers = plan_layers(source, fuse=bool(expert_groups(source)), input_scales=target.scheme == "W4A4")[0]
+        if layers.experts:
+            moe_layout(target)
+        plan = plan_bundle(source, target, layers)
+    except RepackError:
+        return None
+    return [v.version for v in engine_versions("vllm") if serves(v, _layout_ids(plan), _features(source, plan))]
 
 
 def _refuse_unfused_moe(source: SourceModel, targets: list[Target]) -> None:

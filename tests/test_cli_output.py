@@ -68,6 +68,77 @@ def test_head_in_a_shell_pipeline(tmp_path):
     assert len(status) == 1 and status[0] in ("status 0 0", f"status {PIPE_CLOSED_EXIT} 0"), run.stderr
 
 
+def test_targets_in_a_narrow_terminal_cuts_nothing_and_names_the_kernels(capsys, monkeypatch):
+    """Audit (issues 36.6, 38): at 100 columns the table cut every id ("sm100-cute…", "moe-marl…") and no kernel class
+    was named; a terminal narrower than the table gets one block per target, each value whole."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = _cli(["targets"], capsys)
+    assert code == 0 and "…" not in out and max(map(len, out.splitlines())) <= 100
+    text = " ".join(out.split())
+    for family in FAMILIES:
+        assert f"{family.name}: {family.description};" in text and f"W4A16 layout: {family.layout_id}" in text
+        assert f"{family.name} vLLM kernels: W4A16 {', '.join(family.kernels)}" in text
+    assert "sm80 vLLM kernels: W4A16 MarlinNvFp4LinearKernel; W4A4 MarlinNvFp4LinearKernel" in text
+    assert "takes a GPU name" in text
+
+
+@pytest.mark.parametrize("gpu,family", [
+    ("RTX 4090", "sm80"), ("NVIDIA GeForce RTX 3090 Ti", "sm80"), ("A100", "sm80"), ("NVIDIA A100-SXM4-80GB", "sm80"),
+    ("L40S", "sm80"), ("a10g", "sm80"), ("RTX A6000", "sm80"), ("RTX 6000 Ada Generation", "sm80"), ("T4", "sm75"),
+    ("Tesla T4", "sm75"), ("RTX 2080 Ti", "sm75"), ("Quadro RTX 6000", "sm75"), ("H100", "sm90"), ("NVIDIA H200 NVL", "sm90"), ("B200", "sm100"),
+    ("GB300", "sm100"), ("RTX 5090", "sm120"), ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "sm120"),
+    ("sm86", "sm80"),
+])
+def test_a_gpu_name_is_a_target(gpu, family):
+    """Audit (issue 36.1): ``--target "RTX 4090"``, ``H100``, ``B200`` (the names ``targets`` lists as the families'
+    GPUs, and nvidia-smi's) were unknown targets."""
+    from repack.targets import resolve_family
+
+    assert resolve_family(gpu).name == family
+
+
+@pytest.mark.parametrize("gpu,says", [("RTX 6000", "names GPUs of several families (Quadro RTX 6000 is sm75"),
+                                      ("RTX 5000", "RTX 5000 Ada sm80 (sm89)"), ("NVIDIA RTX 6000", "give the family"),
+                                      ("rtx4000", "RTX PRO 4000 sm120"), ("V100", "unknown target 'V100'")])
+def test_a_gpu_name_of_two_families_or_none_is_refused(gpu, says, tmp_path, capsys, monkeypatch):
+    """"RTX 6000" is a Turing Quadro, an Ada and (PRO) a Blackwell card: the user picks; V100 (sm70) has no FP4
+    Marlin. One line, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _cli(["convert", "--sample", "-t", gpu], capsys)
+    assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_gpu_name_converts_into_a_folder_named_after_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _cli(["convert", "--sample", "-t", "RTX 4090"], capsys)
+    assert code == 0, err
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama-nvfp4-rtx-4090"]
+    assert json.loads((tmp_path / "tiny-llama-nvfp4-rtx-4090" / "manifest.json").read_text())["target"] == "sm80"
+
+
+@pytest.mark.parametrize("target,gpus,flashinfer", [("sm80", "A100, A30, A10, A40, L4, L40S", False),
+                                                     ("sm100", "B200, GB200, B300", True)])
+def test_inspect_names_a_bundles_gpus_and_no_empty_flashinfer_line(tmp_path, capsys, monkeypatch, target, gpus,
+                                                                     flashinfer):
+    """Audit (issue 36.6): ``inspect`` of a Marlin bundle named no GPU and printed "FlashInfer versions checked: "
+    with nothing after it (Marlin runs no FlashInfer code at load)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert _cli(["convert", "--sample", "-t", target, "-o", tmp_path / "b"], capsys)[0] == 0
+    code, out, _ = _cli(["inspect", tmp_path / "b"], capsys)
+    assert code == 0 and f"target {target} (" in out and gpus in out.splitlines()[0], out
+    assert ("FlashInfer versions checked: 0.7" in out) == flashinfer and "checked: \n" not in out, out
+
+
+def test_marlin_on_hopper_points_to_the_sm80_bundle(tmp_path, capsys, monkeypatch):
+    """Audit (issue 36): ``-t sm90 --linear-backend marlin`` (vLLM's Marlin on an H100, as the GPU tests serve it) said
+    only "--linear-backend auto"; the sm80 bundle is the one to convert, as the sm90 MoE refusal says."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _cli(["convert", "--sample", "-t", "H100", "--linear-backend", "marlin", "-o", "b"], capsys)
+    assert code == 1 and err.count("\n") == 1 and "; for vLLM's Marlin there, convert with -t sm80" in err, err
+    assert not list(tmp_path.iterdir())
+
+
 # --- words ------------------------------------------------------------------------------------------------------------
 
 

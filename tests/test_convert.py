@@ -265,7 +265,19 @@ def test_bench_convert_with_a_missing_dir_is_a_one_line_usage_error(tmp_path):
            f"'--max-shard-size': shard size '{size}': expected a positive size") for size in ("5", "abc", "0GB", "-1GB")],
         (["convert", "--sample", "-t", "all", "--fuse", "-o", "x"], 2, "--fuse/--tp take one target family"),
         (["convert", "--sample", "-t", "all", "--tp", "2", "-o", "x"], 2, "--fuse/--tp take one target family"),
+        # audit: this read "--fuse/--tp take one target" (neither given; --engine sglang fuses)
+        (["convert", "--sample", "-t", "all", "--engine", "sglang", "-o", "x"], 2,
+         "--engine sglang (its bundles are fused, as the engine holds them) takes one target family"),
         (["convert", "--sample", "-t", "sm100", "--tp", "2", "--resume", "-o", "x"], 2, "--resume is not supported with --tp"),
+        # audit: the new options' combinations were bad input (exit 1), refused by the library after the CLI's checks
+        (["convert", "--sample", "-t", "sm100", "--engine", "sglang", "--vllm", "0.33", "-o", "x"], 2,
+         "--vllm 0.33 names a vLLM version; an --engine sglang bundle is for sglang"),
+        (["convert", "--sample", "-t", "sm100", "--engine", "sglang", "--linear-backend", "marlin", "-o", "x"], 2,
+         "--linear-backend names a vLLM kernel"),
+        (["convert", "--sample", "-t", "sm120", "--weight-only", "--linear-backend", "marlin", "-o", "x"], 2,
+         "--linear-backend marlin --weight-only: --weight-only picks the family's weight-only kernel itself"),
+        (["convert", "--sample", "-t", "sm100", "--engine", "sglang", "--rescale", "-o", "x"], 2,
+         "--engine sglang --rescale: SGLang keeps each partition's weight_scale_2 as loaded"),
         (["convert", "--sample", "-t", "sm100", "--bogus", "-o", "x"], 2, "No such option: --bogus"),
     ],
 )

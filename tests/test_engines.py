@@ -34,7 +34,7 @@ def test_every_layout_written_is_held_by_every_vllm_version():
     for target in TARGETS:
         try:
             written.add(moe_layout(target.name).LAYOUT_ID)
-        except RepackError:  # sm90, sm75: no MoE layout
+        except RepackError:  # sm90: no MoE layout
             pass
     for version in engines.engine_versions("vllm"):
         assert written <= set(version.layouts), (version.label, written - set(version.layouts))
@@ -117,6 +117,26 @@ def test_a_release_names_its_series():
     assert engines.resolve_version("vllm", None) is engines.newest("vllm") is engines.VLLM_034
     assert engines.running_row("vllm", "0.34.1.dev3+g1234") is engines.VLLM_034
     assert engines.running_row("vllm", "0.35.0") is None
+    assert engines.running_row("sglang", "0.5.23.post1") is engines.SGLANG_0523  # SGLang's rows name a release
+    assert engines.running_row("sglang", "0.5.2") is engines.running_row("sglang", "0.5.24") is None
+
+
+@pytest.mark.parametrize("engine,listed,running,says", [
+    ("vllm", ["0.33"], "0.34.0", "b: the bundle is for vLLM 0.33, but vLLM 0.34.0 is running; serve it with vLLM 0.33, "
+                                 "or re-convert it with --vllm 0.34"),
+    ("vllm", ["0.33", "0.34"], "0.35.1", "b: the bundle is for vLLM 0.33, 0.34, but vLLM 0.35.1 is running, which "
+                                         "nvfp4-repack does not support (vLLM 0.33, 0.34); serve it with vLLM 0.33 or "
+                                         "0.34"),
+    ("sglang", ["0.5.23"], "0.5.24", "b: the bundle is for SGLang 0.5.23, but SGLang 0.5.24 is running, which "
+                                     "nvfp4-repack does not support (SGLang 0.5.23); serve it with SGLang 0.5.23"),
+])
+def test_a_plugin_refuses_a_bundle_of_another_version_in_one_line(engine, listed, running, says):
+    """The vLLM plugin's refusal (tests/vllm/plugin_checks.py checks it inside vLLM), and the SGLang plugin's, which
+    served a bundle under any SGLang (audit)."""
+    with pytest.raises(RepackError) as refused:
+        engines.check_running(engine, listed, running, "b")
+    assert str(refused.value) == says
+    engines.check_running(engine, listed, listed[-1] + ".0", "b")  # a listed release is served
 
 
 def test_bundles_before_format_6_are_vllm_033s(tmp_path):
@@ -146,7 +166,7 @@ def test_inspect_and_targets_show_the_versions(tmp_path, capsys):
 
 
 def test_targets_names_sglang_where_it_has_layouts(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setenv("COLUMNS", "1000")  # the table (a narrower terminal gets one block per target)
     code, out, _ = cli(capsys, "targets")
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
     assert code == 0 and {"sm100", "sm120", "sm90"} <= set(rows)
@@ -157,4 +177,44 @@ def test_inspect_names_the_engine_whose_kernels_a_bundle_records(capsys, tmp_pat
     monkeypatch.setenv("COLUMNS", "300")
     convert(PRODUCERS / "modelopt_w4a16_nvfp4", "sm90", tmp_path / "out", engine="sglang")
     code, out, _ = cli(capsys, "inspect", tmp_path / "out")
-    assert code == 0 and "scheme W4A16; sglang kernels: marlin" in " ".join(out.split())
+    assert code == 0 and "scheme W4A16; SGLang kernels: marlin" in " ".join(out.split())
+
+
+def test_several_targets_for_sglang_are_refused_naming_the_engine(tmp_path):
+    """Audit: ``convert(..., ["sm100", "sm120"], engine="sglang")`` said "--fuse/--tp take one target", flags the user
+    never gave (an SGLang bundle is fused as SGLang holds it)."""
+    with pytest.raises(RepackError, match=r"^--engine sglang \(its bundles are fused, as the engine holds them\) "
+                                          "takes one target family; convert each target in a run of its own$"):
+        convert(PRODUCERS / "ct_nvfp4", ["sm100", "sm120"], tmp_path / "out", engine="sglang")
+    assert not list(tmp_path.iterdir())
+
+
+def test_engine_is_case_insensitive_as_target_is(tmp_path, capsys):
+    """Audit: ``-t SM100`` worked, ``--engine SGLang`` was a usage error."""
+    code, _, err = cli(capsys, "convert", "--sample", "-t", "SM100", "--engine", "SGLang", "-o", tmp_path / "b")
+    assert code == 0, err
+    assert open_bundle(tmp_path / "b").manifest.engines == {"sglang": ["0.5.23"]}
+
+
+def test_inspect_names_sglangs_moe_backend_not_vllms(tmp_path, capsys, monkeypatch):
+    """Audit: an SGLang MoE bundle's table read "(vLLM backend auto, CompressedTensorsW4A4Nvfp4MoE)"."""
+    monkeypatch.setenv("COLUMNS", "300")
+    convert(PRODUCERS / "ct_moe_nvfp4", "sm120", tmp_path / "out", engine="sglang")
+    code, out, _ = cli(capsys, "inspect", tmp_path / "out")
+    text = " ".join(out.split())
+    assert code == 0 and "(SGLang backend auto, CompressedTensorsW4A4Nvfp4MoE)" in text and "vLLM" not in text, text
+
+
+def test_inspect_of_a_source_says_which_vllm_versions_each_target_serves(capsys, monkeypatch):
+    """Audit (issue 35.1): ``inspect`` of a rotated W4A4 source said "possible targets: sm100, ..." and the default
+    convert then refused sm100 (vLLM 0.34 runs Humming's kernel there); now it names the version per target."""
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = cli(capsys, "inspect", PRODUCERS / ROTATED_W4A4)
+    assert code == 0 and ("possible targets: sm100 (vLLM 0.33 only: convert --vllm 0.33), sm120 (vLLM 0.33 only: "
+                          "convert --vllm 0.33), sm90, sm80, sm75") in out, out
+    info = json.loads(cli(capsys, "inspect", PRODUCERS / "ct_quip_v_had16_nvfp4a16", "--json")[1])
+    assert info["vllm_versions"] == {"sm100": ["0.33", "0.34"], "sm120": ["0.34"], "sm90": ["0.33", "0.34"],
+                                     "sm80": ["0.33", "0.34"], "sm75": ["0.33", "0.34"]}
+    assert "sm120 (vLLM 0.34 only), sm90" in cli(capsys, "inspect", PRODUCERS / "ct_quip_v_had16_nvfp4a16")[1]
+    assert json.loads(cli(capsys, "inspect", PRODUCERS / "modelopt_moe_nvfp4", "--json")[1])["vllm_versions"] == {
+        name: ["0.33", "0.34"] for name in ("sm100", "sm120", "sm80", "sm75")}

@@ -2,7 +2,8 @@
 layers beside it) that SGLang serves through FP4 Marlin holds, per TP rank, exactly what SGLang's own ``get_model``
 leaves on its module (every tensor by name, dtype, shape, strides, offset and storage bytes): ModelOpt NVFP4 and
 W4A16_NVFP4 on an emulated sm90 / sm80 (its auto MoE runner backend there), compressed-tensors NVFP4A16 on sm80-sm120
-and its W4A4 checkpoints on sm90 / sm80 (served weight-only). SGLang's refusals are ours.
+and its W4A4 checkpoints on sm90 / sm80 (served weight-only); Qwen2-MoE (its dense shared expert beside the experts)
+on sm90, and NVFP4A16 on sm100 (the shared expert FlashInfer's bf16 x fp4). SGLang's refusals are ours.
 
 Not stored, compared by dtype and shape: FP4 Marlin's scratch ``workspace`` (sized by the GPU, SGLang's own function
 makes it) and ModelOpt's ``w*_blockscale_swizzled``, which its ``create_weights`` swizzles from the still
@@ -25,26 +26,36 @@ from repack.sample.synthetic import write_qwen_moe
 from .conftest import PRODUCERS, seeded_folder
 from .test_sglang_conformance import oracle_dumps, run_harness
 from .test_sglang_moe_conformance import (
+    DEEPSEEK,
     _refused,
     assert_converts_to_sglangs_state_or_both_refuse,
     assert_verify_names_what_is_not_sglangs,
+    deepseek_v3,
+    moe_modules,
 )
 
 UNSTORED = ("workspace", "w13_blockscale_swizzled", "w2_blockscale_swizzled")
-# name -> (format, W4A4?, arch): the synthetic checkpoints (hidden 128, intermediate 128; 256 / 96 for the refusals)
-SYNTHETIC = {"mo": ("modelopt", True), "mo16": ("modelopt", False), "ct": ("compressed-tensors", True),
-             "ct16": ("compressed-tensors", False)}
-JOBS = [(n, a) for n in SYNTHETIC for a in ("sm90", "sm80")] + [("ct16", "sm120"), ("ct16", "sm100")]
+# name -> (format, W4A4?, the shared expert's intermediate size: Qwen2-MoE, else Qwen3-MoE): the synthetic checkpoints
+# (hidden 128, intermediate 128)
+SYNTHETIC = {"mo": ("modelopt", True, 0), "mo16": ("modelopt", False, 0), "ct": ("compressed-tensors", True, 0),
+             "ct16": ("compressed-tensors", False, 0), "q2mo": ("modelopt", True, 96),
+             "q2ct16": ("compressed-tensors", False, 96)}
+JOBS = ([(n, a) for n in ("mo", "mo16", "ct", "ct16") for a in ("sm90", "sm80")]
+        + [("ct16", "sm120"), ("ct16", "sm100"), ("q2mo", "sm90"), ("q2ct16", "sm100")])
+EP = ("mo", "mo16", "ct", "ct16", "q2mo")  # on sm90 with --ep
 PRODUCER_JOBS = [("modelopt_moe_nvfp4", "sm90"), ("ct_moe_nvfp4", "sm80"), ("modelopt_moe_w4a16_nvfp4", "sm90"),
-                 ("ct_moe_nvfp4a16", "sm120"), ("modelopt_moe_i48_nvfp4", "sm90"), ("ct_moe_i48_nvfp4", "sm90")]
+                 ("ct_moe_nvfp4a16", "sm120"), ("modelopt_moe_i48_nvfp4", "sm90"), ("ct_moe_i48_nvfp4", "sm90"),
+                 ("ds-modelopt", "sm90"), ("ds-compressed-tensors", "sm90")]  # DeepSeek-V3 (DEEPSEEK)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     gen, root, _ = seeded_folder(tmp_path_factory, "sglang-marlin-moe-ckpts")
     out = {name: write_qwen_moe(root / name, fmt, generator=gen, layers=2, hidden=128, experts=4, intermediate=128,
-                                w4a4=w4a4, shared_input_scales=True) for name, (fmt, w4a4) in SYNTHETIC.items()}
-    return out | {name: PRODUCERS / name for name, _ in PRODUCER_JOBS}
+                                w4a4=w4a4, shared_input_scales=True, shared_expert=shared)
+           for name, (fmt, w4a4, shared) in SYNTHETIC.items()}
+    out |= {name: deepseek_v3(fixture, root / name) for name, fixture in DEEPSEEK.items()}
+    return out | {name: PRODUCERS / name for name, _ in PRODUCER_JOBS if name not in out}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +68,7 @@ def oracle(checkpoints, tmp_path_factory) -> dict[int, Path]:
 @pytest.mark.parametrize("name,arch", JOBS + PRODUCER_JOBS, ids=[f"{n}-{a}" for n, a in JOBS + PRODUCER_JOBS])
 def test_marlin_moe_bundle_is_byte_identical_to_sglang(name, arch, tp, checkpoints, oracle, tmp_path):
     assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], arch, oracle[tp] / f"{name}-{arch}",
-                                                    tmp_path / "bundle", tp, unstored=UNSTORED)
+                                                    tmp_path / "bundle", tp, moe_modules(name), unstored=UNSTORED)
 
 
 def test_sglang_serves_these_moe_layers_with_fp4_marlin(oracle):
@@ -118,17 +129,17 @@ def test_plugin_loads_sglangs_own_marlin_moe_state(name, arch, tp, oracle, plugi
 def ep_oracle(checkpoints, tmp_path_factory) -> Path:
     """SGLang's load of the synthetic checkpoints on sm90 with expert parallelism (``--ep-size 2``, TP 2)."""
     out = tmp_path_factory.mktemp("sglang-marlin-moe-ep")
-    run_harness(2, out, [f"{name}-sm90={checkpoints[name]}:sm90+ep" for name in SYNTHETIC])
+    run_harness(2, out, [f"{name}-sm90={checkpoints[name]}:sm90+ep" for name in EP])
     return out
 
 
-@pytest.mark.parametrize("name", list(SYNTHETIC))
+@pytest.mark.parametrize("name", EP)
 def test_marlin_moe_ep_ranks_are_byte_identical_to_sglang(name, checkpoints, ep_oracle, tmp_path):
     """``convert --tp 2 --ep``: each rank's experts whole, ModelOpt's input scales every expert's."""
     dumped = ep_oracle / f"{name}-sm90"
     assert _refused(dumped) is None, _refused(dumped)[:2000]
-    assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], "sm90", dumped, tmp_path / "bundle", 2, ep=True,
-                                                    unstored=UNSTORED)
+    assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], "sm90", dumped, tmp_path / "bundle", 2,
+                                                    moe_modules(name), ep=True, unstored=UNSTORED)
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])

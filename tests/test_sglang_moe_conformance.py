@@ -9,12 +9,20 @@ both); SGLang's refusals are ours, and its plugin loads each bundle into that st
 Checkpoints: the producers' Qwen3-MoE fixtures (hidden 64: refused by SGLang's TRT-LLM-gen; intermediate 128 and 48)
 and synthetic ones (hidden 128, intermediate 96: TRT-LLM-gen pads it to 128 at TP 1 and to 64 per rank at TP 2, where
 SGLang cuts the rows 64 + 32; CUTLASS refuses ModelOpt's 2I = 192; hidden 256 with five experts; gate and up
-multipliers apart), in both formats, each expert's gate and up input scales equal as the producers calibrate them. SGLang runs in its venv through tests/sglang/harness.py.
+multipliers apart), in both formats, each expert's gate and up input scales equal as the producers calibrate them;
+a synthetic Qwen2-MoE (a dense NVFP4 shared expert beside each FusedMoE, its bf16 ``shared_expert_gate``, q/k/v
+biases; ModelOpt on sm100 run with ``--moe-runner-backend flashinfer_trtllm``, SGLang's auto there being "auto" for
+it); the producers' Qwen2-MoE, whose dense first layer SGLang builds as MoE, refused. SGLang runs in its venv through
+tests/sglang/harness.py. DeepSeek-V3: the producers' fixtures (a dense first layer, a shared expert; bf16 MLA) with the
+``rope_scaling`` and ``moe_layer_freq`` real DeepSeek-V3 configs have (:func:`deepseek_v3`), on SGLang's CUTLASS MoE
+(its TRT-LLM-gen refuses their hidden size 64, and ours is refused as not checked).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -29,6 +37,7 @@ from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_qwen_moe
 from repack.targets.engines import SGLANG_MOE_BACKENDS
 from repack.targets.moe import MADE_FROM, moe_layout
+from repack.targets.sglang import check_sglang_moe_architecture
 from repack.verify import expert_plan, verify_output
 from repack.verify_moe import engine_expert_findings
 
@@ -40,10 +49,30 @@ PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvf
 # "apart": gate and up multipliers that differ, which only ModelOpt's TRT-LLM-gen state holds (g1_alphas_up,
 # g1_scale_c); SGLang's CUTLASS paths scale both halves with gate's (we refuse those)
 SYNTHETIC = {"h128": dict(hidden=128, experts=3, intermediate=96), "h256": dict(hidden=256, experts=5, intermediate=256),
-             "apart": dict(hidden=128, experts=4, intermediate=128, shared_scales=False)}
+             "apart": dict(hidden=128, experts=4, intermediate=128, shared_scales=False),
+             "qwen2": dict(hidden=128, experts=4, intermediate=128, shared_expert=96)}  # Qwen2-MoE: + a shared expert
 FORMATS = ("modelopt", "compressed-tensors")
-NAMES = PRODUCER_FIXTURES + [f"{shape}-{fmt}" for shape in SYNTHETIC for fmt in FORMATS]
-JOBS = [(name, arch) for name in NAMES for arch in ARCHS]
+DEEPSEEK = {"ds-modelopt": "modelopt_deepseek_v3_nvfp4", "ds-compressed-tensors": "ct_deepseek_v3_nvfp4"}
+NAMES = PRODUCER_FIXTURES + [f"{shape}-{fmt}" for shape in SYNTHETIC for fmt in FORMATS] + list(DEEPSEEK)
+JOBS = [(name, arch) for name in NAMES for arch in ARCHS if (name, arch) != ("ds-modelopt", "sm100")]
+# what real DeepSeek-V3 configs hold and the producers' tiny ones (transformers 5) do not: SGLang's deepseek_v2.py
+# reads moe_layer_freq, and its CPU RoPE (the harness's) takes only DeepSeek's YaRN
+DEEPSEEK_CONFIG = {"moe_layer_freq": 1, "rope_scaling": {
+    "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def deepseek_v3(fixture: str, out: Path) -> Path:
+    """The producers' DeepSeek-V3 ``fixture`` copied to ``out`` with :data:`DEEPSEEK_CONFIG` in its config.json."""
+    shutil.copytree(PRODUCERS / fixture, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **DEEPSEEK_CONFIG}, indent=2))
+    return out
+
+
+def moe_modules(name: str) -> int:
+    """How many FusedMoE layers checkpoint ``name`` has (DeepSeek-V3's first layer is dense)."""
+    return 1 if name.startswith("ds-") else 2
 
 
 def _format(name: str) -> str:
@@ -51,15 +80,18 @@ def _format(name: str) -> str:
 
 
 def _spec(name: str, arch: str) -> str:
-    """The harness's ARCH[@MOE_BACKEND]: SGLang run with the MoE runner backend the bundle is for (auto: none)."""
+    """The harness's ARCH[@MOE_BACKEND]: SGLang run with the MoE runner backend the bundle is for (auto: none; its auto
+    picks TRT-LLM-gen on sm100 for Qwen3-MoE only)."""
     backend = SGLANG_MOE_BACKENDS[(_format(name), arch)]
-    return arch if backend == "auto" or (arch, backend) == ("sm100", "flashinfer_trtllm") else f"{arch}@{backend}"
+    picked = (arch, backend) == ("sm100", "flashinfer_trtllm") and not name.startswith("qwen2")
+    return arch if backend == "auto" or picked else f"{arch}@{backend}"
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     gen, root, _ = seeded_folder(tmp_path_factory, "sglang-moe-ckpts")
-    out = {name: PRODUCERS / name for name in PRODUCER_FIXTURES}
+    out = {name: PRODUCERS / name for name in (*PRODUCER_FIXTURES, "ct_qwen2_moe_nvfp4")}
+    out.update({name: deepseek_v3(fixture, root / name) for name, fixture in DEEPSEEK.items()})
     for shape, kwargs in SYNTHETIC.items():
         for fmt in FORMATS:
             out[f"{shape}-{fmt}"] = write_qwen_moe(root / f"{shape}-{fmt}", fmt, generator=gen, layers=2,
@@ -67,8 +99,12 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-# jobs beside the bundles' own: SGLang's plain auto for ModelOpt on sm120 (what the bundle's backend avoids)
-AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120")}
+# jobs beside the bundles' own: SGLang's plain auto for ModelOpt on sm120 and for Qwen2-MoE on sm100 (what the
+# bundle's backend avoids); the producers' Qwen2-MoE (a dense first layer, refused)
+AUTO_JOBS = {"modelopt_moe_nvfp4-sm120auto": ("modelopt_moe_nvfp4", "sm120"),
+             "qwen2-modelopt-sm100auto": ("qwen2-modelopt", "sm100"),
+             "ct_qwen2_moe_nvfp4-sm100": ("ct_qwen2_moe_nvfp4", "sm100"),
+             "ds-modelopt-sm100": ("ds-modelopt", "sm100@flashinfer_trtllm")}
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +128,24 @@ def _storage_groups(names: dict[str, str]) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values()}
 
 
+# a dense layer's bf16 tensors that are no NVFP4 state (Qwen2-MoE's qkv bias): the bundle passes the checkpoint's
+# through and SGLang's own loader fuses them (the plugin tests compare them with SGLang's load of the source)
+PASSTHROUGH = {"bias"}
+
+
+def bundle_name(held: Collection[str], stored: str, info: dict) -> str:
+    """The name under which a bundle layer holding ``held`` stores the storage SGLang dumped as ``stored``: one of the
+    names SGLang binds to it (DeepSeek-V3's dense MLPs bind ``weight`` to compressed-tensors' ``weight_packed``)."""
+    names = [stored, *(n for n, view in info["tensors"].items() if view.get("alias") == stored)]
+    return next((n for n in names if n in held), stored)
+
+
 def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int, unstored: tuple[str, ...] = ()) -> int:
     """Every tensor SGLang holds on every FusedMoE module and NVFP4 linear layer is the bundle's (by name, dtype, shape,
     strides, offset, the bytes of its whole storage, and which names share a storage); the module's backend, method
     and local experts are the manifest's. ``unstored``: FusedMoE tensors the bundle does not hold (FP4 Marlin's
     scratch, placeholders no kernel reads), whose names alone are SGLang's; the dense layers' scratch (``SCRATCH``)
-    likewise. Returns the number of FusedMoE modules."""
+    and bf16 passthrough tensors (``PASSTHROUGH``) likewise. Returns the number of FusedMoE modules."""
     bundle = open_bundle(bundle_dir)
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
@@ -120,18 +168,19 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int, unstored: t
     for prefix, info in meta.items():
         if prefix not in moe:
             for name, view in info["tensors"].items():
-                if name not in SCRATCH:
-                    stored = view.get("alias", name)  # sm100's 6-D view of a dense buffer: the buffer
-                    assert_stored_as(bundle.read(f"{prefix}.{stored}"), view, theirs[f"{prefix}.{stored}"],
-                                     (prefix, name))
+                if name in PASSTHROUGH or name in SCRATCH:
+                    continue
+                stored = view.get("alias", name)
+                ours = bundle.read(f"{prefix}.{bundle_name(bundle.manifest.layers[prefix].tensors, stored, info)}")
+                assert_stored_as(ours, view, theirs[f"{prefix}.{stored}"], (prefix, name))  # sm100's 6-D view: the buffer
     return len(moe)
 
 
 def assert_converts_to_sglangs_state_or_both_refuse(checkpoint: Path, arch: str, dumped: Path, out: Path, tp: int,
-                                                    ep: bool = False, says: str | None = None, ours_only: str = "",
-                                                    unstored: tuple[str, ...] = ()) -> None:
+                                                    modules: int, ep: bool = False, says: str | None = None,
+                                                    ours_only: str = "", unstored: tuple[str, ...] = ()) -> None:
     """Where SGLang refused ``dumped``'s job, ``convert --engine sglang`` refuses too (in one line matching ``says``,
-    writing nothing); else every rank of its bundle holds SGLang's state (two FusedMoE modules,
+    writing nothing); else every rank of its bundle holds SGLang's state (``modules`` FusedMoE modules,
     :func:`assert_rank_identical`) and verify passes. ``ours_only``: the words of our refusal of a job SGLang loads
     (into a state that would mis-scale)."""
     options = dict(tp=tp, ep=ep, engine="sglang")
@@ -143,7 +192,7 @@ def assert_converts_to_sglangs_state_or_both_refuse(checkpoint: Path, arch: str,
         return
     convert(checkpoint, arch, out, **options)
     for rank in range(tp):
-        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank, unstored) == 2
+        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank, unstored) == modules
     assert verify_output(out).passed
 
 
@@ -170,7 +219,7 @@ def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, c
         with pytest.raises(RepackError, match="--tp 2"):
             convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
         return
-    assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], arch, dumped, out, tp,
+    assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], arch, dumped, out, tp, moe_modules(name),
                                                     says="SGLang 0.5.23's FlashInfer", ours_only=_ours_only(name, arch))
 
 
@@ -180,7 +229,8 @@ def test_ep_ranks_are_byte_identical_to_sglang_or_both_refuse(name, arch, checkp
     ModelOpt's input scales every expert's, compressed-tensors' the rank's; SGLang's refusals (experts not a
     multiple of the ranks, its backends' shapes) are ours."""
     assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], arch, oracle["ep"] / f"{name}-{arch}",
-                                                    tmp_path / "bundle", 2, ep=True, ours_only=_ours_only(name, arch))
+                                                    tmp_path / "bundle", 2, moe_modules(name), ep=True,
+                                                    ours_only=_ours_only(name, arch))
 
 
 def test_sglang_refuses_what_we_refuse(oracle):
@@ -193,19 +243,52 @@ def test_sglang_refuses_what_we_refuse(oracle):
     assert ep is not None and "_num_global_routed % storage_ep_size == 0" in ep
 
 
-def test_sglang_auto_on_sm120_leaves_a_state_its_runner_does_not_read(oracle):
-    """Why the ModelOpt sm120 bundle is for --moe-runner-backend flashinfer_cutlass: SGLang's auto (without
-    --quantization modelopt_fp4) leaves the runner backend "auto", whose create_moe_runner takes TRT-LLM-gen
-    (sm100-only kernels) and whose load makes no g1_scale_c for it."""
-    info = json.loads((oracle[1] / "modelopt_moe_nvfp4-sm120auto" / "rank-0.json").read_text())
+@pytest.mark.parametrize("job", ["modelopt_moe_nvfp4-sm120auto", "qwen2-modelopt-sm100auto"])
+def test_sglang_auto_leaves_a_state_its_runner_does_not_read(job, oracle):
+    """Why the ModelOpt sm120 bundle is for --moe-runner-backend flashinfer_cutlass and a Qwen2-MoE sm100 one for
+    flashinfer_trtllm: SGLang's auto (without --quantization modelopt_fp4 on sm120; on sm100 for a model with no
+    override) leaves the runner backend "auto", whose create_moe_runner takes TRT-LLM-gen (sm100-only kernels) and
+    whose load makes no g1_scale_c for it."""
+    info = json.loads((oracle[1] / job / "rank-0.json").read_text())
     moe = [layer for layer in info.values() if layer.get("moe")]
     assert moe and all(layer["backend"] == "auto" and "g1_scale_c" not in layer["tensors"] for layer in moe)
+
+
+def test_qwen2_moe_with_a_dense_layer_is_refused_as_sglang_builds_it_as_moe(oracle, tmp_path):
+    """SGLang 0.5.23's Qwen2-MoE reads no mlp_only_layers: the producers' fixture (layer 0 dense) gets a FusedMoE and a
+    shared expert in layer 0, and the checkpoint's dense MLP there is held nowhere. Refused for both producers."""
+    meta = json.loads((oracle[1] / "ct_qwen2_moe_nvfp4-sm100" / "rank-0.json").read_text())
+    assert meta["model.layers.0.mlp.experts"]["moe"] and "model.layers.0.mlp.shared_expert.gate_up_proj" in meta
+    assert "model.layers.0.mlp.gate_proj" in read_source(PRODUCERS / "ct_qwen2_moe_nvfp4").layers
+    assert not any(prefix.startswith("model.layers.0.mlp.gate_up_proj") for prefix in meta)
+    for fixture in ("ct_qwen2_moe_nvfp4", "modelopt_qwen2_moe_nvfp4"):
+        with pytest.raises(RepackError, match="layer 0 has a dense MLP .* builds every .* layer as MoE") as refused:
+            convert(PRODUCERS / fixture, "sm100", tmp_path / "out", engine="sglang")
+        assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+
+
+def test_deepseek_v3_where_sglang_is_not_checked_is_refused_in_one_line(oracle, checkpoints, tmp_path):
+    """ModelOpt DeepSeek-V3 on sm100 (TRT-LLM-gen): SGLang refuses the producers' fixture (hidden size 64), so nothing
+    of that backend's DeepSeek-V3 load is checked here; refused whatever the hidden size."""
+    assert "M % 128 == 0" in _refused(oracle[1] / "ds-modelopt-sm100")
+    with pytest.raises(RepackError, match="on SGLang's flashinfer_trtllm MoE are not checked against its load") as e:
+        convert(checkpoints["ds-modelopt"], "sm100", tmp_path / "out", engine="sglang")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_deepseek_v3_whose_shared_expert_sglang_fuses_is_refused_in_one_line():
+    """SGLang 0.5.23 fuses a DeepSeek-V3 / R1 shared expert into the FusedMoE as expert 257 (256 routed experts, one
+    shared; read from deepseek_v2.py: its CPU load, the harness's, never fuses): that state is not written."""
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 256, "n_shared_experts": 1}
+    with pytest.raises(RepackError, match="fuses the shared expert .* 256 routed experts") as e:
+        check_sglang_moe_architecture(config, ["model.layers.3.mlp.experts"], "flashinfer_cutlass")
+    assert "\n" not in str(e.value)
+    check_sglang_moe_architecture({**config, "n_routed_experts": 4}, ["model.layers.3.mlp.experts"], "flashinfer_cutlass")
 
 
 @pytest.mark.parametrize("fixture,says", [
     ("modelopt_mixtral_nvfp4", "QuantMixtralForCausalLM"),
     ("ct_mixtral_nvfp4", "not at all"),
-    ("modelopt_deepseek_v3_nvfp4", "not checked here yet"),
 ])
 def test_moe_architectures_not_written_for_sglang_are_refused_in_one_line(fixture, says, tmp_path):
     with pytest.raises(RepackError, match=says) as refused:
@@ -237,6 +320,7 @@ def plugin_oracle(checkpoints, oracle, tmp_path_factory) -> dict[int, Path]:
                 jobs.append(f"{name}-{arch}={folder}:{arch_plugin}{ep}")
         if key == 1:
             jobs.append(f"backend-mismatch={bundles / 'modelopt_moe_nvfp4-sm120-1'}:sm120-plugin")
+            jobs.append(f"qwen2-backend-mismatch={bundles / 'qwen2-modelopt-sm100-1'}:sm100-plugin")
         if key == "ep":  # a --tp bundle (rows split) under SGLang's expert parallelism
             jobs.append(f"ep-mismatch={bundles / 'ct_moe_nvfp4-sm100-2'}:sm100-plugin+ep")
         out[key] = tmp_path_factory.mktemp(f"sglang-moe-plugin-{key}")
@@ -254,6 +338,7 @@ def test_plugin_loads_sglangs_own_moe_state(name, arch, key, oracle, plugin_orac
 
 
 @pytest.mark.parametrize("key,job,says", [(1, "backend-mismatch", "serve it with --moe-runner-backend flashinfer_cutlass"),
+                                          (1, "qwen2-backend-mismatch", "serve it with --moe-runner-backend flashinfer_trtllm"),
                                           ("ep", "ep-mismatch", "serve it without --ep-size")])
 def test_plugin_refuses_another_moe_placement_in_one_line(key, job, says, plugin_oracle):
     first = (plugin_oracle[key] / job / "refused.txt").read_text().splitlines()[0]

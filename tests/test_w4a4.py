@@ -233,14 +233,15 @@ def test_linear_backend_picks_the_layout_vllm_holds_with_it(tmp_path, capsys):
                                                                     ["FlashInferCuteDslNvFp4W4A16LinearKernel"])
     assert verify_output(tmp_path / "cute").passed
     refusals = [  # vLLM's cute-dsl W4A16 kernel holds a W4A4 checkpoint's scalars beside its bytes on sm120: not written
-        (["modelopt_nvfp4", "-t", "sm120", "--linear-backend", "flashinfer_cutedsl"], "no layout written here"),
-        (["ct_nvfp4a16", "-t", "sm100", "--linear-backend", "marlin"], "no layout written here"),
-        (["modelopt_nvfp4", "-t", "sm120", "--linear-backend", "marlin", "--weight-only"], "give one of the two"),
+        (["modelopt_nvfp4", "-t", "sm120", "--linear-backend", "flashinfer_cutedsl"], "no layout written here", 1),
+        (["ct_nvfp4a16", "-t", "sm100", "--linear-backend", "marlin"], "no layout written here", 1),
+        # two flags that contradict each other: bad usage, refused before the checkpoint is read
+        (["modelopt_nvfp4", "-t", "sm120", "--linear-backend", "marlin", "--weight-only"], "give one of the two", 2),
     ]
-    for i, (args, words) in enumerate(refusals):
+    for i, (args, words, exit_code) in enumerate(refusals):
         code = main(["convert", str(PRODUCERS / args[0]), *args[1:], "-o", str(tmp_path / str(i))])
         err = capsys.readouterr().err
-        assert code == 1 and words in err and err.count("\n") == 1, err
+        assert code == exit_code and words in err and err.count("\n") == 1, err
         assert not (tmp_path / str(i)).exists()
 
 

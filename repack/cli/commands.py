@@ -19,9 +19,11 @@ from rich.table import Table
 from ..errors import Interrupted, RepackError
 from ..targets import FAMILIES, several_families
 from ..targets.engines import (
+    DISPLAY_NAMES,
     ENGINES,
     SGLANG_0523,
     SGLANG_DENSE_BACKENDS,
+    SGLANG_MOE_LAYOUTS,
     SGLANG_WEIGHT_ONLY_FAMILIES,
     engine_versions,
     resolve_version,
@@ -56,7 +58,8 @@ stderr = _Console(stderr=True)
 TargetOpt = Annotated[
     list[str],
     typer.Option("--target", "-t", metavar="TARGET",
-                 help="Target GPU family (see `nvfp4-repack targets`); repeat it, or `all`, for several in one pass."),
+                 help="Target GPU family (see `nvfp4-repack targets`), or a GPU's name (A100, L4, T4, H100, B200, "
+                      "\"RTX 4090\"); repeat it, or `all`, for several in one pass."),
 ]
 LinearBackend = Enum("LinearBackend", {name: name for name in (AUTO, *LINEAR_BACKENDS)}, type=str)  # vLLM's names
 
@@ -113,27 +116,28 @@ def _default_out(model: Path | str, targets: list[str]) -> Path:
     """``<model>-<target>`` (the first name given), or ``<model>-bundles`` for several target families (a Hub id's
     name part)."""
     name = Path(model).expanduser().resolve().name if Path(model).expanduser().exists() else str(model).rsplit("/")[-1]
-    suffix = "bundles" if several_families(targets) else targets[0].strip().lower()
+    suffix = "bundles" if several_families(targets) else "-".join(targets[0].lower().split())  # "RTX 4090": rtx-4090
     return Path(f"{name}-{suffix}")
 
 
 def _check_convert_usage(target: list[str], max_shard_size: str, parse_size: Callable[[str], int], *, fuse: bool,
-                         tp: int, ep: bool, resume: bool, vllm: str | None = None) -> None:
-    """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything (the
-    library refuses the same with RepackError)."""
+                         tp: int, ep: bool, resume: bool, rescale: bool, weight_only: bool, linear_backend: str,
+                         engine: str, vllm: str | None) -> None:
+    """The flag values and combinations convert refuses as bad usage (exit code 2), before reading anything: the
+    library's own checks (:func:`repack.convert.check_options`), a value's refusal naming its flag."""
+    from ..convert import check_options
+
     for flag, check in (("--target", lambda: several_families(target)), ("--max-shard-size", lambda: parse_size(max_shard_size)),
                         ("--vllm", lambda: resolve_version("vllm", vllm))):
         try:
             check()
         except RepackError as exc:
             raise typer.BadParameter(str(exc), param_hint=f"'{flag}'") from None
-    if (fuse or tp > 1) and several_families(target):
-        raise typer.BadParameter("--fuse/--tp take one target family; convert each target in a run of its own")
-    if resume and tp > 1:
-        raise typer.BadParameter("--resume is not supported with --tp (a --tp convert keeps nothing when interrupted); "
-                                 "run the command again without --resume")
-    if ep and tp < 2:
-        raise typer.BadParameter("--ep places whole experts on tensor-parallel ranks: give --tp N with N > 1")
+    try:
+        check_options(target, max_shard_size=max_shard_size, fuse=fuse, tp=tp, ep=ep, resume=resume, rescale=rescale,
+                      weight_only=weight_only, linear_backend=linear_backend, engine=engine, vllm=vllm)
+    except RepackError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _check_out(out: str, source: str) -> Path:
@@ -192,9 +196,9 @@ def convert(
                                  "with the same flag): e.g. flashinfer_cutedsl on sm120 for FlashInfer's cute-dsl "
                                  "W4A16 kernel; default auto, vLLM's own choice.")] = LinearBackend.auto,
     engine: Annotated[Engine, typer.Option(
-        "--engine", help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
-                         "dense W4A4 and weight-only checkpoints, and W4A4 Qwen3-MoE, its fused modules under its "
-                         "names; docs/sglang.md).")] = Engine.vllm,
+        "--engine", case_sensitive=False, help="The serving engine whose post-load state the bundle holds: vllm, or sglang (SGLang 0.5.23: "
+                         "dense and MoE checkpoints, its fused modules under its names, for one target; what is "
+                         "written for which GPU and backend: docs/sglang.md).")] = Engine.vllm,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", metavar="VERSION", help=f"The vLLM version the bundle is for ({', '.join(VLLM_VERSIONS)}; default: the "
         "newest). The manifest lists every version whose state the bundle is; one the version cannot serve is "
@@ -209,13 +213,15 @@ def convert(
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --tp 2 -o llama-sm100-tp2
       nvfp4-repack convert ./Qwen3-30B-A3B-NVFP4 --target sm100 --tp 4 --ep -o qwen3-moe-sm100-ep4
       nvfp4-repack convert nvidia/Llama-3.1-8B-Instruct-FP4 -t sm100 -t sm120 -t sm90 -o llama  # llama/sm100, ...
+      nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target "RTX 4090" -o llama-4090  # a GPU's name: sm80 (Marlin)
       nvfp4-repack convert ./Llama-3.1-8B-NVFP4 --target sm100 --engine sglang -o llama-sglang-sm100
     """
     from ..bundle.plan import parse_size
     from ..convert import convert as run_convert
 
     source = _model_or_sample(model, sample, "MODEL")
-    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume, vllm=vllm)
+    _check_convert_usage(target, max_shard_size, parse_size, fuse=fuse, tp=tp, ep=ep, resume=resume, rescale=rescale,
+                         weight_only=weight_only, linear_backend=linear_backend.value, engine=engine.value, vllm=vllm)
     destination = _check_out(out, source) if out is not None else _default_out(source, target)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -266,12 +272,13 @@ def _inspect_bundle(path: Path) -> None:
     bundle = open_bundle(path)
     manifest = bundle.manifest
     stdout.print(f"[bold]bundle[/] {show(path)}  target [bold]{show(manifest.target)}[/] "
-                 f"({show(manifest.layout_id)}), format v{manifest.bundle_format_version}, "
-                 f"tool {show(manifest.tool_version)}")
+                 f"({show(manifest.layout_id)}; {show(bundle.target.description)}), "
+                 f"format v{manifest.bundle_format_version}, tool {show(manifest.tool_version)}")
     stdout.print(f"source: {show(manifest.source.format)} {show(manifest.source.quant_algo)} "
                  f"from {show(manifest.source.path)}")
-    stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
-    engine = "vLLM" if bundle.target.engine == "vllm" else bundle.target.engine  # whose kernels the manifest names
+    if manifest.flashinfer_versions:  # a FlashInfer layout's (Marlin's and sm90's run no FlashInfer code at load)
+        stdout.print(f"FlashInfer versions checked: {show(', '.join(manifest.flashinfer_versions))}")
+    engine = DISPLAY_NAMES[bundle.target.engine]  # whose kernels (SGLang: its FP4 GEMM backend) the manifest names
     stdout.print(f"scheme {show(manifest.scheme)}; {engine} kernels: {show(', '.join(manifest.kernels) or 'unrecorded')}")
     stdout.print("serves: " + show("; ".join(f"{engine} {', '.join(versions) or 'none'}"
                                              for engine, versions in manifest.engines.items())))
@@ -297,7 +304,7 @@ def _inspect_bundle(path: Path) -> None:
                       *([show(transforms or "-")] if manifest.transforms else []))
     stdout.print(table)
     if manifest.moe:
-        stdout.print(_moe_table(manifest))
+        stdout.print(_moe_table(manifest, engine))
     if manifest.transforms:
         stdout.print(f"{count(len(manifest.transforms), 'online-transform matrix', 'online-transform matrices')}, "
                      f"each stored once: "
@@ -305,10 +312,11 @@ def _inspect_bundle(path: Path) -> None:
                                  for name, rec in manifest.transforms.items()), soft_wrap=True)
 
 
-def _moe_table(manifest) -> Table:
-    """A bundle's FusedMoE layers: vLLM's module, the experts it holds, top-k, sizes, layout and vLLM backend."""
+def _moe_table(manifest, engine: str) -> Table:
+    """A bundle's FusedMoE layers: the engine's module, the experts it holds, top-k, sizes, layout and the engine's MoE
+    backend."""
     first = next(iter(manifest.moe.values()))
-    table = Table(title=f"{count(len(manifest.moe), 'FusedMoE layer')}, layout {show(first.layout_id)} (vLLM backend "
+    table = Table(title=f"{count(len(manifest.moe), 'FusedMoE layer')}, layout {show(first.layout_id)} ({engine} backend "
                         f"{show(first.backend)}, {show(' or '.join(first.kernels))})")
     for column in ("module", "experts held", "top-k", "hidden", "intermediate (rows)", "input scale of"):
         table.add_column(column)
@@ -331,6 +339,7 @@ def _transform_summary(source) -> list[dict]:
 
 
 def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
+    from ..convert import vllm_versions
     from ..formats import read_source
 
     source = read_source(model, revision=revision)
@@ -351,8 +360,10 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
         "transforms": _transform_summary(source),
         "moe": _moe_summary(source),
     }
-    # the families convert writes this source for (an MoE one: those with an MoE layout, with --fuse / --tp)
+    # the families convert writes this source for (an MoE one: those with an MoE layout, with --fuse / --tp), and per
+    # family the vLLM versions its default bundle serves (a rotated checkpoint's may be one: convert refuses the other)
     info["targets"] = [t.name for t in FAMILIES if info["moe"] is None or (info["moe"].get("layouts") or {}).get(t.name)]
+    info["vllm_versions"] = {name: vllm_versions(source, name) for name in info["targets"]}
     if as_json:
         print(json.dumps(info, indent=2))
         return
@@ -385,7 +396,11 @@ def _inspect_source(model: str, revision: str | None, as_json: bool) -> None:
                      f"{'/'.join(map(str, moe['intermediate']))}, {moe['shared_expert_modules']} shared-expert "
                      f"modules; vLLM's MoE layouts: {layouts} (convert --fuse / --tp writes them: docs/moe.md)")
     moe = " (with --fuse or --tp N)" if info["moe"] and info["targets"] else ""
-    stdout.print(f"possible targets: {', '.join(info['targets']) or 'none'}{moe}")
+    every = [v.version for v in engine_versions("vllm")]
+    named = [name + ("" if not versions or versions == every else f" (vLLM {', '.join(versions)} only"
+                     + ("" if versions[-1] == every[-1] else f": convert --vllm {versions[-1]}") + ")")
+             for name, versions in info["vllm_versions"].items()]
+    stdout.print(f"possible targets: {', '.join(named) or 'none'}{moe}", highlight=False)
 
 
 def _activation_scales(source) -> list[str]:
@@ -462,7 +477,10 @@ def targets(as_json: JsonOpt = False) -> None:
     share), a weight-only one into its W4A16 layout (sm120: Marlin's, vLLM's auto there); sm90 (no FP4 tensor cores)
     is weight-only for every checkpoint, and so are sm80 and sm75 (Marlin: A100 .. L40S, T4; a W4A4 checkpoint keeps
     its activation scalars unused). MoE layers (convert --fuse / --tp N) take the family's MoE layout for the
-    checkpoint's scheme (weight-only experts: Marlin's on sm80, sm100 and sm120); sm90 and sm75 refuse MoE.
+    checkpoint's scheme (weight-only experts: Marlin's on sm80, sm100 and sm120; sm75: fp16 Marlin's); sm90 refuses MoE
+    (convert for sm80: vLLM serves Marlin on Hopper with --moe-backend marlin). --target also takes a GPU's name.
+    "served by" names the engine versions whose post-load state each family's bundles are (SGLang's: convert --engine
+    sglang, docs/sglang.md).
     """
     rows = [
         {
@@ -474,6 +492,7 @@ def targets(as_json: JsonOpt = False) -> None:
             "layouts": {scheme: {"layout_id": layout_id, "kernels": list(kernels), "engines": _holding(layout_id)}
                         for scheme, (layout_id, kernels) in t.scheme_layouts.items()},
             "moe_layouts": MOE_LAYOUTS.get(t.name, {}),
+            "sglang": _sglang_support(t.name),
             "description": t.description,
         }
         for t in FAMILIES
@@ -481,26 +500,58 @@ def targets(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows, indent=2))
         return
+    cells = [_target_cells(row) for row in rows]
     table = Table(title="targets")
-    for column in ("target", "aliases", "SM", "backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
-                   "GPUs"):
+    for column in TARGET_COLUMNS:
         table.add_column(column)
-    for row in rows:
-        w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
-        served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
-                  for engine, versions in layout["engines"].items()}
-        if row["name"] in SGLANG_WEIGHT_ONLY_FAMILIES:  # with --engine sglang (docs/sglang.md)
-            schemes = "W4A4, W4A16" if row["name"] in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
-            served.add(f"sglang {SGLANG_0523.version} ({schemes}, --engine sglang)")
-        moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
-        table.add_row(row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
-                      row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)), row["description"])
-    stdout.print(table)
+    for row in cells:
+        table.add_row(*row.values())
+    if stdout.measure(table, options=stdout.options.update_width(UNCUT)).maximum <= stdout.width:
+        stdout.print(table)
+    else:  # narrower than the table (a terminal of 80 or 120 columns): one block per target, nothing cut
+        for row in cells:
+            stdout.print(f"[bold]{row['target']}[/]: {row['GPUs']}; SM {row['SM']}; aliases {row['aliases']}",
+                         highlight=False)
+            for column in TARGET_COLUMNS[3:-1]:
+                stdout.print(f"  {column}: {row[column]}", highlight=False)
+    stdout.print("--target also takes a GPU name, as nvidia-smi prints it or short: A100, L40S, RTX 4090, T4, H100, "
+                 "B200, RTX 5090, ...", highlight=False)
+    for row in rows:  # the kernel classes vLLM runs on each layout (the W4A4 layout's: its auto's first)
+        kernels = "; ".join(f"{scheme} {', '.join(layout['kernels'])}" for scheme, layout in row["layouts"].items())
+        stdout.print(f"{row['name']} vLLM kernels: {kernels}", highlight=False)
     for family, backend, scheme, layout_id in BACKEND_LAYOUTS:
         stdout.print(f"{family} --linear-backend {backend} ({scheme} checkpoints): {layout_id}", highlight=False)
     for version in ENGINES:  # what a version holds differently from a bundle: convert refuses it for that version
         for feature, why in version.refuses.items():
             stdout.print(f"{version.label} ({version.release} checked) refuses {feature}: {why}", highlight=False)
+
+
+TARGET_COLUMNS = ("target", "aliases", "SM", "runtime backend", "W4A16 layout", "W4A4 layout", "MoE layout", "served by",
+                  "GPUs")
+
+
+def _target_cells(row: dict) -> dict[str, str]:
+    """One family's ``targets`` row as text, by column."""
+    w4a4 = row["layouts"].get("W4A4", {}).get("layout_id", "none: weight-only")
+    served = {f"{engine} {', '.join(versions)}" for layout in row["layouts"].values()
+              for engine, versions in layout["engines"].items()}
+    if row["sglang"]:  # with --engine sglang (docs/sglang.md)
+        served.add(f"sglang {row['sglang']['version']} ({row['sglang']['serves']}, --engine sglang)")
+    moe = "; ".join(f"{scheme} {layout}" for scheme, layout in row["moe_layouts"].items()) or "none"
+    return dict(zip(TARGET_COLUMNS, (row["name"], ", ".join(row["aliases"]), ", ".join(row["compute_capabilities"]),
+                                     row["backend"], row["layout_id"], w4a4, moe, "; ".join(sorted(served)),
+                                     row["description"])))
+
+
+def _sglang_support(family: str) -> dict[str, str] | None:
+    """What ``convert --engine sglang`` writes for ``family``: SGLang's version, the dense schemes and the MoE kernels
+    (None: nothing, sm75; the architectures and checkpoints: docs/sglang.md)."""
+    if family not in SGLANG_WEIGHT_ONLY_FAMILIES:
+        return None
+    dense = "W4A4, W4A16" if family in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
+    moe = ("FlashInfer (W4A4), FP4 Marlin (compressed-tensors weight-only)"
+           if any(f == family for _, f in SGLANG_MOE_LAYOUTS) else "FP4 Marlin")
+    return {"version": SGLANG_0523.version, "serves": f"{dense}; MoE: {moe}"}
 
 
 def _holding(layout_id: str) -> dict[str, list[str]]:

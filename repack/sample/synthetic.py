@@ -186,7 +186,7 @@ def write_llama(
 
 def write_qwen_moe(
     root: Path, fmt: str, *, hidden: int, experts: int, intermediate: int, generator: torch.Generator,
-    layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, vocab: int = 64, top_k: int = 2,
+    layers: int = 1, heads: int = 4, kv_heads: int = 2, head_dim: int | None = None, vocab: int = 64, top_k: int = 2,
     shared_scales: bool = True, shared_expert: int = 0, dense_layers: tuple[int, ...] = (), shards: int = 1,
     w4a4: bool = True, shared_input_scales: bool = False,
 ) -> Path:
@@ -197,7 +197,11 @@ def write_qwen_moe(
     ``shared_scales``: each expert's gate and up share one multiplier, as the producers write them (else vLLM keeps
     gate's and warns). ``dense_layers``: layers with a dense NVFP4 MLP instead (config ``mlp_only_layers``).
     ``shared_input_scales``: each expert's up takes its gate's input scale, as the producers calibrate them (one
-    input; SGLang loads one of the two into both halves of ModelOpt's w13)."""
+    input; SGLang loads one of the two into both halves of ModelOpt's w13). ``head_dim``: Qwen3-MoE's 16 by default;
+    Qwen2-MoE has none of its own (vLLM and SGLang derive ``hidden // heads``), so it is that."""
+    if shared_expert and head_dim not in (None, hidden // heads):
+        raise ValueError(f"Qwen2-MoE's head_dim is hidden // heads = {hidden // heads}, not {head_dim}")
+    head_dim = head_dim or (hidden // heads if shared_expert else 16)
     dense = llama_layers(hidden, heads, kv_heads, intermediate, generator, layers=layers, head_dim=head_dim)
     quantized = {p: w for p, w in dense.items() if ".self_attn." in p or int(p.split(".")[2]) in dense_layers}
     mlps = {f"model.layers.{i}.mlp.experts.{e}": intermediate for i in range(layers) if i not in dense_layers

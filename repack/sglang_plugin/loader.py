@@ -6,12 +6,13 @@ q/k/v and gate/up, cutting this rank's shard), then runs each quantization metho
 post-load state for this rank, under SGLang's names, so this loader:
 
 1. refuses, in one line, a bundle this SGLang cannot serve (another engine's, another GPU family's, another TP
-   size, or a dense FP4 backend that holds other bytes: :func:`open_rank_bundle`);
+   size, a dense FP4 backend that holds other bytes, or another SGLang version: :func:`.refusals.open_rank_bundle`);
 2. builds SGLang's model as ``DefaultModelLoader`` does (from the bundle's config.json, its quantization config);
 3. loads every other tensor through SGLang's own weight loaders (``model.load_weights``);
 4. gives each bundle layer the bundle's tensors, under SGLang's names, with the aliases SGLang makes
    (``weight_scale_interleaved`` sharing ``weight_scale``'s storage) and the state it keeps beside them
-   (``weights_padding_cols``), instead of running its ``process_weights_after_loading``; each FusedMoE module
+   (``weights_padding_cols``; FP4 Marlin's bias padded and permuted), instead of running its
+   ``process_weights_after_loading``; each FusedMoE module
    likewise (its aliases, the packed names compressed-tensors drops, and the non-tensor state SGLang's MoE
    post-load sets: :func:`_finish_moe`), once SGLang's MoE runner backend is the bundle's; every other module's
    post-load runs as in a load from the source.
@@ -19,7 +20,6 @@ post-load state for this rank, under SGLang's names, so this loader:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -35,10 +35,10 @@ from sglang.srt.model_loader.loader import (
     set_default_torch_dtype,
 )
 from sglang.srt.runtime_context import get_parallel, get_platform
+from sglang.version import __version__ as SGLANG_VERSION
 from torch import nn
 
-from ..bundle.manifest import MANIFEST_NAME
-from ..bundle.reader import Bundle, open_bundle, rank_dir
+from ..bundle.reader import Bundle
 from ..errors import RepackError
 from ..targets.engines import SGLANG_MARLIN_MOE_LAYOUTS
 from ..targets.sglang_marlin_moe import DELETED as MARLIN_MOE_DELETED
@@ -46,14 +46,13 @@ from ..targets.sglang import (
     ALIASES,
     ATTRIBUTES,
     DELETED,
-    ENGINE,
     KEEPS_PADDING,
     LAYOUTS,
     MARLIN_KERNEL,
     SGLANG_BF16_FP4_LAYOUT,
-    backends,
 )
 from . import LOAD_FORMAT
+from .refusals import open_rank_bundle
 
 
 def route_load_format(original: Callable, config: LoadConfig) -> None:
@@ -63,34 +62,6 @@ def route_load_format(original: Callable, config: LoadConfig) -> None:
         config.load_format = BundleModelLoader
         return None
     return original(config)
-
-
-def open_rank_bundle(path: str | Path, tp_size: int, tp_rank: int, capability: tuple[int, int] | None,
-                     backend: str) -> Bundle:
-    """This rank's SGLang bundle under ``path``, or a one-line refusal naming what to run instead."""
-    root = Path(path)
-    folder = rank_dir(root, tp_rank)
-    if not (folder / MANIFEST_NAME).is_file():
-        raise RepackError(f"{root} is not an nvfp4-repack bundle (no {MANIFEST_NAME}); convert it first with "
-                          f"'nvfp4-repack convert {root} --target TARGET --engine sglang --tp {tp_size}', or serve "
-                          "the source with --load-format auto")
-    bundle = open_bundle(folder)
-    manifest, target = bundle.manifest, bundle.target
-    if target.engine != ENGINE:
-        raise RepackError(f"{folder}: the bundle holds {target.engine}'s state ({manifest.layout_id}), not SGLang's; "
-                          f"re-convert with --engine sglang, or serve it with {target.engine}")
-    if (manifest.tp_size, manifest.tp_rank) != (tp_size, tp_rank if manifest.tp_size > 1 else 0):
-        raise RepackError(f"{folder}: the bundle is rank {manifest.tp_rank} of tensor-parallel size {manifest.tp_size}, "
-                          f"but SGLang runs rank {tp_rank} of --tp {tp_size}; serve it with --tp {manifest.tp_size} "
-                          f"or re-convert with --tp {tp_size}")
-    if capability is not None and capability not in target.compute_capabilities:
-        have = f"sm{capability[0]}{capability[1]}"
-        raise RepackError(f"{folder}: the bundle is for {target.name} but this GPU is {have}; convert the source with "
-                          f"--target {have} --engine sglang")
-    if backend not in backends(manifest.layout_id):
-        raise RepackError(f"{folder}: --fp4-gemm-backend {backend} holds other bytes than the bundle's "
-                          f"({manifest.kernels[0]}); serve it with --fp4-gemm-backend {manifest.kernels[0]}")
-    return bundle
 
 
 def _install(module: nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], padding: int | None) -> None:
@@ -122,6 +93,17 @@ def _weight_only_state(module: nn.Module, layout: str, kernel: str, device: torc
         setattr(module, name, value)
     if kernel == MARLIN_KERNEL:
         module.workspace = marlin_utils_fp4.marlin_make_workspace(device)
+        if getattr(module, "bias", None) is not None:
+            module.bias = nn.Parameter(_marlin_bias(module.bias, module.weight_scale.shape[1]), requires_grad=False)
+
+
+def _marlin_bias(bias: torch.Tensor, padded_n: int) -> torch.Tensor:
+    """A layer's bf16 bias (Qwen2's q/k/v: the checkpoint's, which SGLang's own loader fused and cut) as FP4 Marlin's
+    ``prepare_nvfp4_layer_for_marlin`` leaves it: padded to Marlin's N and permuted by SGLang's own
+    ``marlin_permute_bias`` (no NVFP4 state: a bundle passes biases through)."""
+    from sglang.srt.layers.quantization import marlin_utils_fp4
+
+    return marlin_utils_fp4.marlin_permute_bias(nn.functional.pad(bias, (0, padded_n - bias.shape[0])))
 
 
 def _bf16_fp4_prepared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -206,7 +188,7 @@ class BundleModelLoader(DefaultModelLoader):
         platform = get_platform()
         capability = tuple(platform.device_capability) if platform.is_cuda else None
         bundle = open_rank_bundle(model_config.model_path, parallel.tp_size, parallel.tp_rank, capability,
-                                  get_fp4_gemm_runner_backend().value)
+                                  get_fp4_gemm_runner_backend().value, SGLANG_VERSION)
         target_device = torch.device(device_config.device)
         quant_config = _get_quantization_config(model_config, self.load_config)
         with set_default_torch_dtype(model_config.dtype):

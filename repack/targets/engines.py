@@ -101,8 +101,23 @@ SGLANG_MOE_LAYOUTS = {("modelopt", "sm100"): "sglang-modelopt-moe-trtllm-v1",
 SGLANG_MOE_BACKENDS = {("modelopt", "sm100"): "flashinfer_trtllm", ("modelopt", "sm120"): "flashinfer_cutlass",
                        ("compressed-tensors", "sm100"): "auto", ("compressed-tensors", "sm120"): "auto"}
 # the MoE architectures whose SGLang load is checked (Mixtral: SGLang loads ModelOpt's experts as dense layers,
-# QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded)
-SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# QuantMixtralForCausalLM, and drops compressed-tensors' gate/up/down_proj experts unloaded). Qwen2-MoE: its shared
+# expert a dense NVFP4 MLP beside the FusedMoE (never fused into it: models/qwen2_moe.py passes no
+# support_shared_expert_fusion), and no model override, so ModelOpt on sm100 is served with --moe-runner-backend
+# flashinfer_trtllm (its auto there leaves "auto", as on sm120). DeepSeek-V3: dense first layers and its shared
+# experts dense NVFP4 MLPs, where SGLang does not fuse the shared expert into the FusedMoE (SGLANG_FUSED_SHARED_EXPERT)
+SGLANG_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM")
+# (n_routed_experts, n_shared_experts) for which SGLang 0.5.23 fuses an architecture's shared expert into the FusedMoE
+# as one more expert (deepseek_v2.py shared_experts_fusion_disable_reason: DeepSeek-V3 / R1's 256 and 1, on CUDA from
+# sm80, unless its MoE runner backend or --ep-size turns fusion off): a FusedMoE state not written
+SGLANG_FUSED_SHARED_EXPERT = {"DeepseekV3ForCausalLM": (256, 1)}
+# MoE runner backends an architecture's SGLang load is not checked on (the producers' DeepSeek-V3 has hidden size 64,
+# which SGLang's TRT-LLM-gen refuses)
+SGLANG_MOE_UNCHECKED_BACKENDS = {"DeepseekV3ForCausalLM": ("flashinfer_trtllm",)}
+# the MoE architectures SGLang 0.5.23 builds with a FusedMoE on every decoder layer, reading neither mlp_only_layers
+# nor decoder_sparse_step (qwen2_moe.py stage_facts: "all layers are sparse"): a checkpoint layer with a dense MLP
+# gets experts that nothing loads, its dense MLP's weights dropped
+SGLANG_ALL_LAYERS_MOE = ("Qwen2MoeForCausalLM",)
 # SGLang's FP4 Marlin MoE state per source format (targets/sglang_marlin_moe.py: moe_marlin's bytes, SGLang's names):
 # ModelOpt's auto MoE backend on sm80-sm9x (NVFP4 and W4A16_NVFP4), compressed-tensors NVFP4A16 on every GPU and its
 # W4A4 checkpoints below sm100 (CompressedTensorsW4A16Nvfp4MoE)
@@ -157,6 +172,27 @@ def bundle_engines(chosen: EngineVersion, layout_ids: Iterable[str], features: I
 
 
 def running_row(engine: str, running: str) -> EngineVersion | None:
-    """The row of the running release ``running`` (``0.34.0``, ``0.34.1.dev3``), if supported."""
-    series = ".".join(running.split(".")[:2])
-    return next((v for v in engine_versions(engine) if v.version == series), None)
+    """The row of the running release ``running`` (vLLM ``0.34.0``, ``0.34.1.dev3``: series ``0.34``; SGLang
+    ``0.5.23``, ``0.5.23.post1``: ``0.5.23``, a row as precise as its ``version``), if supported."""
+    parts = running.split(".")
+    return next((v for v in engine_versions(engine) if v.version == ".".join(parts[:v.version.count(".") + 1])), None)
+
+
+DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+VERSION_FLAGS = {"vllm": "--vllm"}  # convert's flag that picks the engine's version (SGLang has one version)
+
+
+def check_running(engine: str, listed: list[str], running: str, where: object) -> None:
+    """A bundle whose manifest lists ``listed`` versions of ``engine`` is served by the running release only if it is
+    one of them (another version's state may differ): else a one-line refusal naming what to run instead."""
+    row = running_row(engine, running)
+    if row is not None and row.version in listed:
+        return
+    name = DISPLAY_NAMES[engine]
+    supported = ", ".join(v.version for v in engine_versions(engine))
+    flag = VERSION_FLAGS.get(engine, f"--engine {engine} of an nvfp4-repack for")
+    running_is = (f"{running} is running" if row is not None else
+                  f"{running} is running, which nvfp4-repack does not support ({name} {supported})")
+    fix = f", or re-convert it with {flag} {row.version}" if row is not None else ""
+    raise RepackError(f"{where}: the bundle is for {name} {', '.join(listed) or 'none'}, but {name} {running_is}; "
+                      f"serve it with {name} {' or '.join(listed) or supported}{fix}")

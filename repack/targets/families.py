@@ -7,6 +7,7 @@ tensor library. Each layout module (``sm100.py``, ...) joins its family's row to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -125,15 +126,56 @@ MOE_LAYOUTS: dict[str, dict[str, str]] = {
 }
 ALL = "all"  # the target name that asks for every family
 
+# GPU names accepted as --target (beside the families' names and aliases), compared without case, spaces, "-" or
+# "_" and without a leading "nvidia" / "geforce" / "tesla": name -> family. Names that stand for GPUs of two families
+# are left out ("RTX 6000": Quadro RTX 6000 is sm75, RTX 6000 Ada sm89, RTX PRO 6000 sm120), so the user picks.
+GPU_NAMES: dict[str, str] = {
+    **dict.fromkeys(("b100", "b200", "gb200", "b300", "gb300"), "sm100"),
+    **dict.fromkeys(("rtx50", "rtxpro6000", "rtxpro5000", "rtxpro4000", "gb10", "dgxspark"), "sm120"),
+    **dict.fromkeys(("h100", "h200", "h800", "h20", "gh200"), "sm90"),
+    **dict.fromkeys(("quadrortx8000", "quadrortx6000", "quadrortx5000", "quadrortx4000", "rtx8000"), "sm75"),
+    **dict.fromkeys(("a800", "a10g", "l20", "a6000", "a5000", "a4000", "rtxa6000", "rtxa5000", "rtxa4000",
+                     "rtx6000ada", "rtx5000ada", "rtx4500ada", "rtx4000ada"), "sm80"),
+}
+# GeForce RTX 2050..5090 (and Ti / Super / D): their series, an alias above (rtx20, rtx30, rtx40) or sm120 (50xx);
+# the last two digits 50-90 keep out the Quadro RTX 4000 / 5000 (sm75)
+RTX_SERIES = re.compile(r"rtx(20|30|40|50)[5-9]0(ti|super|d)*")
+RTX_SERIES_FAMILY = {"20": "sm75", "30": "sm80", "40": "sm80", "50": "sm120"}
+# names of GPUs of two families: refused, naming them (the user picks)
+AMBIGUOUS_GPUS = {
+    "rtx6000": "Quadro RTX 6000 is sm75, RTX 6000 Ada sm80 (sm89), RTX PRO 6000 sm120",
+    "rtx5000": "Quadro RTX 5000 is sm75, RTX 5000 Ada sm80 (sm89), RTX PRO 5000 sm120",
+    "rtx4000": "Quadro RTX 4000 is sm75, RTX 4000 Ada sm80 (sm89), RTX PRO 4000 sm120",
+}
+
+
+def gpu_family(name: str) -> str | None:
+    """The family name of GPU ``name``, if it is one of :data:`GPU_NAMES`, a GeForce RTX model number or, so written,
+    a family's name or alias (``RTX 4090``, ``Tesla T4``); as ``nvidia-smi`` names it, the longest of its leading
+    words that is one (``NVIDIA A100-SXM4-80GB``: a100, ``NVIDIA H100 80GB HBM3``: h100)."""
+    words = [w for w in re.split(r"[\s_-]+", name.lower()) if w]
+    for end in range(len(words), 0, -1):
+        key = re.sub(r"^(nvidia|geforce|tesla)+", "", "".join(words[:end]))
+        series = RTX_SERIES.fullmatch(key)
+        found = RTX_SERIES_FAMILY[series.group(1)] if series else GPU_NAMES.get(key, key)
+        if any(found in f.names for f in FAMILIES):
+            return found
+    return None
+
 
 def resolve_family(name: str) -> Family:
-    """The family called ``name`` (or one of its aliases), case-insensitive."""
+    """The family called ``name`` (one of its aliases, or a GPU name: :func:`gpu_family`), case-insensitive."""
     wanted = name.strip().lower()
-    for family in FAMILIES:
-        if wanted in family.names:
-            return family
+    for family_name in (wanted, gpu_family(wanted)):
+        for family in FAMILIES:
+            if family_name in family.names:
+                return family
     valid = ", ".join(n for f in FAMILIES for n in f.names)
-    raise RepackError(f"unknown target {name!r}; valid targets: {valid}")
+    ambiguous = AMBIGUOUS_GPUS.get(re.sub(r"^nvidia", "", re.sub(r"[\s_-]", "", wanted)))
+    if ambiguous:
+        raise RepackError(f"target {name!r} names GPUs of several families ({ambiguous}): give the family")
+    raise RepackError(f"unknown target {name!r}; valid targets: {valid}, or a GPU name (A100, H100, B200, "
+                      "RTX 4090, ...: `nvfp4-repack targets`)")
 
 
 def family_for_capability(major: int, minor: int) -> Family | None:

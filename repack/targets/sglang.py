@@ -41,6 +41,8 @@ from . import families, moe_cutlass, moe_trtllm, w4a4
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .engines import (
     SGLANG_0523,
+    SGLANG_ALL_LAYERS_MOE,
+    SGLANG_FUSED_SHARED_EXPERT,
     SGLANG_BF16_FP4_LAYOUT,
     SGLANG_DENSE_BACKENDS,
     SGLANG_LAYOUTS,
@@ -50,6 +52,7 @@ from .engines import (
     SGLANG_MOE_ARCHITECTURES,
     SGLANG_MOE_BACKENDS,
     SGLANG_MOE_LAYOUTS,
+    SGLANG_MOE_UNCHECKED_BACKENDS,
     SGLANG_SAME_STATE_BACKENDS,
     SGLANG_WEIGHT_ONLY_FAMILIES,
 )
@@ -603,9 +606,27 @@ MOE_REFUSED_ARCHITECTURES = {
 }
 
 
-def check_sglang_moe_architecture(config: dict) -> None:
-    """A one-line refusal of an MoE architecture whose SGLang load is not checked here (or not an NVFP4 FusedMoE)."""
+def check_sglang_moe_architecture(config: dict, moe_modules: Collection[str], backend: str) -> None:
+    """A one-line refusal of an MoE architecture whose SGLang load is not checked here (or not an NVFP4 FusedMoE) on
+    the MoE runner ``backend``, of a checkpoint whose dense MLP layers SGLang builds as FusedMoE
+    (``SGLANG_ALL_LAYERS_MOE``; ``moe_modules``: the source's FusedMoE layers, ``model.layers.N.mlp.experts``), and of
+    one whose shared expert SGLang fuses into the FusedMoE (``SGLANG_FUSED_SHARED_EXPERT``)."""
     arch = (config.get("architectures") or ["?"])[0]
+    if backend in SGLANG_MOE_UNCHECKED_BACKENDS.get(arch, ()):
+        raise RepackError(f"--engine sglang: {arch} MoE checkpoints on SGLang's {backend} MoE are not checked against "
+                          "its load here (the producers' fixture, hidden size 64, is refused there); not written")
+    counts = (config.get("n_routed_experts"), config.get("n_shared_experts"))
+    if counts == SGLANG_FUSED_SHARED_EXPERT.get(arch):
+        raise RepackError(f"--engine sglang: SGLang 0.5.23 fuses the shared expert of a {arch} with {counts[0]} routed "
+                          f"experts and {counts[1]} shared one into its FusedMoE as one more expert (on sm80 and up); "
+                          "that state is not written")
+    if arch in SGLANG_ALL_LAYERS_MOE:
+        sparse = {int(m.split(".")[2]) for m in moe_modules}
+        dense = [i for i in range(int(config.get("num_hidden_layers", 0))) if i not in sparse]
+        if dense:
+            raise RepackError(f"--engine sglang: {arch} layer {', '.join(map(str, dense))} has a dense MLP "
+                              f"(mlp_only_layers / decoder_sparse_step), but SGLang 0.5.23 builds every {arch} layer "
+                              "as MoE: it would load no experts there and drop the dense MLP; serve it with vLLM")
     if arch in SGLANG_MOE_ARCHITECTURES:
         return
     why = MOE_REFUSED_ARCHITECTURES.get(arch, f"its SGLang load is not checked here yet; written for SGLang: "

@@ -52,7 +52,7 @@ from ..bundle.manifest import MANIFEST_NAME, LayerRecord
 from ..bundle.reader import Bundle, open_bundle, rank_dir
 from ..errors import RepackError
 from ..targets import Target
-from ..targets.engines import engine_versions, running_row
+from ..targets.engines import check_running
 from ..targets.families import linear_backend
 from .experts import check_kept_scales, check_method, check_placement, moe_modules, preimage, serve_experts
 from .kernels import MARLIN_KERNEL, kernel_class
@@ -111,15 +111,7 @@ def check_engine(bundle: Bundle, running: str) -> None:
     """A bundle is served by the vLLM versions its manifest lists (``engines``, targets/engines.py) only: their state
     after loading is the bundle's; another version's may differ (0.34 serves Hadamard-rotated W4A4 layers with
     Humming's own layout)."""
-    listed = bundle.manifest.engines.get("vllm", [])
-    row = running_row("vllm", running)
-    if row is not None and row.version in listed:
-        return
-    supported = ", ".join(v.version for v in engine_versions("vllm"))
-    fix = (f"re-convert it with --vllm {row.version}" if row is not None else
-           f"nvfp4-repack supports vLLM {supported}")
-    raise RepackError(f"{bundle.root}: the bundle is for vLLM {', '.join(listed) or 'none'}, but vLLM {running} is "
-                      f"running; serve it with vLLM {' or '.join(listed) or supported}, or {fix}")
+    check_running("vllm", bundle.manifest.engines.get("vllm", []), running, bundle.root)
 
 
 def is_marlin(target: Target) -> bool:
