@@ -203,8 +203,9 @@ def check_running(engine: str, listed: list[str], running: str, where: object) -
         return
     name = DISPLAY_NAMES[engine]
     supported = ", ".join(v.version for v in engine_versions(engine))
-    flag = VERSION_FLAGS.get(engine)
-    fix = (f"re-convert it with {flag} {row.version}" if row is not None and flag else
-           f"nvfp4-repack supports {name} {supported}")
-    raise RepackError(f"{where}: the bundle is for {name} {', '.join(listed) or 'none'}, but {name} {running} is "
-                      f"running; serve it with {name} {' or '.join(listed) or supported}, or {fix}")
+    flag = VERSION_FLAGS.get(engine, f"--engine {engine} of an nvfp4-repack for")
+    running_is = (f"{running} is running" if row is not None else
+                  f"{running} is running, which nvfp4-repack does not support ({name} {supported})")
+    fix = f", or re-convert it with {flag} {row.version}" if row is not None else ""
+    raise RepackError(f"{where}: the bundle is for {name} {', '.join(listed) or 'none'}, but {name} {running_is}; "
+                      f"serve it with {name} {' or '.join(listed) or supported}{fix}")
