@@ -55,6 +55,9 @@ def _moe_layouts(family: str) -> dict[str, str]:
     return out
 
 
+SGLANG_BLACKWELL = "W4A4, W4A16; MoE: FlashInfer (W4A4), FP4 Marlin (compressed-tensors weight-only)"
+
+
 def test_targets_lists_the_capability_table_without_the_layouts():
     """``targets`` reads the table's torch-free rows: they are the very facts the layouts' Targets carry."""
     run = subprocess.run([sys.executable, "-m", "repack.cli", "targets", "--json"], capture_output=True, text=True,
@@ -71,7 +74,8 @@ def test_targets_lists_the_capability_table_without_the_layouts():
                                       "engines": {"vllm": ["0.33", "0.34"]}} for scheme, layout in layouts.items()},
                  "moe_layouts": _moe_layouts(t.name),
                  "sglang": None if t.name == "sm75" else {  # convert --engine sglang (audit: --json did not say)
-                     "version": "0.5.23", "serves": "W4A4, W4A16" if t.name in ("sm100", "sm120") else "weight-only: Marlin"},
+                     "version": "0.5.23", "serves": SGLANG_BLACKWELL if t.name in ("sm100", "sm120")
+                     else "weight-only: Marlin; MoE: FP4 Marlin"},
                  "description": t.description}
                 for t, layouts in zip(TARGETS, auto)]
     assert json.loads(run.stdout) == expected

@@ -124,10 +124,11 @@ def test_a_release_names_its_series():
 @pytest.mark.parametrize("engine,listed,running,says", [
     ("vllm", ["0.33"], "0.34.0", "b: the bundle is for vLLM 0.33, but vLLM 0.34.0 is running; serve it with vLLM 0.33, "
                                  "or re-convert it with --vllm 0.34"),
-    ("vllm", ["0.33", "0.34"], "0.35.1", "b: the bundle is for vLLM 0.33, 0.34, but vLLM 0.35.1 is running; serve it "
-                                         "with vLLM 0.33 or 0.34, or nvfp4-repack supports vLLM 0.33, 0.34"),
-    ("sglang", ["0.5.23"], "0.5.24", "b: the bundle is for SGLang 0.5.23, but SGLang 0.5.24 is running; serve it with "
-                                     "SGLang 0.5.23, or nvfp4-repack supports SGLang 0.5.23"),
+    ("vllm", ["0.33", "0.34"], "0.35.1", "b: the bundle is for vLLM 0.33, 0.34, but vLLM 0.35.1 is running, which "
+                                         "nvfp4-repack does not support (vLLM 0.33, 0.34); serve it with vLLM 0.33 or "
+                                         "0.34"),
+    ("sglang", ["0.5.23"], "0.5.24", "b: the bundle is for SGLang 0.5.23, but SGLang 0.5.24 is running, which "
+                                     "nvfp4-repack does not support (SGLang 0.5.23); serve it with SGLang 0.5.23"),
 ])
 def test_a_plugin_refuses_a_bundle_of_another_version_in_one_line(engine, listed, running, says):
     """The vLLM plugin's refusal (tests/vllm/plugin_checks.py checks it inside vLLM), and the SGLang plugin's, which

@@ -330,7 +330,7 @@ def test_other_moe_architectures_are_refused_in_one_line():
 def test_deepseek_v3_dense_layers_fuse_as_vllm_and_nvfp4_mla_is_refused():
     """Beside the experts: the dense first layer's gate/up and the shared expert's fuse (vLLM's DeepseekV2MLP),
     down_proj split along K at TP 2; an NVFP4 MLA projection is refused in one line. vLLM's own load of the same:
-    tests/test_vllm_moe_conformance.py::test_dense_layers_beside_the_experts_are_byte_identical_to_vllm."""
+    tests/test_vllm_moe_conformance.py::test_cli_convert_holds_vllms_fused_moe_state_byte_for_byte."""
     source = read_source(PRODUCERS / "ct_deepseek_v3_nvfp4")
     assert vllm_fusion(source.checkpoint.config) == {
         **VLLM_FUSION, "shared_experts.gate_up_proj": ("shared_experts.gate_proj", "shared_experts.up_proj")}

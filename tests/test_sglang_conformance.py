@@ -140,18 +140,23 @@ def test_bundle_is_byte_identical_to_sglang(name, arch, checkpoints, oracle, tmp
     assert_converts_to_sglangs_state(checkpoints[name], arch, oracle[1] / f"{name}-{arch}", tmp_path / "bundle")
 
 
+def assert_tp2_refused_as_sglang_refuses(checkpoint: Path, arch: str, dumped: Path, out: Path) -> None:
+    """``convert --tp 2`` refuses in one line naming ``--tp 2`` and writes nothing, where SGLang refused the job or
+    loads it mis-scaled (ct_nvfp4's down_proj, per-rank K of 88: SGLang loads it as vLLM does, with 88 // 16 = 5 block
+    scales per rank, 10 of the 11 blocks, the second rank's shifted by half a block)."""
+    with pytest.raises(RepackError, match="--tp 2") as ours:
+        convert(checkpoint, arch, out, tp=2, engine="sglang")
+    assert "\n" not in str(ours.value) and not out.exists()
+    if not (dumped / "refused.txt").exists():
+        down = json.loads((dumped / "rank-1.json").read_text())["model.layers.0.mlp.down_proj"]
+        assert down["input_size_per_partition"] == 88 and down["tensors"]["weight_scale"]["shape"][1] == 8
+
+
 @pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
 def test_tp2_ranks_are_byte_identical_to_sglang_or_both_refuse(name, arch, checkpoints, oracle, tmp_path):
     dumped, out = oracle[2] / f"{name}-{arch}", tmp_path / "ranks"
-    refused = (dumped / "refused.txt").exists()
-    if refused or name == "ct_nvfp4":
-        # ct_nvfp4's down_proj has a per-rank K of 88: SGLang loads it as vLLM does, with 88 // 16 = 5 block scales
-        # per rank (10 of the 11 blocks, the second rank's shifted by half a block): wrong scales; we refuse.
-        with pytest.raises(RepackError, match="--tp 2"):
-            convert(checkpoints[name], arch, out, tp=2, engine="sglang")
-        if not refused:
-            down = json.loads((dumped / "rank-1.json").read_text())["model.layers.0.mlp.down_proj"]
-            assert down["input_size_per_partition"] == 88 and down["tensors"]["weight_scale"]["shape"][1] == 8
+    if not _served(oracle, name, arch, 2):
+        assert_tp2_refused_as_sglang_refuses(checkpoints[name], arch, dumped, out)
         return
     assert_converts_to_sglangs_state(checkpoints[name], arch, dumped, out, tp=2)
 
@@ -210,9 +215,13 @@ def assert_same_state(ours: Path, theirs: Path, rank: int) -> None:
 
 @pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_plugin_loads_sglangs_own_state(name, arch, tp, oracle, plugin_oracle):
+def test_plugin_loads_sglangs_own_state_or_both_refuse(name, arch, tp, checkpoints, oracle, plugin_oracle, tmp_path):
+    """The plugin's load of each bundle is SGLang's load of the source; where there is no bundle (refused at
+    ``--tp 2``), our refusal is SGLang's (or names the mis-scaled state it loads)."""
     if not _served(oracle, name, arch, tp):
-        pytest.skip("refused at --tp 2 (test_tp2_ranks_are_byte_identical_to_sglang_or_both_refuse)")
+        assert tp == 2, "refused at TP 1"
+        assert_tp2_refused_as_sglang_refuses(checkpoints[name], arch, oracle[2] / f"{name}-{arch}", tmp_path / "ranks")
+        return
     for rank in range(tp):
         assert_same_state(plugin_oracle[tp] / f"{name}-{arch}", oracle[tp] / f"{name}-{arch}", rank)
 

@@ -42,7 +42,7 @@ from repack.verify import expert_plan, verify_output
 from repack.verify_moe import engine_expert_findings
 
 from .conftest import PRODUCERS, assert_held_as, seeded_folder
-from .test_sglang_conformance import assert_same_state, run_harness
+from .test_sglang_conformance import SCRATCH, assert_same_state, assert_stored_as, run_harness
 
 ARCHS = ("sm100", "sm120")
 PRODUCER_FIXTURES = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4"]
@@ -140,10 +140,12 @@ def bundle_name(held: Collection[str], stored: str, info: dict) -> str:
     return next((n for n in names if n in held), stored)
 
 
-def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
+def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int, unstored: tuple[str, ...] = ()) -> int:
     """Every tensor SGLang holds on every FusedMoE module and NVFP4 linear layer is the bundle's (by name, dtype, shape,
-    strides, offset, the bytes of its whole storage, and which names share a storage); the module's backend and
-    method are the manifest's. Returns the number of FusedMoE modules."""
+    strides, offset, the bytes of its whole storage, and which names share a storage); the module's backend, method
+    and local experts are the manifest's. ``unstored``: FusedMoE tensors the bundle does not hold (FP4 Marlin's
+    scratch, placeholders no kernel reads), whose names alone are SGLang's; the dense layers' scratch (``SCRATCH``)
+    and bf16 passthrough tensors (``PASSTHROUGH``) likewise. Returns the number of FusedMoE modules."""
     bundle = open_bundle(bundle_dir)
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
@@ -156,26 +158,52 @@ def assert_rank_identical(bundle_dir: Path, dumped: Path, rank: int) -> int:
         assert (info["backend"], [info["method"]]) == (record.backend, record.kernels), prefix
         assert info["num_local_experts"] == record.local_experts, prefix
         aliases = layout.aliases(record.hidden, record.intermediate)
-        assert set(record.tensors) == set(info["tensors"]) - set(aliases), prefix
+        assert set(record.tensors) == set(info["tensors"]) - set(aliases) - set(unstored), prefix
         held = {name: view.get("alias", name) for name, view in info["tensors"].items()}
         assert _storage_groups(held) == _storage_groups({n: aliases.get(n, n) for n in info["tensors"]}), prefix
         for name, view in info["tensors"].items():
-            ours = bundle.read(f"{prefix}.{aliases.get(name, name)}")
-            assert_held_as(ours, view, theirs[f"{prefix}.{held[name]}"], (prefix, name))
+            if name not in unstored:
+                ours = bundle.read(f"{prefix}.{aliases.get(name, name)}")
+                assert_held_as(ours, view, theirs[f"{prefix}.{held[name]}"], (prefix, name))
     for prefix, info in meta.items():
         if prefix not in moe:
             for name, view in info["tensors"].items():
-                if name in PASSTHROUGH:
+                if name in PASSTHROUGH or name in SCRATCH:
                     continue
                 stored = view.get("alias", name)
                 ours = bundle.read(f"{prefix}.{bundle_name(bundle.manifest.layers[prefix].tensors, stored, info)}")
-                assert_held_as(ours, view, theirs[f"{prefix}.{stored}"], (prefix, name))
+                assert_stored_as(ours, view, theirs[f"{prefix}.{stored}"], (prefix, name))  # sm100's 6-D view: the buffer
     return len(moe)
+
+
+def assert_converts_to_sglangs_state_or_both_refuse(checkpoint: Path, arch: str, dumped: Path, out: Path, tp: int,
+                                                    modules: int, ep: bool = False, says: str | None = None,
+                                                    ours_only: str = "", unstored: tuple[str, ...] = ()) -> None:
+    """Where SGLang refused ``dumped``'s job, ``convert --engine sglang`` refuses too (in one line matching ``says``,
+    writing nothing); else every rank of its bundle holds SGLang's state (``modules`` FusedMoE modules,
+    :func:`assert_rank_identical`) and verify passes. ``ours_only``: the words of our refusal of a job SGLang loads
+    (into a state that would mis-scale)."""
+    options = dict(tp=tp, ep=ep, engine="sglang")
+    assert not (ours_only and _refused(dumped)), "SGLang refuses it too"
+    if ours_only or _refused(dumped) is not None:
+        with pytest.raises(RepackError, match=ours_only or says) as ours:
+            convert(checkpoint, arch, out, **options)
+        assert "\n" not in str(ours.value) and not out.exists()
+        return
+    convert(checkpoint, arch, out, **options)
+    for rank in range(tp):
+        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank, unstored) == modules
+    assert verify_output(out).passed
 
 
 def _gate_up_refused(name: str, arch: str) -> bool:
     """Our refusal of differing gate / up multipliers where SGLang mis-scales up (it loads them)."""
     return name.startswith("apart") and (_format(name), arch) != ("modelopt", "sm100")
+
+
+def _ours_only(name: str, arch: str) -> str:
+    """The words of our refusal of differing gate / up multipliers where SGLang loads them (``""`` elsewhere)."""
+    return "scales both halves with gate_proj's and would mis-scale up_proj" if _gate_up_refused(name, arch) else ""
 
 
 def _refused(folder: Path) -> str | None:
@@ -191,21 +219,8 @@ def test_moe_bundle_is_byte_identical_to_sglang_or_both_refuse(name, arch, tp, c
         with pytest.raises(RepackError, match="--tp 2"):
             convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
         return
-    if _gate_up_refused(name, arch):
-        assert _refused(dumped) is None
-        with pytest.raises(RepackError, match="scales both halves with gate_proj's and would mis-scale up_proj"):
-            convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
-        return
-    refused = _refused(dumped)
-    if refused is not None:
-        with pytest.raises(RepackError, match="SGLang 0.5.23's FlashInfer") as ours:
-            convert(checkpoints[name], arch, out, tp=tp, fuse=True, engine="sglang")
-        assert "\n" not in str(ours.value) and not out.exists()
-        return
-    convert(checkpoints[name], arch, out, tp=tp, engine="sglang")
-    for rank in range(tp):
-        assert assert_rank_identical(out / f"rank-{rank}" if tp > 1 else out, dumped, rank) == moe_modules(name)
-    assert verify_output(out).passed
+    assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], arch, dumped, out, tp, moe_modules(name),
+                                                    says="SGLang 0.5.23's FlashInfer", ours_only=_ours_only(name, arch))
 
 
 @pytest.mark.parametrize("name,arch", JOBS, ids=[f"{n}-{a}" for n, a in JOBS])
@@ -213,16 +228,9 @@ def test_ep_ranks_are_byte_identical_to_sglang_or_both_refuse(name, arch, checkp
     """Expert parallelism (SGLang ``--ep-size 2`` = ``--tp 2``; ``convert --tp 2 --ep``): each rank's experts whole;
     ModelOpt's input scales every expert's, compressed-tensors' the rank's; SGLang's refusals (experts not a
     multiple of the ranks, its backends' shapes) are ours."""
-    dumped, out = oracle["ep"] / f"{name}-{arch}", tmp_path / "bundle"
-    if _refused(dumped) is not None or _gate_up_refused(name, arch):
-        with pytest.raises(RepackError) as ours:
-            convert(checkpoints[name], arch, out, tp=2, ep=True, engine="sglang")
-        assert "\n" not in str(ours.value) and not out.exists()
-        return
-    convert(checkpoints[name], arch, out, tp=2, ep=True, engine="sglang")
-    for rank in range(2):
-        assert assert_rank_identical(out / f"rank-{rank}", dumped, rank) == moe_modules(name)
-    assert verify_output(out).passed
+    assert_converts_to_sglangs_state_or_both_refuse(checkpoints[name], arch, oracle["ep"] / f"{name}-{arch}",
+                                                    tmp_path / "bundle", 2, moe_modules(name), ep=True,
+                                                    ours_only=_ours_only(name, arch))
 
 
 def test_sglang_refuses_what_we_refuse(oracle):

@@ -49,7 +49,8 @@ def test_the_plugin_opens_a_bundle_it_serves(bundles, running):
 @pytest.mark.parametrize("name,tp,running,says", [
     ("vllm", (1, 0), {}, "the bundle holds vllm's state (w4a4-cutlass-v1), not SGLang's; re-convert with --engine sglang"),
     ("sglang", (1, 0), {"version": "0.5.24"},
-     "the bundle is for SGLang 0.5.23, but SGLang 0.5.24 is running; serve it with SGLang 0.5.23"),
+     "the bundle is for SGLang 0.5.23, but SGLang 0.5.24 is running, which nvfp4-repack does not support (SGLang "
+     "0.5.23); serve it with SGLang 0.5.23"),
     ("sglang", (1, 0), {"version": "0.5.3"}, "but SGLang 0.5.3 is running"),
     ("sglang", (2, 1), {}, "the bundle is rank 0 of tensor-parallel size 1, but SGLang runs rank 1 of --tp 2"),
     ("sglang", (1, 0), {"capability": (9, 0)},

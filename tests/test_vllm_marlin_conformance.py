@@ -1,7 +1,8 @@
 """vLLM 0.33.0 as the oracle for Marlin: every tensor vLLM's own load leaves on every NVFP4 linear layer
 (``MarlinNvFp4LinearKernel``) and FusedMoE module (``MarlinExperts``), per TP rank, byte for byte against our
 bundles, with vLLM's ``auto`` choosing under an emulated sm80 (A100 .. L40S), sm75 (T4, fp16) or sm120 (a
-weight-only checkpoint); vLLM's refusals are ours.
+weight-only checkpoint), and for weight-only MoE checkpoints on sm100 too (Marlin experts beside the cute-dsl W4A16
+kernel's dense layers); vLLM's refusals are ours.
 
 vLLM runs through tests/vllm/harness.py in its own virtualenv with one leaf replaced: the CUDA
 ``gptq_marlin_repack`` by the torch port of its index arithmetic in tests/vllm/ports.py (tests/test_marlin.py:
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +32,14 @@ from repack.targets import moe_marlin
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, seeded_folder
-from .test_vllm_conformance import HERE, SYNTHETIC, SYNTHETIC_FORMATS, _assert_transforms_identical, _vllm_python
+from .test_vllm_conformance import (
+    HERE,
+    SYNTHETIC,
+    SYNTHETIC_FORMATS,
+    _assert_rank_identical,
+    _assert_transforms_identical,
+    _vllm_python,
+)
 from .test_vllm_moe_conformance import _assert_rank_state
 
 DENSE = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
@@ -48,7 +57,10 @@ ROTATED_W4A4 = ["ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_had16_nvfp4"]
 # at TP 2), 3 experts (2 + 1 under --ep).
 WEIGHT_ONLY_MOE = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4", "wo-modelopt", "wo-compressed-tensors"]
 WEIGHT_ONLY_SHAPE = dict(hidden=192, experts=3, intermediate=96, layers=2, w4a4=False)
-WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120", "sm75")  # harness "<family>-moe": that capability, vLLM's auto MoE
+WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120", "sm75")
+# our target -> the harness's dense job (its "<job>-moe"): vLLM's auto for weight-only layers on that capability, what a
+# user gets and the bundle's dense layout (sm100: the cute-dsl W4A16 kernel; sm120, sm80, sm75: Marlin); vLLM's auto MoE
+WEIGHT_ONLY_JOBS = {"sm80": "sm80", "sm100": "sm100-auto", "sm120": "sm120-auto", "sm75": "sm75"}
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +97,7 @@ def oracle(checkpoints, tmp_path_factory) -> dict:
     for kind, tp, jobs in (("dense", 1, [(n, a) for n, a, _, t in DENSE_CASES if t == 1]),
                            ("dense", 2, [(n, a) for n, a, _, t in DENSE_CASES if t == 2]),
                            ("moe", 1, [(n, f"{a}-moe") for n, a, t in MOE_CASES if t == 1]),
-                           ("moe", 2, [(n, f"{a}-moe") for n, a, t in MOE_CASES if t == 2]),
-                           *((f"wo-{m}", 1 if m == "tp1" else 2,
-                              [(n, f"{a}-moe{'-ep' * (m == 'ep')}") for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS])
-                             for m in ("tp1", "tp2", "ep"))):
+                           ("moe", 2, [(n, f"{a}-moe") for n, a, t in MOE_CASES if t == 2])):
         folder = tmp_path_factory.mktemp(f"vllm-marlin-{kind}-{tp}")
         args = [a for name, arch in jobs for a in ("--job", f"{name}-{arch}={checkpoints[name]}:{arch}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
@@ -175,22 +184,35 @@ def test_marlin_moe_bundle_holds_vllms_state_or_both_refuse(name, arch, tp, chec
     assert verify_output(out).passed
 
 
+@pytest.fixture(scope="module")
+def oracle_weight_only(checkpoints, vllm_version, tmp_path_factory) -> dict[int, Path]:
+    """vLLM ``vllm_version``'s state of the weight-only MoE jobs (``NAME-TARGET-moe[-ep]``), per TP size: the TP 2
+    process loads the ``--ep`` jobs too (the harness sets expert parallelism per job)."""
+    python, out = _vllm_python(vllm_version), {}
+    for tp, modes in ((1, ("",)), (2, ("", "-ep"))):
+        folder = tmp_path_factory.mktemp(f"vllm{vllm_version}-marlin-weight-only-tp{tp}")
+        args = [a for name in WEIGHT_ONLY_MOE for target in WEIGHT_ONLY_ARCHS for ep in modes
+                for a in ("--job", f"{name}-{target}-moe{ep}={checkpoints[name]}:{WEIGHT_ONLY_JOBS[target]}-moe{ep}")]
+        subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
+                       check=True, timeout=1500, stdout=subprocess.DEVNULL)
+        out[tp] = folder
+    return out
+
+
 @pytest.mark.parametrize("name,arch,mode", WEIGHT_ONLY_CASES, ids=[f"{n}-{a}-{m}" for n, a, m in WEIGHT_ONLY_CASES])
-def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, checkpoints, oracle, tmp_path, capsys):
+def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, checkpoints, oracle_weight_only,
+                                                         vllm_version, tmp_path, capsys):
     """Weight-only MoE checkpoints (llm-compressor NVFP4A16, ModelOpt W4A16_NVFP4, both formats synthetic) with
-    ``convert -t <family> --fuse`` / ``--tp 2`` / ``--tp 2 --ep``: vLLM's auto picks MARLIN for the experts on sm80,
-    sm100, sm120 and sm75 (fp16; no FP4 x FP4 MoE backend takes bf16 activations), and every FusedMoE module of every
-    rank is the
-    bundle's, byte for byte (compressed-tensors' loaded global scales kept; the input ones, which the source lacks,
-    left as vLLM allocated them: names only); sm80's and sm75's dense Marlin layers too. The dense layers of sm100 /
-    sm120 bundles are their families' W4A16 layouts (sm120's: Marlin's), held to vLLM by tests/test_vllm_conformance.py
-    and the sm120 cases below (the harness's sm120 MoE jobs force the cute-dsl kernel on their dense layers)."""
+    ``convert -t <family> --fuse`` / ``--tp 2`` / ``--tp 2 --ep`` for vLLM ``vllm_version``: its auto picks MARLIN for
+    the experts on sm80, sm100, sm120 and sm75 (fp16; no FP4 x FP4 MoE backend takes bf16 activations), and every
+    FusedMoE module of every rank is the bundle's, byte for byte (compressed-tensors' loaded global scales kept; 0.34's
+    bookkeeping checked as for the other MoE layouts); the dense layers beside them too, as vLLM's auto holds them in
+    the same load (the bundle's layouts: Marlin's, sm100's the cute-dsl W4A16 kernel's)."""
     tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
-    suffix = "-ep" if ep else ""
-    dumped, out = oracle[f"wo-{mode}", tp] / f"{name}-{arch}-moe{suffix}", tmp_path / "out"
+    dumped, out = oracle_weight_only[tp] / f"{name}-{arch}-moe{'-ep' * ep}", tmp_path / "out"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
-    code = main(["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "-o", str(out)]
-                + ["--ep"] * ep)
+    code = main(["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "--vllm", vllm_version,
+                 "-o", str(out)] + ["--ep"] * ep)
     assert code == 0, capsys.readouterr().err
     source = read_source(checkpoints[name])
     for rank in range(tp):
@@ -200,9 +222,10 @@ def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, check
         assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is layout
         held = {module: ({k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT},
                          record.expert_map) for module, record in bundle.moe_layers().items()}
-        _assert_rank_state(dumped, rank, layout, held, source, (rank, arch, mode))
-        if arch in ("sm80", "sm75"):
-            assert _assert_marlin_rank_identical(folder, dumped, rank) == len(bundle.manifest.layers)
+        _assert_rank_state(dumped, rank, layout, held, source, (rank, arch, mode), vllm_version)
+        dense = (_assert_rank_identical(folder, dumped, rank) if arch == "sm100"
+                 else _assert_marlin_state(folder, dumped, rank, vllm_version))
+        assert dense == len(bundle.manifest.layers) > 0
     assert verify_output(out).passed
 
 
@@ -227,21 +250,22 @@ def oracle_sm120(checkpoints, vllm_version, tmp_path_factory) -> dict:
     return out
 
 
-def _assert_marlin_state(folder, dumped, rank: int, version: str) -> None:
+def _assert_marlin_state(folder, dumped, rank: int, version: str) -> int:
     """vLLM 0.33: every tensor of every layer (:func:`_assert_marlin_rank_identical`); 0.34: the kernel-read ones (its
-    bookkeeping beside them: test_vllm_conformance.py); both: the online transforms vLLM holds, the kernel Marlin's."""
+    bookkeeping beside them: test_vllm_conformance.py); both: the online transforms vLLM holds, the kernel Marlin's.
+    Returns the number of layers."""
     bundle = open_bundle(folder)
     theirs = load_file(dumped / f"rank-{rank}.safetensors")
     _assert_transforms_identical(bundle, theirs)
     if version == "0.33":
-        assert _assert_marlin_rank_identical(folder, dumped, rank) == 8
-        return
+        return _assert_marlin_rank_identical(folder, dumped, rank)
     meta = json.loads((dumped / f"rank-{rank}.json").read_text())
     assert set(meta) == set(bundle.manifest.layers)
     for prefix, info in meta.items():
         assert info["kernel"] == "MarlinNvFp4LinearKernel", info["kernel"]
         held = {part: bundle.read(f"{prefix}.{part}") for part in set(bundle.manifest.layers[prefix].tensors) - KEPT}
         _assert_held_034(held, info, theirs, prefix)
+    return len(meta)
 
 
 @pytest.mark.parametrize("name,arch,tp", SM120_CASES, ids=[f"{n}-{a}-tp{t}" for n, a, t in SM120_CASES])
@@ -268,16 +292,14 @@ def test_sm120_weight_only_bundle_is_vllms_marlin_state_or_both_refuse(name, arc
         manifest = open_bundle(folder).manifest
         assert manifest.layout_id == ("marlin-v1-w4a4" if arch == "sm120-marlin" else "marlin-v1")
         assert manifest.kernels == ["MarlinNvFp4LinearKernel"] and vllm_version in manifest.engines["vllm"]
-        _assert_marlin_state(folder, dumped, rank, vllm_version)
+        assert _assert_marlin_state(folder, dumped, rank, vllm_version) == 8
     assert verify_output(out).passed
 
 
 # vLLM 0.34: the same kernel-read tensors; it keeps more names beside them (compressed-tensors' weight_packed as an
 # alias of weight, retired per-partition scales, the MoE methods' loaded scales), bookkeeping the plugin reproduces
 V034_DENSE = [(n, a, t) for n in DENSE for a, t in (("sm80", "sm80"), ("sm75", "sm75"))]
-V034_MOE = MOE[:4]
-V034_WEIGHT_ONLY = [(n, a) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS]
-V034_MOE_JOBS = [(n, "sm80") for n in V034_MOE] + V034_WEIGHT_ONLY
+V034_MOE_JOBS = [(n, "sm80") for n in MOE[:4]]  # weight-only experts: test_weight_only_moe_bundle_holds_vllms_marlin_state
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +342,8 @@ def test_marlin_bundle_holds_vllm_034s_kernel_tensors(name, arch, target, checkp
 
 @pytest.mark.parametrize("name,arch", V034_MOE_JOBS, ids=[f"{n}-{a}" for n, a in V034_MOE_JOBS])
 def test_marlin_moe_bundle_holds_vllm_034s_kernel_tensors(name, arch, checkpoints, oracle_034, tmp_path):
-    """vLLM 0.34 serves Marlin MoE on sm80 (W4A4 and weight-only experts) and weight-only experts on sm100 and sm120
-    too: each FusedMoE module holds the bundle's tensors under their names, byte for byte."""
+    """vLLM 0.34 serves W4A4 checkpoints' experts with Marlin on sm80: each FusedMoE module holds the bundle's tensors
+    under their names, byte for byte."""
     dumped = oracle_034["moe"] / f"{name}-{arch}-moe"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     convert(checkpoints[name], arch, tmp_path / "bundle", fuse=True, vllm="0.34")

@@ -23,6 +23,7 @@ from ..targets.engines import (
     ENGINES,
     SGLANG_0523,
     SGLANG_DENSE_BACKENDS,
+    SGLANG_MOE_LAYOUTS,
     SGLANG_WEIGHT_ONLY_FAMILIES,
     engine_versions,
     resolve_version,
@@ -543,12 +544,14 @@ def _target_cells(row: dict) -> dict[str, str]:
 
 
 def _sglang_support(family: str) -> dict[str, str] | None:
-    """What ``convert --engine sglang`` writes for ``family``: SGLang's version and the dense schemes (None: nothing,
-    sm75)."""
+    """What ``convert --engine sglang`` writes for ``family``: SGLang's version, the dense schemes and the MoE kernels
+    (None: nothing, sm75; the architectures and checkpoints: docs/sglang.md)."""
     if family not in SGLANG_WEIGHT_ONLY_FAMILIES:
         return None
-    serves = "W4A4, W4A16" if family in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
-    return {"version": SGLANG_0523.version, "serves": serves}
+    dense = "W4A4, W4A16" if family in SGLANG_DENSE_BACKENDS else "weight-only: Marlin"
+    moe = ("FlashInfer (W4A4), FP4 Marlin (compressed-tensors weight-only)"
+           if any(f == family for _, f in SGLANG_MOE_LAYOUTS) else "FP4 Marlin")
+    return {"version": SGLANG_0523.version, "serves": f"{dense}; MoE: {moe}"}
 
 
 def _holding(layout_id: str) -> dict[str, list[str]]:

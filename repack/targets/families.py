@@ -133,6 +133,7 @@ GPU_NAMES: dict[str, str] = {
     **dict.fromkeys(("b100", "b200", "gb200", "b300", "gb300"), "sm100"),
     **dict.fromkeys(("rtx50", "rtxpro6000", "rtxpro5000", "rtxpro4000", "gb10", "dgxspark"), "sm120"),
     **dict.fromkeys(("h100", "h200", "h800", "h20", "gh200"), "sm90"),
+    **dict.fromkeys(("quadrortx8000", "quadrortx6000", "quadrortx5000", "quadrortx4000", "rtx8000"), "sm75"),
     **dict.fromkeys(("a800", "a10g", "l20", "a6000", "a5000", "a4000", "rtxa6000", "rtxa5000", "rtxa4000",
                      "rtx6000ada", "rtx5000ada", "rtx4500ada", "rtx4000ada"), "sm80"),
 }
@@ -140,6 +141,12 @@ GPU_NAMES: dict[str, str] = {
 # the last two digits 50-90 keep out the Quadro RTX 4000 / 5000 (sm75)
 RTX_SERIES = re.compile(r"rtx(20|30|40|50)[5-9]0(ti|super|d)*")
 RTX_SERIES_FAMILY = {"20": "sm75", "30": "sm80", "40": "sm80", "50": "sm120"}
+# names of GPUs of two families: refused, naming them (the user picks)
+AMBIGUOUS_GPUS = {
+    "rtx6000": "Quadro RTX 6000 is sm75, RTX 6000 Ada sm80 (sm89), RTX PRO 6000 sm120",
+    "rtx5000": "Quadro RTX 5000 is sm75, RTX 5000 Ada sm80 (sm89), RTX PRO 5000 sm120",
+    "rtx4000": "Quadro RTX 4000 is sm75, RTX 4000 Ada sm80 (sm89), RTX PRO 4000 sm120",
+}
 
 
 def gpu_family(name: str) -> str | None:
@@ -164,6 +171,9 @@ def resolve_family(name: str) -> Family:
             if family_name in family.names:
                 return family
     valid = ", ".join(n for f in FAMILIES for n in f.names)
+    ambiguous = AMBIGUOUS_GPUS.get(re.sub(r"^nvidia", "", re.sub(r"[\s_-]", "", wanted)))
+    if ambiguous:
+        raise RepackError(f"target {name!r} names GPUs of several families ({ambiguous}): give the family")
     raise RepackError(f"unknown target {name!r}; valid targets: {valid}, or a GPU name (A100, H100, B200, "
                       "RTX 4090, ...: `nvfp4-repack targets`)")
 

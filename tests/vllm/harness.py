@@ -11,7 +11,10 @@ something else.
 
     python harness.py --tp N --job NAME=CKPT:ARCH [--job ...] --out DIR
         ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
-        among its W4A4 kernels for that capability) | sm100-moe | sm120-moe | sm100-moe-ep | sm120-moe-ep
+        among its W4A4 kernels for that capability) | sm80 | sm75 | sm100-auto | sm120-auto (vLLM's auto over its
+        whole CUDA list: a weight-only checkpoint's kernel, Marlin or cute-dsl) | sm120-marlin | FAMILY-moe[-ep]
+        (FAMILY: any of sm100, sm120, sm80, sm75, sm100-auto, sm120-auto, sm100-w4a4, sm120-w4a4: the dense layers'
+        job)
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
 ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
@@ -26,8 +29,9 @@ MoE jobs (``sm100-moe``, ``sm120-moe``; ``-ep``: with vLLM's --enable-expert-par
 backend is chosen under the emulated capability (PATCH MoE 1), FlashInfer's JIT-built
 ``nvfp4_block_scale_interleave`` runs as a torch port of its C++ host code (tests/vllm/ports.py), and every tensor
 of every FusedMoE module is dumped (``moe-rank-R.safetensors``, each tensor whole, plus ``moe-rank-R.json``: dtype,
-shape, stride, offset, the backend and experts class); dense layers load and are dumped as for ``sm100`` /
-``sm120`` (the W4A16 kernel).
+shape, stride, offset, the backend and experts class); dense layers load and are dumped as for the job's family
+(``sm100-moe``: the forced W4A16 cute-dsl kernel; ``sm100-w4a4-moe``, ``sm120-auto-moe``: vLLM's auto, what a user
+gets).
 """
 
 from __future__ import annotations
@@ -88,12 +92,14 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 KERNEL = vfi.FlashInferCuteDslNvFp4W4A16LinearKernel
 ARCH = {"sm100": (100, fi_cute._prepare_cute_dsl_sm100), "sm120": (120, fi_cute._prepare_cute_dsl_sm12x),
         "sm80": (80, None), "sm75": (75, None)}
-# Marlin jobs: vLLM's auto over its whole CUDA list under the emulated capability (every FP4 x FP4 kernel refuses
-# below sm100; Marlin answers from sm75); sm75 runs fp16 (no bf16 there); "sm120-auto": a weight-only checkpoint on
-# sm120 with --linear-backend auto (vLLM 0.33 picks Marlin there, not the cute-dsl W4A16 kernel); "sm120-marlin": a
-# W4A4 checkpoint on sm120 with --linear-backend marlin (vLLM's own choice among its CUDA list filtered to Marlin)
+# Auto jobs: vLLM's auto over its whole CUDA list under the emulated capability (every FP4 x FP4 kernel refuses
+# below sm100; Marlin answers from sm75); sm75 runs fp16 (no bf16 there); "sm100-auto" / "sm120-auto": a weight-only
+# checkpoint with --linear-backend auto (vLLM's weight-only branch, PATCH AUTO: the cute-dsl W4A16 kernel on sm100,
+# Marlin on sm120); "sm120-marlin": a W4A4 checkpoint on sm120 with --linear-backend marlin (vLLM's own choice among
+# its CUDA list filtered to Marlin)
 MARLIN = vmarlin.MarlinNvFp4LinearKernel
-MARLIN_ARCHS = {"sm80": "bfloat16", "sm75": "float16", "sm120-auto": "bfloat16", "sm120-marlin": "bfloat16"}
+AUTO_ARCHS = {"sm80": "bfloat16", "sm75": "float16", "sm100-auto": "bfloat16", "sm120-auto": "bfloat16",
+              "sm120-marlin": "bfloat16"}
 assert MARLIN in vlinear._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CUDA]
 assert hasattr(vops, "gptq_marlin_repack")
 # vLLM's auto order for W4A4 on CUDA starts with these two: cute-dsl answers on sm10x, FlashInfer's CUTLASS on
@@ -106,7 +112,8 @@ for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
     assert hasattr(vfi, name), f"vLLM no longer binds {name} in {vfi.__name__}"
 assert hasattr(torch.accelerator, "empty_cache")
 # MoE job -> the capability emulated (and the dense layers' arch); "-ep": with vLLM's --enable-expert-parallel
-MOE_ARCH = {f"{arch}-moe{ep}": arch for arch in ("sm100", "sm120", "sm80", "sm75") for ep in ("", "-ep")}
+MOE_ARCH = {f"{arch}-moe{ep}": arch for ep in ("", "-ep")
+            for arch in ("sm100", "sm120", "sm80", "sm75", "sm100-auto", "sm120-auto", "sm100-w4a4", "sm120-w4a4")}
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
@@ -118,7 +125,8 @@ assert isinstance(HadamardTransform.scaled_data_ptrs, set)
 register_linear_kernel(KERNEL, PlatformEnum.CPU, "nvfp4")  # public API: the CPU platform has no NVFP4 entry
 
 
-_current: dict = {"arch": "sm100", "w4a4": False, "marlin": False, "methods": []}  # the job being loaded: which capability and FlashInfer layout to emulate
+# the job being loaded: which capability and FlashInfer layout to emulate; "auto": vLLM's own choice of dense kernel
+_current: dict = {"arch": "sm100", "w4a4": False, "auto": False, "methods": []}
 
 
 def is_w4a4(arch: str) -> bool:
@@ -127,12 +135,12 @@ def is_w4a4(arch: str) -> bool:
 
 def select(arch: str) -> tuple[str, str]:
     """``(FlashInfer arch, linear_backend)`` of a job, and the CPU platform's NVFP4 kernels set to match."""
-    if arch in MARLIN_ARCHS:  # vLLM's own choice over its CUDA list (auto, or --linear-backend marlin)
+    if arch in AUTO_ARCHS:  # vLLM's own choice over its CUDA list (auto, or --linear-backend marlin)
         NVFP4_KERNELS[PlatformEnum.CPU][:] = NVFP4_KERNELS[PlatformEnum.CUDA]
-        _current["arch"], _current["w4a4"], _current["marlin"] = arch.split("-")[0], False, True
+        _current["arch"], _current["w4a4"], _current["auto"] = arch.split("-")[0], False, True
         return _current["arch"], "marlin" if arch.endswith("-marlin") else "auto"
     NVFP4_KERNELS[PlatformEnum.CPU][:] = W4A4_KERNELS if is_w4a4(arch) else [KERNEL]
-    _current["arch"], _current["w4a4"], _current["marlin"] = arch.removesuffix("-w4a4"), is_w4a4(arch), False
+    _current["arch"], _current["w4a4"], _current["auto"] = arch.removesuffix("-w4a4"), is_w4a4(arch), False
     return _current["arch"], "auto" if is_w4a4(arch) else "flashinfer_cutedsl"
 
 
@@ -157,7 +165,7 @@ def patch() -> None:
 
     # PATCH W4A4 2: vLLM gives W4A4 layers whose input transforms all have a block of 16..128 QuTLASS's method
     # (QutlassNvFP4LinearMethod) where current_platform.has_device_capability(100) holds, False on CPU; in W4A4
-    # and Marlin jobs (vLLM's own kernel choice), while vLLM picks a layer's transform method, the platform answers the
+    # and auto jobs (vLLM's own kernel choice), while vLLM picks a layer's transform method, the platform answers the
     # emulated capability (sm120: vLLM 0.33 gives QuTLASS's method to a weight-only layer too, whose load then refuses
     # Marlin's kernel). The forced cute-dsl W4A16 jobs keep the CPU's answer (vLLM's transform method around it).
     # compressed_tensors first: transform.linear imported on its own is a circular import
@@ -169,7 +177,7 @@ def patch() -> None:
     from_schemes = CompressedTensorsLinearTransformMethod.from_schemes.__func__
 
     def from_schemes_emulated(cls, *args, **kwargs):
-        if not (_current["w4a4"] or _current["marlin"]):
+        if not (_current["w4a4"] or _current["auto"]):
             return from_schemes(cls, *args, **kwargs)
         names = ("get_device_capability", "is_cuda")
         saved = {n: CpuPlatform.__dict__[n] for n in names if n in CpuPlatform.__dict__}
@@ -193,6 +201,32 @@ def patch() -> None:
                 vhumming.has_humming = has_humming
 
     CompressedTensorsLinearTransformMethod.from_schemes = classmethod(from_schemes_emulated)
+
+    # PATCH AUTO: vLLM's weight-only branch of init_nvfp4_linear_kernel (--linear-backend auto) reads the platform's
+    # capability (None on CPU: Marlin whatever the GPU) to pick the cute-dsl W4A16 kernel on sm100 / sm103, Marlin
+    # elsewhere but sm90; in auto jobs the platform answers the emulated capability while it picks. Both NVFP4 schemes
+    # (ModelOpt's, compressed-tensors') bind the function by name.
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        compressed_tensors_w4a4_nvfp4 as vct_scheme,
+    )
+
+    init_kernel = vlinear.init_nvfp4_linear_kernel
+    assert vmodelopt.init_nvfp4_linear_kernel is init_kernel is vct_scheme.init_nvfp4_linear_kernel
+
+    def init_kernel_emulated(*args, **kwargs):
+        if not _current["auto"]:
+            return init_kernel(*args, **kwargs)
+        saved = CpuPlatform.__dict__.get("get_device_capability")
+        CpuPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(cc() // 10, cc() % 10))
+        try:
+            return init_kernel(*args, **kwargs)
+        finally:
+            if saved is not None:
+                CpuPlatform.get_device_capability = saved
+            else:
+                delattr(CpuPlatform, "get_device_capability")
+
+    vmodelopt.init_nvfp4_linear_kernel = vct_scheme.init_nvfp4_linear_kernel = init_kernel_emulated
 
     # PATCH MARLIN: is_fp4_marlin_supported asks for CUDA and capability >= 7.5: the platform answers as CUDA with
     # the emulated capability while Marlin's is_supported runs; its one CUDA leaf call, gptq_marlin_repack, runs as
@@ -401,7 +435,8 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     # a later model's tensor at a freed address would be left unnormalized
     HadamardTransform.scaled_data_ptrs.clear()
     cfg = EngineArgs(
-        model=ckpt, dtype=MARLIN_ARCHS.get(MOE_ARCH.get(arch, arch), "bfloat16"), max_model_len=128, enforce_eager=True, load_format="safetensors",
+        model=ckpt, dtype=AUTO_ARCHS.get(MOE_ARCH.get(arch, arch), "bfloat16"), max_model_len=128, enforce_eager=True,
+        load_format="safetensors",
         linear_backend=backend, tensor_parallel_size=tp, distributed_executor_backend="mp",
         enable_expert_parallel=ep,
     ).create_engine_config()
@@ -416,8 +451,10 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
         model = get_model_loader(cfg.load_config).load_model(vllm_config=cfg, model_config=cfg.model_config)
         if moe:
             dump_moe(model, out, rank)
-        marlin = MOE_ARCH.get(arch, arch) in MARLIN_ARCHS
-        (dump_w4a4 if is_w4a4(arch) or marlin else dump)(model, out, rank)
+        # the cute-dsl W4A16 kernel's state (forced, or vLLM's auto on sm100) as its buffers; every other kernel's
+        # (W4A4, Marlin) every tensor
+        cute_dsl = all(type(kernel) is KERNEL for _, _, kernel in fused_layers(model))
+        (dump if cute_dsl else dump_w4a4)(model, out, rank)
 
 
 def load_recording(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:

@@ -93,15 +93,16 @@ def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a
          ep: bool = False, **engine: object) -> nn.Module:
     """vLLM's ``load_model`` with its kernels emulating ``target`` (sm90: sm100's, which the plugin replaces; MoE:
     vLLM's auto NVFP4 MoE backend on that capability); ``w4a4``: vLLM's auto among its W4A4 kernels (else the
-    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs. Marlin
-    targets (sm80, sm75): vLLM's auto over its CUDA list on that capability, in its dtype (sm75: fp16)."""
-    if target in harness.MARLIN_ARCHS:
+    W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs. Auto
+    targets (sm80, sm75, sm100-auto, sm120-auto, ...: harness.AUTO_ARCHS): vLLM's auto over its CUDA list on that
+    capability, in its dtype (sm75: fp16)."""
+    if target in harness.AUTO_ARCHS:
         _, backend = harness.select(target)
     else:
         arch = "sm120" if target == "sm120" else "sm100"
         _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
-    engine = {"dtype": harness.MARLIN_ARCHS.get(target, "bfloat16"), **engine}
+    engine = {"dtype": harness.AUTO_ARCHS.get(target, "bfloat16"), **engine}
     config = EngineArgs(model=str(model), max_model_len=128, enforce_eager=True,
                         load_format=load_format, linear_backend=backend, tensor_parallel_size=tp_size,
                         enable_expert_parallel=ep, **engine).create_engine_config()
@@ -931,7 +932,8 @@ def test_weight_only_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fix
     no repack."""
     source = _source(tmp_path, fixture)
     convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING)
-    served = {"sm120": "sm120-auto"}.get(target, target)  # vLLM's auto for the dense layers too (sm120: Marlin)
+    served = {"sm100": "sm100-auto", "sm120": "sm120-auto"}.get(target, target)  # vLLM's auto for the dense layers
+    # too (sm120: Marlin; sm100: the cute-dsl W4A16 kernel), the bundle's layouts
     expected = layer_state(load(source, "safetensors", served))
     assert expected["model.layers.0.mlp.experts.routed_experts:backend"] == "MARLIN"
     _delete_weights(source)
