@@ -52,8 +52,8 @@ from .lane import Lane, one_torch_thread
 from .nvfp4 import NVFP4Weight
 from .targets import FAMILIES, Target, resolve_families, resolve_target, several_families
 from .targets.families import AUTO, LINEAR_BACKENDS, MARLIN
-from .targets.engines import (ENGINE_NAMES, HADAMARD_W4A4, QUTLASS_MARLIN, EngineVersion, bundle_engines,
-                              engine_versions, resolve_version, serves)
+from .targets.engines import (ENGINE_NAMES, HADAMARD_W4A4, QUTLASS_MARLIN, VERSION_FLAGS, EngineVersion,
+                              bundle_engines, engine_versions, newest, resolve_version, serves)
 from .targets.moe import MADE_FROM, ExpertStack, moe_layout
 from .targets.sglang import check_sglang_moe_architecture
 from .targets.w4a4 import runs_humming, runs_qutlass
@@ -672,22 +672,23 @@ def check_options(target_name: str | Sequence[str], *, max_shard_size: int | str
                   linear_backend: str = AUTO, engine: str = "vllm", vllm: str | None = None) -> tuple[EngineVersion, bool]:
     """:func:`convert`'s option values and combinations, refused in one line before anything is read (the CLI reports
     them as bad usage, exit code 2). Returns the engine version the bundles are for, and whether they are fused (an
-    engine other than vLLM holds its fused modules always)."""
+    engine that holds its fused modules only, SGLang, always: ``EngineVersion.fused``)."""
     if engine not in ENGINE_NAMES:
         raise RepackError(f"--engine {engine}: expected one of {', '.join(ENGINE_NAMES)}")
-    _check_linear_backend(linear_backend, weight_only=weight_only, engine=engine)
-    if engine != "vllm":
-        if vllm is not None:
-            raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
-        _check_engine_options(engine, rescale=rescale)
-        fuse = True  # the engine's fused modules
+    refused = newest(engine).options  # what the engine's bundles cannot take
+    _check_linear_backend(linear_backend, weight_only=weight_only, refusal=refused.get("--linear-backend"))
+    if vllm is not None and VERSION_FLAGS.get(engine) != "--vllm":
+        raise RepackError(f"--vllm {vllm} names a vLLM version; an --engine {engine} bundle is for {engine}")
+    if rescale and "--rescale" in refused:
+        raise RepackError(refused["--rescale"])
     version = resolve_version(engine, vllm)
+    fuse = fuse or version.fused
     if tp < 1:
         raise RepackError(f"--tp {tp}: expected a positive number of ranks")
     parse_size(max_shard_size)  # a bad shard size fails before any work
     if (fuse or tp > 1) and several_families(target_name):
-        what = ("--fuse/--tp take" if engine == "vllm" else
-                f"--engine {engine} (its bundles are fused, as the engine holds them) takes")
+        what = (f"--engine {engine} (its bundles are fused, as the engine holds them) takes" if version.fused else
+                "--fuse/--tp take")
         raise RepackError(f"{what} one target family; convert each target in a run of its own")
     if resume and tp > 1:
         raise RepackError("--resume is not supported with --tp (a --tp convert keeps nothing when interrupted); "
@@ -716,16 +717,14 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                else [engine_target(t, engine.engine, source, weight_only) for t in targets])
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
-        sglang_moe = moe_layout(targets[0]) if engine.engine == "sglang" and expert_groups(source) else None
-        if sglang_moe is not None and ep:
-            _check_sglang_expert_parallelism(source, tp)
+        moe = moe_layout(targets[0]) if expert_groups(source) else None  # its refusal (sm90) before the plan's
+        if moe is not None and ep and engine.even_experts:
+            _check_even_experts(source, tp)
         layer_plans = plan_layers(source, fuse=fuse, tp=tp, rescale=rescale, input_scales=input_scales, ep=ep,
-                                  partition_scales=engine.engine != "vllm" and input_scales,
-                                  expert_scales=engine.engine != "vllm",
-                                  **({} if sglang_moe is None else {"moe_rank_alignment": sglang_moe.TP_ALIGNMENT,
-                                                                    "moe_gate_up": sglang_moe.GATE_UP_REFUSAL}))
-        if layer_plans[0].experts:
-            moe_layout(targets[0])  # sm90's and sm75's refusals first
+                                  partition_scales=engine.stored_scales and input_scales,
+                                  expert_scales=engine.stored_scales,
+                                  **({} if moe is None else {"moe_rank_alignment": moe.TP_ALIGNMENT,
+                                                             "moe_gate_up": moe.GATE_UP_REFUSAL}))
         plans = [plan_bundle(source, targets[0], layers, max_shard_size) for layers in layer_plans]
         outputs = [OutputBundle(out, p, rank_folder(p.layers.tp_rank) if tp > 1 else "") for p in plans]
     else:
@@ -755,15 +754,16 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                    bundles=[b for s in summaries for b in s.bundles])
 
 
-def _check_linear_backend(linear_backend: str, *, weight_only: bool, engine: str) -> None:
-    """One-line refusals of a --linear-backend convert does not know or cannot combine."""
+def _check_linear_backend(linear_backend: str, *, weight_only: bool, refusal: str | None = None) -> None:
+    """One-line refusals of a --linear-backend convert does not know or cannot combine (``refusal``: the engine's, whose
+    bundles cannot take one)."""
     if linear_backend != AUTO and linear_backend not in LINEAR_BACKENDS:
         raise RepackError(f"--linear-backend {linear_backend}: expected one of {', '.join((AUTO, *LINEAR_BACKENDS))}")
     if linear_backend != AUTO and weight_only:
         raise RepackError(f"--linear-backend {linear_backend} --weight-only: --weight-only picks the family's "
                           "weight-only kernel itself; give one of the two")
-    if linear_backend != AUTO and engine != "vllm":
-        raise RepackError(f"--linear-backend names a vLLM kernel; an --engine {engine} bundle holds SGLang's choice")
+    if linear_backend != AUTO and refusal is not None:
+        raise RepackError(refusal)
 
 
 def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_backend: str) -> Target:
@@ -780,13 +780,6 @@ def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_b
                           f"{served_scheme(source)} checkpoint there holds no layout written here; --linear-backend "
                           f"{' or '.join([AUTO, *written])}{marlin}")
     return target
-
-
-def _check_engine_options(engine: str, *, rescale: bool) -> None:
-    """One-line refusals of what another engine's bundles cannot hold."""
-    if rescale:
-        raise RepackError(f"--engine {engine} --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a "
-                          "rescaled bundle would not be its state; convert without --rescale")
 
 
 def engine_target(family: Target, engine: str, source: SourceModel, weight_only: bool = False) -> Target:
@@ -806,7 +799,7 @@ def engine_target(family: Target, engine: str, source: SourceModel, weight_only:
     return target
 
 
-def _check_sglang_expert_parallelism(source: SourceModel, tp: int) -> None:
+def _check_even_experts(source: SourceModel, tp: int) -> None:
     """SGLang 0.5.23's expert parallelism (``--ep-size`` = ``--tp``) gives each rank ``E / tp`` consecutive experts and
     asserts the division: a one-line refusal where it does not hold."""
     for prefix, group in expert_groups(source).items():

@@ -163,15 +163,12 @@ def _check_scalars(source: SourceModel, plan: ExpertPlan, held: RowsOf, layout: 
     expected = layout.to_runtime(replace(stack, largest_scales=largest), plan.prefix, names)
     local = slice(first, last)
     own = torch.stack([expert_multipliers(source, p[local]) for p in (group.gate, group.up)], 1)
-    problems, odd = [], set()
-    for e in range(last - first):
-        gate, up = own[e].tolist()
-        if gate != up:
-            odd.add(e)
-            if not plan.rescale:
-                problems.append(f"{group.up[first + e]}: global scale multiplier {up:.9g} differs from "
-                                f"{group.gate[first + e].rpartition('.')[2]}'s {gate:.9g}, which the bundle holds "
-                                "for both halves (vLLM keeps w1's); convert with --rescale")
+    unequal = (own[:, 0] != own[:, 1]).nonzero().flatten().tolist()
+    odd = set(unequal)
+    problems = [] if plan.rescale else [
+        f"{group.up[first + e]}: global scale multiplier {float(own[e, 1]):.9g} differs from "
+        f"{group.gate[first + e].rpartition('.')[2]}'s {float(own[e, 0]):.9g}, which the bundle holds for both halves "
+        "(vLLM keeps w1's); convert with --rescale" for e in unequal]
     for name in names:
         values, want = held(name, 0, last - first).reshape(-1), expected[name].reshape(-1)
         for e in (values.view(torch.int32) != want.view(torch.int32)).nonzero().flatten().tolist():

@@ -335,6 +335,19 @@ def test_a_non_finite_expert_multiplier_is_refused_naming_the_layer(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_mlp_the_family_cannot_serve_is_refused_before_its_gate_up_scales(tmp_path):
+    """sm90 has no MoE layout: its refusal comes first, not the gate/up one whose advice (--rescale) would only lead
+    to it (review: the plan asked vLLM's MoE layout after the experts' scales, SGLang's before)."""
+    root = write_qwen_moe(tmp_path / "m", "modelopt", hidden=128, experts=3, intermediate=128,
+                          generator=torch.Generator().manual_seed(3), shared_scales=False)
+    for options in ({"tp": 2}, {"fuse": True}):
+        with pytest.raises(RepackError, match=r"^--target sm90: NVFP4 MoE layers are not supported there"):
+            convert(root, "sm90", tmp_path / "out", **options)
+    with pytest.raises(RepackError, match=r"gate_proj and up_proj global scales differ .* pass --rescale"):
+        convert(root, "sm100", tmp_path / "out", tp=2)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name,fuse", [("ct_moe_nvfp4", True), ("modelopt_moe_nvfp4", True), ("ct_nvfp4", False),
                                        ("modelopt_nvfp4", True)])
 def test_the_summary_counts_the_passthrough_tensors_the_bundle_holds(tmp_path, name, fuse):

@@ -28,7 +28,7 @@ from ..formats.safetensors_io import TensorEntry, read_tensor
 from ..formats.transforms import HADAMARD_TYPES, LayerTransform, SourceMatrix, SourceTransforms
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight, check_block_scales, dequantize
 from ..targets.layout import round_up
-from ..targets.moe import ExpertStack
+from ..targets.moe import VLLM_GATE_UP, ExpertStack
 
 # vLLM 0.33.0's packed_modules_mapping, identical for these classes (checked in their model files).
 VLLM_FUSION: dict[str, tuple[str, ...]] = {
@@ -242,10 +242,6 @@ def with_partition_scales(layers: dict[str, OutputLayer], source: SourceModel) -
                 torch.stack([stored(source.layers[p.source].tensor_names[2]) for p in layer.pieces]),
                 torch.stack([stored(source.input_scale_name(p.source)) for p in layer.pieces])))
             for prefix, layer in layers.items()}
-
-
-# why an engine's MoE layout refuses experts whose gate and up multipliers differ ({gate}, {up}: their names)
-VLLM_GATE_UP = "vLLM keeps {gate}'s for both and would mis-scale {up}; pass --rescale to fold the ratios into the block scales"
 
 
 def plan_layers(source: SourceModel, *, fuse: bool = False, tp: int = 1, rescale: bool = False,

@@ -40,6 +40,12 @@ class EngineVersion:
         release: the release its conformance oracle runs (``0.34.0``).
         layouts: the layout ids it holds byte for byte after its own post-load.
         refuses: bundle feature -> why this version cannot serve it from a bundle, and what to run instead.
+        fused: whether it holds its fused modules only (q/k/v, gate/up; SGLang): its bundles are fused, as --fuse's.
+        stored_scales: whether its layouts keep each partition's and expert's stored global scales as loaded (the plan
+            reads them: SGLang), rather than the fused layer's one multiplier (vLLM).
+        even_experts: whether its expert parallelism places ``E / N`` experts on each of N ranks and asserts the
+            division (SGLang's ``--ep-size``; vLLM's places the remainder too).
+        options: convert option -> why this engine's bundles cannot take it (a one-line refusal).
     """
 
     engine: str
@@ -47,6 +53,10 @@ class EngineVersion:
     release: str
     layouts: tuple[str, ...]
     refuses: Mapping[str, str] = field(default_factory=dict)
+    fused: bool = False
+    stored_scales: bool = False
+    even_experts: bool = False
+    options: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -125,7 +135,10 @@ SGLANG_MARLIN_MOE_LAYOUTS = {"modelopt": "sglang-modelopt-moe-marlin-v1", "compr
 SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (
     *SGLANG_MARLIN_MOE_LAYOUTS.values(),
     *SGLANG_LAYOUTS.values(), *SGLANG_MARLIN_LAYOUTS.values(), SGLANG_BF16_FP4_LAYOUT,
-    *dict.fromkeys(SGLANG_MOE_LAYOUTS.values())))
+    *dict.fromkeys(SGLANG_MOE_LAYOUTS.values())), fused=True, stored_scales=True, even_experts=True, options={
+    "--rescale": "--engine sglang --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a rescaled "
+                 "bundle would not be its state; convert without --rescale",
+    "--linear-backend": "--linear-backend names a vLLM kernel; an --engine sglang bundle holds SGLang's choice"})
 
 ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
 ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang

@@ -119,6 +119,14 @@ def scale_offset(expert: int, rows: torch.Tensor, held_rows: int, cols: int) -> 
     return expert * block + swizzle_128x4_offsets(rows, torch.arange(cols), held_rows, cols * BLOCK_SIZE)
 
 
+# why vLLM's MoE layouts refuse experts whose gate and up multipliers differ ({gate}, {up}: their names): its NVFP4
+# MoE methods keep gate's for both (each layout's GATE_UP_REFUSAL; SGLang's: targets/sglang.py)
+VLLM_GATE_UP = ("vLLM keeps {gate}'s for both and would mis-scale {up}; pass --rescale to fold the ratios into the "
+                "block scales")
+# each rank's intermediate share of a vLLM MoE layer is cut unpadded, the layout pads it after (TP_ALIGNMENT: SGLang's
+# TRT-LLM-gen pads the share before loading)
+VLLM_TP_ALIGNMENT = 1
+
 # vLLM's refusal-equivalent for the families without an MoE layout here (families.MOE_LAYOUTS has the others)
 MOE_REFUSALS = {
     "sm90": "--target sm90: NVFP4 MoE layers are not supported there (vLLM 0.33 serves them with Humming's MoE, whose "

@@ -28,8 +28,8 @@ from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE
 from .base import TensorSpec
 from .layout import round_up
-from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_scale, swizzle_experts,
-                  unswizzle_experts, w3w1)
+from .moe import (SCALARS, VLLM_GATE_UP, VLLM_TP_ALIGNMENT, ExpertCodes, ExpertStack, scale_offset,
+                  shared_input_scale, swizzle_experts, unswizzle_experts, w3w1)
 
 LAYOUT_ID = "moe-flashinfer-cutlass-v1"
 BACKEND = "FLASHINFER_CUTLASS"  # vLLM's NvFp4MoeBackend
@@ -38,6 +38,7 @@ KERNELS = (KERNEL,)  # the experts classes vLLM holds this layout with
 WEIGHT_ONLY = False  # FP4 x FP4: the layer holds its input scale and folded alphas (moe_marlin.WEIGHT_ONLY)
 LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_marlin.LAYER_SCALE_FACTOR)
 INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
+GATE_UP_REFUSAL, TP_ALIGNMENT = VLLM_GATE_UP, VLLM_TP_ALIGNMENT  # the plan's (bundle.layers.plan_layers)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS)
 
 

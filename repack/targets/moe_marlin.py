@@ -33,7 +33,7 @@ from ..nvfp4 import BLOCK_SIZE
 from . import marlin
 from .base import TensorSpec
 from .layout import round_up
-from .moe import ExpertCodes, ExpertStack
+from .moe import VLLM_GATE_UP, VLLM_TP_ALIGNMENT, ExpertCodes, ExpertStack
 
 LAYOUT_ID = "moe-marlin-v1"
 FP16_LAYOUT_ID = "moe-marlin-fp16-v1"  # sm75 (T4): fp16 activations change the scales' bytes (FP16 below)
@@ -48,6 +48,7 @@ LAYER_SCALE_FACTOR = True
 SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
 KEPT = ("w13_weight_multiplier", "w2_weight_multiplier")  # in the bundle for the inverse, not loaded into vLLM
 INVERSE_READS = (*SCALARS, *KEPT)  # besides the weight tensors, what from_runtime reads (the scale factors)
+GATE_UP_REFUSAL, TP_ALIGNMENT = VLLM_GATE_UP, VLLM_TP_ALIGNMENT  # the plan's (bundle.layers.plan_layers)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS, *KEPT)
 MADE_FROM = {"w13_weight": "w13_codes", "w13_weight_scale": "w13_scales", "w2_weight": "w2_codes",
              "w2_weight_scale": "w2_scales"}

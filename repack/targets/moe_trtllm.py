@@ -29,8 +29,8 @@ import torch
 from ..nvfp4 import BLOCK_SIZE
 from .base import TensorSpec
 from .layout import aligned, round_up
-from .moe import (SCALARS, ExpertCodes, ExpertStack, scale_offset, shared_input_scale, swizzle_experts,
-                  unswizzle_experts, w3w1)
+from .moe import (SCALARS, VLLM_GATE_UP, VLLM_TP_ALIGNMENT, ExpertCodes, ExpertStack, scale_offset,
+                  shared_input_scale, swizzle_experts, unswizzle_experts, w3w1)
 
 LAYOUT_ID = "moe-flashinfer-trtllm-v1"
 BACKEND = "FLASHINFER_TRTLLM"
@@ -41,6 +41,7 @@ KERNELS = (KERNEL, "TrtLlmNvFp4ExpertsModular")
 WEIGHT_ONLY = False  # FP4 x FP4: the layer holds its input scale and folded alphas (moe_marlin.WEIGHT_ONLY)
 LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_marlin.LAYER_SCALE_FACTOR)
 INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
+GATE_UP_REFUSAL, TP_ALIGNMENT = VLLM_GATE_UP, VLLM_TP_ALIGNMENT  # the plan's (bundle.layers.plan_layers)
 HIDDEN_ALIGNMENT = 256  # trtllm_nvfp4_hidden_alignment for gated layers with per-tensor activation scales
 INTERMEDIATE_ALIGNMENT = 64  # gated: 2 x Ip a multiple of 128, as FlashInfer's block-scale shuffle asserts
 SHUFFLE_BLOCK = 32  # get_shuffle_block_size(epilogue_tile_m=128)

@@ -215,10 +215,11 @@ def backends(layout_id: str) -> tuple[str, ...]:
 
 
 def marlin_global_scale(multiplier: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[1]``: ``nvfp4_marlin_process_global_scale(multiplier.to(bf16))``; refused where bf16 overflows."""
+    """bf16, one per multiplier (a dense layer's ``[1]``, an MoE layer's experts' ``[E]``):
+    ``nvfp4_marlin_process_global_scale(multiplier.to(bf16))``; refused where bf16 overflows."""
     from . import marlin
 
-    held = (multiplier.reshape(()).to(torch.float32).to(MARLIN_DTYPE) * marlin.global_exponent(MARLIN_DTYPE)).reshape(1)
+    held = (multiplier.to(torch.float32).to(MARLIN_DTYPE) * marlin.global_exponent(MARLIN_DTYPE)).reshape(-1)
     if not torch.isfinite(held).all():
         raise RepackError(f"a multiplier of {float(multiplier.max()):g} overflows SGLang's bf16 Marlin global scale; "
                           "SGLang would hold inf")
@@ -387,7 +388,8 @@ def _ct_moe_scalars(stored: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]
             "g1_alphas": (1 / quant_13) * scale_13, "g2_alphas": ((1 / w2_input) * scale_2).to(_FLOAT32)}
 
 
-def _stored(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
+def stored_scales(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
+    """An MoE layer's stored global scales (``ExpertStack.stored``), contiguous; refused where the plan read none."""
     if stack.stored is None:
         raise RepackError("an SGLang MoE layer's scalars need the stored global scales (convert --engine sglang)")
     return tuple(t.contiguous() for t in stack.stored)
@@ -491,8 +493,8 @@ class MoELayout:
         else:
             got = self._cutlass(stack, weights)
         if len(weights) < len(parts):
-            got.update(_modelopt_moe_scalars(_stored(stack), self.trtllm) if self.source_format == "modelopt"
-                       else _ct_moe_scalars(_stored(stack)))
+            got.update(_modelopt_moe_scalars(stored_scales(stack), self.trtllm) if self.source_format == "modelopt"
+                       else _ct_moe_scalars(stored_scales(stack)))
         return {part: got[part] for part in parts}
 
     def _cutlass(self, stack: ExpertStack, parts: Collection[str]) -> dict[str, torch.Tensor]:

@@ -27,28 +27,20 @@ import torch
 from ..errors import RepackError
 from . import marlin, moe_marlin
 from .base import TensorSpec
+from .engines import SGLANG_0523
 from .moe import ExpertCodes, ExpertStack
+from .sglang import MARLIN_DTYPE as DTYPE  # the models' activation dtype (params_dtype)
+from .sglang import marlin_global_scale, stored_scales
 
-ENGINE = "sglang"
-DTYPE = torch.bfloat16  # the models' activation dtype (params_dtype)
+ENGINE = SGLANG_0523.engine
 NO_FACTORS = (1.0, 1.0)  # nvfp4_marlin_process_scales: no scale factor, no flush
 METHODS = {("modelopt", "W4A4"): "ModelOptNvFp4FusedMoEMethod", ("modelopt", "W4A16"): "ModelOptNvFp4FusedMoEMethod",
            ("compressed-tensors", "W4A4"): "CompressedTensorsW4A16Nvfp4MoE",
            ("compressed-tensors", "W4A16"): "CompressedTensorsW4A16Nvfp4MoE"}
 WEIGHTS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
-INPUT_SCALES = ("w13_input_scale", "w2_input_scale")  # ModelOpt's, kept as loaded
 # compressed-tensors' loaded parameters its weight-only MoE scheme deletes (the plugin too)
 DELETED = ("w13_weight_global_scale", "w2_weight_global_scale", "w13_input_global_scale", "w2_input_global_scale")
-
-
-def global_scales(multiplier: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[E]``: ``nvfp4_marlin_process_global_scale(multiplier.to(bf16))``; refused where bf16 overflows."""
-    held = multiplier.to(torch.float32).to(DTYPE) * marlin.global_exponent(DTYPE)
-    if not torch.isfinite(held).all():
-        raise RepackError(f"a multiplier of {float(multiplier.max()):g} overflows SGLang's bf16 Marlin global scale; "
-                          "SGLang would hold inf")
-    return held.reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -98,12 +90,12 @@ class MarlinMoELayout:
                               f"(2 x {intermediate}) of 64")
 
     def _scalars(self, stack: ExpertStack) -> dict[str, torch.Tensor]:
-        if stack.stored is None:
-            raise RepackError("an SGLang MoE layer's scalars need the stored global scales (convert --engine sglang)")
-        w13_weight, w13_input, w2_weight, w2_input = (t.contiguous() for t in stack.stored)
+        w13_weight, w13_input, w2_weight, w2_input = stored_scales(stack)
         if not self.modelopt:  # stored as divisors: the multiplier is 1 / weight_global_scale, in float32
-            return {"w13_weight_scale_2": global_scales(1 / w13_weight[:, 0]), "w2_weight_scale_2": global_scales(1 / w2_weight)}
-        out = {"w13_weight_scale_2": global_scales(w13_weight[:, 0]), "w2_weight_scale_2": global_scales(w2_weight)}
+            return {"w13_weight_scale_2": marlin_global_scale(1 / w13_weight[:, 0]),
+                    "w2_weight_scale_2": marlin_global_scale(1 / w2_weight)}
+        out = {"w13_weight_scale_2": marlin_global_scale(w13_weight[:, 0]),
+               "w2_weight_scale_2": marlin_global_scale(w2_weight)}
         return out | {"w13_input_scale": w13_input, "w2_input_scale": w2_input}
 
     def to_runtime(self, stack: ExpertStack, name: str = "MoE layer",
