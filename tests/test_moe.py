@@ -538,3 +538,14 @@ def test_an_unfused_moe_convert_is_refused_as_inspect_says(tmp_path, capsys, tar
         assert info["targets"] == ["sm100", "sm120", "sm80", "sm75"], name
         assert info["moe"]["layouts"] == {"sm100": "moe-marlin-v1", "sm120": "moe-marlin-v1", "sm90": None,
                                           "sm80": "moe-marlin-v1", "sm75": "moe-marlin-fp16-v1"}, name
+
+
+def test_every_layout_of_an_engine_that_picks_its_own_moe_layout_names_it():
+    """SGLang's layouts carry their MoE layout (``Target.moe_layout``): one that did not would silently take vLLM's
+    ``families.MOE_LAYOUTS`` (review: moe_layout branched on the engine's name); vLLM's take that table, and every
+    plan rule the plan reads is each MoE layout's own."""
+    for name in ("sm100", "sm120", "sm90", "sm80", "sm75"):
+        for layout in resolve_target(name).layouts:
+            assert (layout.moe_layout is None) == (layout.engine == "vllm"), (name, layout.layout_id)
+    for layout in (moe_trtllm, moe_cutlass, moe_marlin, moe_marlin.FP16):
+        assert layout.TP_ALIGNMENT == 1 and "--rescale" in layout.GATE_UP_REFUSAL

@@ -110,6 +110,8 @@ class Target(Family):
             smallest block scales to 0): what ``from_runtime`` returns. ``None``: the weight itself.
         runtime_layout: the :attr:`layout_key` of the layout whose tensors ``from_named`` gives the runtime, for an
             engine's layout over another family's bytes (SGLang's FP4 Marlin on any family: ``sm80``'s).
+        moe_layout: this layout -> the MoE layout its bundles' FusedMoE layers take, or a one-line refusal, for an
+            engine that picks its own (SGLang's); None: vLLM's ``auto`` (``families.MOE_LAYOUTS``, :func:`.moe_layout`).
     """
 
     to_runtime: Callable[[NVFP4Weight], RuntimeLayer]
@@ -125,6 +127,7 @@ class Target(Family):
     from_named: Callable[[dict[str, torch.Tensor], int, int], RuntimeLayer] | None = None
     read_as: Callable[[NVFP4Weight], NVFP4Weight] | None = None
     runtime_layout: str | None = None
+    moe_layout: Callable[["Target"], object] | None = None
 
     @classmethod
     def of(cls, family: Family, **layout: object) -> Target:

@@ -151,10 +151,8 @@ def moe_layout(target: "Target | str", scheme: str = "W4A4") -> ModuleType:
     refusal on sm90 (Humming's MoE)."""
     from .families import MOE_LAYOUTS
 
-    if not isinstance(target, str) and target.engine == "sglang":
-        from .sglang import moe_variant
-
-        return moe_variant(target)  # type: ignore[return-value]  # the layout modules' interface
+    if not isinstance(target, str) and target.moe_layout is not None:  # an engine's own choice (SGLang's)
+        return target.moe_layout(target)  # type: ignore[return-value]  # the layout modules' interface
     family = target if isinstance(target, str) else target.name
     if not isinstance(target, str):  # a dense layout of Marlin (sm120 --weight-only: its W4A4 variant) is weight-only
         scheme = "W4A16" if target.kernels == MARLIN else target.scheme

@@ -31,7 +31,7 @@ the MoE layouts'.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
@@ -58,6 +58,9 @@ from .engines import (
 )
 from .layout import pad_2d, swizzle_128x4, swizzled_scale_shape
 from .moe import ExpertCodes, ExpertStack, swizzle_experts, w3w1
+
+if TYPE_CHECKING:
+    from .sglang_marlin_moe import MarlinMoELayout
 
 ENGINE = SGLANG_0523.engine
 DENSE_BACKENDS, LAYOUTS, SAME_STATE_BACKENDS = SGLANG_DENSE_BACKENDS, SGLANG_LAYOUTS, SGLANG_SAME_STATE_BACKENDS
@@ -173,6 +176,7 @@ def variants(family: Target) -> tuple[Target, ...]:
     base = w4a4.variant(family)
     return tuple(
         replace(base, layout_id=layout, engine=ENGINE, source_format=fmt, kernels=(DENSE_BACKENDS[family.name],),
+                moe_layout=moe_variant,
                 to_runtime=lambda weight, f=fmt: to_runtime(f, weight),
                 from_runtime=lambda layer, n, k, f=fmt: from_runtime(f, layer, n, k),
                 partition_specs=lambda n, k, parts, f=fmt: partition_specs(f, n, k, parts),
@@ -297,7 +301,8 @@ def marlin_variant(family: Target, source_format: str, scheme: str) -> Target:
         geometry=marlin.geometry, scheme=scheme, engine=ENGINE, source_format=source_format,
         partition_specs=lambda n, k, parts: marlin_specs(key, n, k, parts), from_named=marlin_from_named,
         read_as=marlin_read, runtime_layout=families.SM80.layout_id),
-        layout_id=SGLANG_MARLIN_LAYOUTS[key], kernels=(MARLIN_KERNEL,), backend="reference")
+        layout_id=SGLANG_MARLIN_LAYOUTS[key], kernels=(MARLIN_KERNEL,), backend="reference",
+        moe_layout=marlin_moe_variant)
 
 
 # compressed-tensors NVFP4A16 on sm100: prepare_bf16_fp4_weights(weight_packed, swizzle_blockscale(weight_scale),
@@ -333,7 +338,7 @@ def bf16_fp4_variant(family: Target) -> Target:
         geometry=lambda n, k: LayerGeometry(n, k, 0), scheme="W4A16", engine=ENGINE,
         source_format="compressed-tensors", partition_specs=bf16_fp4_specs, from_named=bf16_fp4_from_named,
         runtime_layout=families.SM100.layout_id),
-        layout_id=SGLANG_BF16_FP4_LAYOUT, kernels=("flashinfer_cutedsl",))
+        layout_id=SGLANG_BF16_FP4_LAYOUT, kernels=("flashinfer_cutedsl",), moe_layout=marlin_moe_variant)
 
 
 def weight_only_variants(family: Target) -> tuple[Target, ...]:
@@ -576,7 +581,7 @@ class MoELayout:
         return {name: spec for name, spec in every.items() if name not in aliased}
 
 
-def marlin_moe_variant(target: Target):
+def marlin_moe_variant(target: Target) -> MarlinMoELayout:
     """SGLang's FP4 Marlin MoE layout for a weight-only ``target`` (:mod:`.sglang_marlin_moe`), or a one-line refusal
     where SGLang serves those experts otherwise (ModelOpt on sm100 / sm120: its auto is TRT-LLM-gen; W4A4
     compressed-tensors served weight-only on Blackwell: its W4A4 CUTLASS MoE)."""
@@ -591,10 +596,9 @@ def marlin_moe_variant(target: Target):
 
 
 def moe_variant(target: Target) -> MoELayout:
-    """SGLang's MoE layout for ``target`` (an SGLang layout of a family, :func:`variants`), or a one-line refusal."""
+    """SGLang's MoE layout for ``target`` (an SGLang W4A4 layout of a family, :func:`variants`; its weight-only layouts
+    take :func:`marlin_moe_variant`), or a one-line refusal."""
     key = (target.source_format, target.name)
-    if target.layout_id not in LAYOUTS.values():  # a weight-only layout: SGLang's experts are FP4 Marlin's
-        return marlin_moe_variant(target)
     if key not in SGLANG_MOE_LAYOUTS:
         raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers are not written for SGLang there")
     return MoELayout(SGLANG_MOE_LAYOUTS[key], SGLANG_MOE_BACKENDS[key], (MOE_METHODS[target.source_format],),
