@@ -174,9 +174,11 @@ def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record
     """What the kernel's ``process_weights_after_loading`` leaves beside the bundle's tensors, and no repack. The
     W4A4 kernels keep nothing beside their padded weight and swizzled scales (the scheme's scalars are vLLM's own,
     computed from the partition scales :meth:`BundleModelLoader._install` set). Marlin replaces the global scale by
-    its folded one (``multiplier``: the bundle's) and keeps nothing else."""
+    its folded one (``multiplier``: the bundle's), pads and permutes a bias (:func:`_marlin_bias`) and keeps nothing
+    else."""
     if is_marlin(target):
         replace_parameter(layer, "weight_global_scale", multiplier)
+        _marlin_bias(layer)
     elif target.scheme == "W4A16":
         if target.name == "sm100":
             from ..runtime.backends.flashinfer import sm100_scale_view
@@ -187,6 +189,20 @@ def _restore(layer: nn.Module, kernel: NvFp4LinearKernel, target: Target, record
         replace_parameter(layer, "weight_global_scale", multiplier)
         layer.weights_padding_cols = record.weights_padding_cols
     del kernel.process_weights_after_loading  # the instance hook; the class's method is untouched
+
+
+def _marlin_bias(layer: nn.Module) -> None:
+    """A layer's bias (Qwen2's q/k/v: the checkpoint's, which vLLM's own loader fused and cut) as FP4 Marlin's
+    ``prepare_fp4_layer_for_marlin`` leaves it: padded to Marlin's N and permuted, by vLLM's own functions (no NVFP4
+    state: a bundle passes biases through, as for SGLang)."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils
+
+    if getattr(layer, "bias", None) is None:
+        return
+    n = layer.output_size_per_partition
+    padded_n, _ = marlin_utils.marlin_padded_nk(n, layer.input_size_per_partition, 16)
+    replace_parameter(layer, "bias", marlin_utils.marlin_permute_bias(marlin_utils.marlin_pad_dim(layer.bias, n,
+                                                                                                  padded_n)))
 
 
 def _install_transforms(module: nn.Module, prefix: str, bundle: Bundle, installed: set[int]) -> None:

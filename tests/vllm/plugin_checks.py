@@ -943,3 +943,53 @@ def test_weight_only_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fix
     for key in unloaded:
         got[key], expected[key] = got[key][:-1], expected[key][:-1]
     assert not _differences(got, expected), f"{fixture} {target}: differs in {_differences(got, expected)[:8]}"
+
+
+# Biased Marlin layers (Qwen2's q/k/v biases, random in the synthetic Qwen2-MoE): vLLM's FP4 Marlin post-load pads the
+# bias to Marlin's N and permutes it (marlin_permute_bias); the plugin must leave the same bytes. (harness arch, our
+# target, weight-only checkpoint): sm80 and sm75 Marlin, and sm120's default for a weight-only checkpoint. Shapes:
+# "aligned" q/k/v N 128 (64 per rank), "padded" N 288, which Marlin pads to 384 (per rank 192: one kv head, replicated).
+BIASED_MARLIN = [("sm80", "sm80", False), ("sm75", "sm75", True), ("sm120-auto", "sm120", True)]
+BIASED_SHAPES = {"aligned": dict(hidden=128, kv_heads=2), "padded": dict(hidden=192, kv_heads=1)}
+
+
+def _biased_qwen(root: Path, shape: str, weight_only: bool, seed: int) -> Path:
+    """A Qwen2-MoE with a dense first layer and a shared expert, random q/k/v biases."""
+    return write_qwen_moe(root, "modelopt", generator=torch.Generator().manual_seed(seed), w4a4=not weight_only,
+                          experts=3, intermediate=128, layers=2, heads=4, shared_expert=128, dense_layers=(0,),
+                          **BIASED_SHAPES[shape])
+
+
+@pytest.mark.parametrize("shape", BIASED_SHAPES)
+@pytest.mark.parametrize("served,target,weight_only", BIASED_MARLIN)
+def test_marlin_plugin_serves_biases_as_vllm_loads_them(vllm_world, tmp_path, served, target, weight_only, shape):
+    """A biased checkpoint's Marlin bundle (dense q/k/v with biases, a dense MLP layer, a shared expert and Marlin
+    experts) against vLLM's auto load of the source: every bias padded and permuted as vLLM's FP4 Marlin leaves it."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    source = _biased_qwen(tmp_path / "source", shape, weight_only, seed)
+    convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING)
+    expected = layer_state(load(source, "safetensors", served))
+    assert len([k for k in expected if k.endswith("qkv_proj.bias")]) == 2
+    assert expected["model.layers.0.self_attn.qkv_proj:kernel"] == "MarlinNvFp4LinearKernel"
+    _delete_weights(source)
+    got = layer_state(load(tmp_path / "bundle", LOAD_FORMAT, served))
+    assert not _differences(got, expected), f"{served}: differs in {_differences(got, expected)[:8]}"
+
+
+def test_marlin_plugin_serves_biases_as_vllm_loads_them_tp2(tmp_path):
+    """The same at TP = 2 (each rank's slice of the fused bias, padded and permuted), both shapes, in one two-process
+    world."""
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed={seed}")
+    cases = []
+    for served, target, weight_only in BIASED_MARLIN:
+        for shape in BIASED_SHAPES:
+            case = tmp_path / f"{served}-{shape}"
+            source = _biased_qwen(case / "source", shape, weight_only, seed)
+            convert(source, target, case / "bundle", fuse=True, tp=2, vllm=RUNNING)
+            cases.append((str(source), str(case / "bundle"), served, False, False))
+    torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert len(result) == len(cases) and all(not diff for diff in result.values()), f"rank {rank}: {result}"
