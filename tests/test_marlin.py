@@ -49,6 +49,18 @@ def test_padding_is_vllms_cheaper_tile_family(n, k):
     assert (n_padded, k_padded) in ((-(-n // 64) * 64, -(-k // 128) * 128), (-(-n // 128) * 128, -(-k // 64) * 64))
 
 
+@pytest.mark.parametrize("n", [64, 130, 288])
+def test_bias_permutation_is_scale_perm_single_and_round_trips(n, random_seed):
+    """vLLM's ``scale_perm_single``, written out: each 32 entries ``[0, 1, 8, 9, 16, 17, 24, 25, 2, 3, ...]``."""
+    single = [i + 8 * j + b for i in range(0, 8, 2) for j in range(4) for b in range(2)]
+    bias = torch.randn(n).to(torch.bfloat16)
+    n_padded = marlin.padded_nk(n, 128)[0]
+    held = marlin.permute_bias(bias, n_padded)
+    padded = torch.cat([bias, bias.new_zeros(n_padded - n)])
+    assert torch.equal(held, padded.reshape(-1, 32)[:, single].reshape(-1))
+    assert torch.equal(marlin.unpermute_bias(held, n), bias)
+
+
 def test_scale_factor_lifts_the_largest_scale_near_448_and_flushes_the_rest_as_marlin_does():
     scales = torch.tensor([[3.0, 2.0**-9, 0.0, 1.5]]).to(torch.float8_e4m3fn)
     assert marlin.scale_factor(scales, torch.bfloat16) == 128.0  # 3 * 128 = 384 <= 448 < 768

@@ -28,7 +28,7 @@ from repack.errors import RepackError
 from repack.formats import read_source
 from repack.formats.moe import expert_groups
 from repack.sample.synthetic import write_llama, write_qwen_moe
-from repack.targets import moe_marlin
+from repack.targets import marlin, moe_marlin
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, seeded_folder
@@ -43,7 +43,8 @@ from .test_vllm_conformance import (
 from .test_vllm_moe_conformance import _assert_rank_state
 
 DENSE = ["modelopt_w4a16_nvfp4", "modelopt_nvfp4", "ct_nvfp4a16", "ct_nvfp4"]
-MOE = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4", "ct_qwen2_moe_nvfp4"]
+MOE = ["modelopt_moe_nvfp4", "ct_moe_nvfp4", "modelopt_moe_i48_nvfp4", "ct_moe_i48_nvfp4", "ct_qwen2_moe_nvfp4",
+       "qwen2-biased"]
 KEPT = {"weight_multiplier"}  # in the bundle for the inverse (the scale factor), not loaded into vLLM
 # sm120 (both versions, tests below): vLLM's auto serves a weight-only checkpoint with Marlin (convert -t sm120's
 # default), a W4A4 one with --linear-backend marlin (convert -t sm120 --weight-only); Hadamard-rotated ones too, whose
@@ -55,8 +56,12 @@ ROTATED_W4A4 = ["ct_quip_vu_had32_nvfp4", "ct_spinquant_r1r2r4_had16_nvfp4"]
 # Weight-only MoE checkpoints (issue 36): vLLM's auto serves their experts with Marlin on sm80, sm100 and sm120 alike.
 # "wo-*": fresh synthetic ones, hidden 192 (Marlin pads I to 128 when H is not a multiple of 128), I 96 (48 per rank
 # at TP 2), 3 experts (2 + 1 under --ep).
-WEIGHT_ONLY_MOE = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4", "wo-modelopt", "wo-compressed-tensors"]
+WEIGHT_ONLY_MOE = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4", "wo-modelopt", "wo-compressed-tensors", "wo-biased"]
 WEIGHT_ONLY_SHAPE = dict(hidden=192, experts=3, intermediate=96, layers=2, w4a4=False)
+# Biased Qwen2-MoEs (random q/k/v biases; the producers' Qwen2-MoE has zero ones, which no permutation changes): a dense
+# first layer, a shared expert, q/k/v N 288 that Marlin pads to 384 (per rank 192: one kv head, replicated); "wo-":
+# weight-only (both vLLM versions, with the weight-only MoE cases), "qwen2-": W4A4 (Marlin MoE on sm80 / sm75)
+BIASED = dict(heads=4, kv_heads=1, dense_layers=(0,))
 WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120", "sm75")
 # our target -> the harness's dense job (its "<job>-moe"): vLLM's auto for weight-only layers on that capability, what a
 # user gets and the bundle's dense layout (sm100: the cute-dsl W4A16 kernel; sm120, sm80, sm75: Marlin); vLLM's auto MoE
@@ -69,6 +74,10 @@ def checkpoints(tmp_path_factory) -> dict:
     out = {name: PRODUCERS / name for name in DENSE + MOE + WEIGHT_ONLY_MOE[:2] + ROTATED_W4A16 + ROTATED_W4A4}
     for fmt in ("modelopt", "compressed-tensors"):
         out[f"wo-{fmt}"] = write_qwen_moe(root / f"wo-{fmt}", fmt, generator=gen, **WEIGHT_ONLY_SHAPE)
+    out["wo-biased"] = write_qwen_moe(root / "wo-biased", "modelopt", generator=gen, shared_expert=96,
+                                      **WEIGHT_ONLY_SHAPE, **BIASED)
+    out["qwen2-biased"] = write_qwen_moe(root / "qwen2-biased", "compressed-tensors", generator=gen, hidden=192,
+                                         experts=3, intermediate=128, layers=2, shared_expert=128, **BIASED)
     for shape, (hidden, heads, kv, inter) in SYNTHETIC.items():
         for fmt, w4a4 in SYNTHETIC_FORMATS.items():
             out[f"{shape}-{fmt}"] = write_llama(root / f"{shape}-{fmt}", fmt, hidden=hidden, heads=heads, kv_heads=kv,
@@ -106,6 +115,26 @@ def oracle(checkpoints, tmp_path_factory) -> dict:
     return out
 
 
+def _served_bias(bundle, prefix: str) -> torch.Tensor | None:
+    """The bias the plugin leaves on a Marlin layer (None: its sources have none): the bundle's passthrough biases of
+    the layer's sources, each cut to this rank's rows (the manifest's partitions), joined, in the activation dtype,
+    padded and permuted as ``prepare_fp4_layer_for_marlin`` does (:func:`marlin.permute_bias`)."""
+    record = bundle.manifest.layers[prefix]
+    names = [f"{p.source}.bias" for p in record.partitions]
+    if not any(name in bundle.manifest.passthrough for name in names):
+        return None
+    rows = [bundle.read(name)[p.source_rows[0]:p.source_rows[1]] for name, p in zip(names, record.partitions)]
+    dtype = marlin.DTYPES[bundle.target.dtype]
+    return marlin.permute_bias(torch.cat(rows).to(dtype), marlin.geometry(record.n, record.k).n_padded)
+
+
+def _marlin_held(bundle, prefix: str) -> dict[str, torch.Tensor]:
+    """What vLLM holds on a Marlin layer, from the bundle: its layout's tensors, and a bias (:func:`_served_bias`)."""
+    held = {part: bundle.read(f"{prefix}.{part}") for part in set(bundle.manifest.layers[prefix].tensors) - KEPT}
+    bias = _served_bias(bundle, prefix)
+    return held if bias is None else {**held, "bias": bias}
+
+
 def _assert_marlin_rank_identical(bundle_dir, dumped, rank: int) -> int:
     """Every tensor vLLM holds on every NVFP4 linear layer (Marlin's three; a W4A4 checkpoint's activation scalars,
     which its method computes before the kernel's load), by name, dtype, shape, strides, offset and the bytes of its
@@ -118,13 +147,11 @@ def _assert_marlin_rank_identical(bundle_dir, dumped, rank: int) -> int:
         record = bundle.manifest.layers[prefix]
         assert info["kernel"] == "MarlinNvFp4LinearKernel" == bundle.manifest.kernels[0], (prefix, info["kernel"])
         assert "weights_padding_cols" not in info, prefix  # Marlin pads activations inside its apply
-        # besides the layout's tensors vLLM holds a layer's bias (Qwen2's q/k/v), passthrough in the bundle
-        assert set(info["tensors"]) - {"bias"} == set(record.tensors) - KEPT, prefix
+        held = _marlin_held(bundle, prefix)
+        assert set(info["tensors"]) == set(held), prefix
         assert (info["input_size_per_partition"], info["output_size_per_partition"]) == (record.k, record.n), prefix
         for part, view in info["tensors"].items():
-            if part == "bias":
-                continue
-            ours = bundle.read(f"{prefix}.{part}")
+            ours = held[part]
             got = (str(ours.dtype).replace("torch.", ""), list(ours.shape), list(ours.stride()), ours.storage_offset())
             assert got == (view["dtype"], view["shape"], view["stride"], view["offset"]), (prefix, part)
             assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs[f"{prefix}.{part}"]), (prefix, part)
@@ -263,8 +290,7 @@ def _assert_marlin_state(folder, dumped, rank: int, version: str) -> int:
     assert set(meta) == set(bundle.manifest.layers)
     for prefix, info in meta.items():
         assert info["kernel"] == "MarlinNvFp4LinearKernel", info["kernel"]
-        held = {part: bundle.read(f"{prefix}.{part}") for part in set(bundle.manifest.layers[prefix].tensors) - KEPT}
-        _assert_held_034(held, info, theirs, prefix)
+        _assert_held_034(_marlin_held(bundle, prefix), info, theirs, prefix)
     return len(meta)
 
 
@@ -336,8 +362,7 @@ def test_marlin_bundle_holds_vllm_034s_kernel_tensors(name, arch, target, checkp
     assert set(meta) == set(bundle.manifest.layers)
     for prefix, info in meta.items():
         assert info["kernel"] == "MarlinNvFp4LinearKernel", info["kernel"]
-        held = {part: bundle.read(f"{prefix}.{part}") for part in set(bundle.manifest.layers[prefix].tensors) - KEPT}
-        _assert_held_034(held, info, theirs, prefix)
+        _assert_held_034(_marlin_held(bundle, prefix), info, theirs, prefix)
 
 
 @pytest.mark.parametrize("name,arch", V034_MOE_JOBS, ids=[f"{n}-{a}" for n, a in V034_MOE_JOBS])

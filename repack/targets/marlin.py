@@ -14,6 +14,10 @@ weight_scale: float8_e4m3fn ``[Kp/16, Np]`` holding S0E5M3 bytes: the scales tra
     2 flushed to 0, and the top byte of the fp16 bits shifted left by one (``nvfp4_marlin_process_scales``).
 weight_global_scale: float32 ``[1]``: the multiplier times ``2^(bias - 7)`` (bias 126 for bf16, 14 for fp16) over
     ``sf`` (``nvfp4_marlin_process_global_scale``).
+bias (a layer with one: Qwen2's q/k/v): the activation dtype ``[Np]``, zero-padded and each 32 entries a 4 x 4
+    transpose of pairs (``marlin_permute_bias``: :func:`permute_bias`). A bundle passes biases through whole, as the
+    source holds them (vLLM's loader fuses and cuts them per rank); the vLLM and SGLang plugins apply their engine's
+    own pad and permute after that load.
 
 The inverse is exact except for the block scales Marlin flushes (``scale * sf * 2^7 < 2``: below 2^-6 / sf), which
 come back as 0 as Marlin reads them (:func:`flushed`); ``sf`` is recovered from the source multiplier, which a
@@ -110,6 +114,18 @@ def _unpermute_columns(s: torch.Tensor) -> torch.Tensor:
     g, n = s.shape
     s = s.reshape(g, n // 4, 4)[:, :, [0, 2, 1, 3]]
     return s.reshape(g, n // 64, 8, 8).transpose(2, 3).reshape(g, n)
+
+
+def permute_bias(bias: torch.Tensor, n_padded: int) -> torch.Tensor:
+    """``marlin_permute_bias(marlin_pad_dim(bias, n, n_padded))``: zero-padded to ``n_padded``, each 32 entries (4
+    groups of 4 pairs) read group-major (``scale_perm_single``: ``[0, 1, 8, 9, 16, 17, 24, 25, 2, 3, ...]``)."""
+    padded = torch.nn.functional.pad(bias, (0, n_padded - bias.shape[0]))
+    return padded.reshape(-1, 4, 4, 2).transpose(1, 2).reshape(n_padded).contiguous()
+
+
+def unpermute_bias(held: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`permute_bias`'s inverse: the first ``n`` entries in the source's order."""
+    return held.reshape(-1, 4, 4, 2).transpose(1, 2).reshape(-1)[:n].contiguous()
 
 
 def scale_factor(scales: torch.Tensor, dtype: torch.dtype) -> float:
