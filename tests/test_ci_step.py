@@ -162,7 +162,7 @@ def test_verify_and_inspect_take_a_several_target_output(make_model, tmp_path, m
     assert [m["target"] for m in json.loads(capsys.readouterr().out)] == [t.name for t in TARGETS]
     assert main(["inspect", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert [text.count(f"target {t.name} ({t.layout_id})") for t in TARGETS] == [1] * len(TARGETS)
+    assert [text.count(f"target {t.name} ({t.layout_id}; ") for t in TARGETS] == [1] * len(TARGETS)
     shard = sorted((out / "sm120").glob("model-*.safetensors"))[-1]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x10
