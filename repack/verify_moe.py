@@ -185,7 +185,7 @@ def _check_chunk(source: SourceModel, plan: ExpertPlan, chunk: tuple[int, int], 
     are ``held`` (compared with the source's as the layout's kernel reads them: Marlin flushes its smallest
     scales)."""
     stack = replace(assemble_experts(source, plan, chunk=chunk, input_scales=scales), largest_scales=largest)
-    source_stack = layout.read_as(stack) if layout.LAYER_SCALE_FACTOR else stack
+    source_stack = stack if layout.read_as is None else layout.read_as(stack)
     group, inter = plan.group, plan.intermediate
     ours = layout.from_runtime(held, group.hidden, inter)
     halves = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
@@ -297,18 +297,18 @@ def _expert_numerics(source: SourceModel, plan: ExpertPlan, layout: ModuleType, 
                      generator: torch.Generator, tokens: int, w4a4: bool, read: KernelRead,
                      quantizer: SourceQuantizer) -> dict[str, float]:
     """The error of each sampled expert's projections as ``read`` gives them, against the float64 source (as the
-    layout's kernel reads it: ``layout.read_as``, where it has one), activations quantized for FP4 x FP4 (``w4a4``)
+    layout's kernel reads it: ``layout.read_as``, where it is not None), activations quantized for FP4 x FP4 (``w4a4``)
     with the held global scale and, in the reference, ``quantizer``'s (see :func:`expert_numerics`)."""
     group = plan.group
     input_scales = expert_input_scales(source, plan)
     largest = largest_expert_scales(source, plan, layout, CHECK_EXPERTS)  # Marlin: the layer's one scale factor
-    read_as = getattr(layout, "read_as", None)
     errors = {}
     for e in experts:
         at = plan.experts[0] + e
         source_stack = assemble_experts(source, plan, chunk=(at, at + 1), input_scales=input_scales)  # it alone
-        if read_as is not None:  # as the kernel reads it: Marlin flushes the scales below its factor's range
-            source_stack = read_as(replace(source_stack, largest_scales=largest))
+        if layout.read_as is not None:  # as the kernel reads it: vLLM's Marlin flushes the scales below its
+            # factor's range, SGLang's rounds the multipliers to bf16
+            source_stack = layout.read_as(replace(source_stack, largest_scales=largest))
         held = read(e)
         for which, projs in PROJECTIONS:
             codes, scales, alphas, gs = held[which]

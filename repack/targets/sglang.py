@@ -427,6 +427,7 @@ class MoELayout:
     family: str
     engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
     WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS = False, False, ()  # as moe_trtllm's / moe_cutlass's
+    read_as = None  # as moe_trtllm's / moe_cutlass's: the kernel reads the experts as stored
 
     @property
     def trtllm(self) -> bool:
