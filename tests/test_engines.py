@@ -104,7 +104,7 @@ def test_rotated_layers_marlin_serves_on_sm120_are_refused_for_033(fixture, flag
     assert open_bundle(tmp_path / "whole").manifest.engines == BOTH  # 0.33: its transform method, no QuTLASS
 
 
-@pytest.mark.parametrize("version", ["0.32", "0.35", "abc"])
+@pytest.mark.parametrize("version", ["0.32", "0.35", "abc", "v", "vv0.34", "v0.35"])
 def test_an_unsupported_version_is_a_usage_error(version, tmp_path, capsys):
     code, _, err = cli(capsys, "convert", "--sample", "-t", "sm100", "-o", tmp_path / "b", "--vllm", version)
     assert code == 2 and err.count("\n") == 1 and "supported versions: 0.33, 0.34" in err, err
@@ -112,8 +112,17 @@ def test_an_unsupported_version_is_a_usage_error(version, tmp_path, capsys):
         convert(PRODUCERS / "ct_nvfp4a16", "sm100", tmp_path / "b", vllm=version)
 
 
+def test_a_version_written_as_a_tag_converts(tmp_path, capsys):
+    """``--vllm v0.34`` (vLLM's tags write the leading v) was refused as unsupported (review)."""
+    code, _, err = cli(capsys, "convert", "--sample", "-t", "sm100", "-o", tmp_path / "b", "--vllm", "V0.34")
+    assert code == 0, err
+
+
 def test_a_release_names_its_series():
     assert engines.resolve_version("vllm", "0.34.0") is engines.VLLM_034
+    for tag in ("v0.34", "V0.34", " v0.34.0"):  # as vLLM's release tags write it
+        assert engines.resolve_version("vllm", tag) is engines.VLLM_034, tag
+    assert engines.resolve_version("vllm", "v0.33") is engines.VLLM_033
     assert engines.resolve_version("vllm", None) is engines.newest("vllm") is engines.VLLM_034
     assert engines.running_row("vllm", "0.34.1.dev3+g1234") is engines.VLLM_034
     assert engines.running_row("vllm", "0.35.0") is None

@@ -154,11 +154,13 @@ def newest(engine: str) -> EngineVersion:
 
 
 def resolve_version(engine: str, version: str | None) -> EngineVersion:
-    """The row of ``engine`` ``version`` (``0.34`` or a release ``0.34.0``; None: the newest), or a one-line refusal
-    listing the supported ones."""
+    """The row of ``engine`` ``version`` (``0.34``, a release ``0.34.0``, either as a tag: ``v0.34``; None: the
+    newest), or a one-line refusal listing the supported ones."""
     if version is None:
         return newest(engine)
-    wanted = ".".join(version.strip().split(".")[:2])
+    number = version.strip()
+    number = number[1:] if number[:1] in ("v", "V") else number  # as a tag (v0.34)
+    wanted = ".".join(number.split(".")[:2])
     found = next((v for v in engine_versions(engine) if v.version == wanted), None)
     if found is None:
         supported = ", ".join(v.version for v in engine_versions(engine))
