@@ -4,15 +4,17 @@ frictions: tables cut at 80 columns when piped, ``| head`` ending in a silent ex
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from repack.cli import PIPE_CLOSED_EXIT, main
+from repack.cli import PIPE_CLOSED_EXIT, commands, main
 from repack.targets import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +168,28 @@ def test_inspect_counts_activation_scales_apart_from_passthrough_tensors(tmp_pat
     first = " ".join(out.split())
     expected = "14 quantized layers, 7 passthrough tensors (copied as they are)"
     assert expected + (f", {scales} activation input scales (the W4A4 layouts fold them in" if scales else " ") in first
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "targets", "verify"])
+def test_help_prose_flows_at_the_terminals_width(command, capsys, monkeypatch):
+    """Regression (review): ``verify --help`` broke sentences where its docstring's lines end. At two widths, each prose
+    paragraph of the command's docstring is rendered as a greedy wrap of its words at that width (no line ends before
+    the next word would have fitted); examples (a paragraph with indented lines) keep their lines."""
+    doc = [p.splitlines() for p in inspect.getdoc(getattr(commands, command)).split("\n\n")]
+    for width in (100, 160):
+        monkeypatch.setenv("COLUMNS", str(width))
+        code, out, _ = _cli([command, "--help"], capsys)
+        lines = [line.strip() for line in out.split("Usage:", 1)[1].split("\n╭", 1)[0].splitlines()[1:]]
+        rendered = [p.strip().splitlines() for p in "\n".join(lines).split("\n\n") if p.strip()]
+        assert code == 0 and len(rendered) == len(doc), out
+        for held, written in zip(rendered, doc):
+            if any(line[:1].isspace() for line in written):  # examples: their lines where they fit
+                fits = max(map(len, written)) < width - 2
+                assert (held == [line.strip() for line in written] if fits else
+                        " ".join(held).split() == " ".join(written).split()), (width, out)
+            else:
+                assert held == textwrap.wrap(" ".join(" ".join(written).split()), width - 2, break_long_words=False,
+                                             break_on_hyphens=False), (width, out)
 
 
 # --- where the output goes --------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import asdict
 from enum import Enum
+from inspect import cleandoc
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
@@ -698,6 +699,15 @@ def _interruptible(command: Callable) -> Callable:
     return run
 
 
+def flowed(doc: str) -> str:
+    """A command's docstring as its --help text: each prose paragraph on one line, for rich to wrap at the terminal's
+    width (Typer keeps a docstring's line breaks, which break sentences mid-line), indented lines (examples) as
+    written."""
+    paragraphs = cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if any(line[:1].isspace() for line in p.splitlines()) else " ".join(p.split("\n"))
+                       for p in paragraphs)
+
+
 def register(app: typer.Typer) -> None:
     for command in (convert, inspect, targets, verify):
-        app.command()(_interruptible(command))
+        app.command(help=flowed(command.__doc__ or ""))(_interruptible(command))
