@@ -81,6 +81,13 @@ class ExpertCodes:
     w2_scales: torch.Tensor
 
 
+def stored_scales(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
+    """An MoE layer's stored global scales (``ExpertStack.stored``), contiguous; refused where the plan read none."""
+    if stack.stored is None:
+        raise RepackError("an SGLang MoE layer's scalars need the stored global scales (convert --engine sglang)")
+    return tuple(t.contiguous() for t in stack.stored)
+
+
 def swizzle_experts(scales: torch.Tensor) -> torch.Tensor:
     """``[E, M, K_sf]`` -> ``[E, round_up(M, 128), round_up(K_sf, 4)]``: each expert 128x4-swizzled, as vLLM's
     ``swizzle_blockscale`` does on a 3-D tensor. Rows are padded per expert, then all experts go through one
