@@ -143,10 +143,10 @@ MOE_REFUSALS = {
 
 
 def moe_specs(layout: ModuleType, experts: int, hidden: int, intermediate: int, num_experts: int) -> dict:
-    """``layout.runtime_specs`` of a rank's ``experts`` of the layer's ``num_experts``: another engine's layout may
-    hold some tensors for every expert (SGLang's ModelOpt MoE keeps all experts' input scales under expert
-    parallelism); vLLM's hold the rank's alone."""
-    if getattr(layout, "engine", "vllm") != "vllm":
+    """``layout.runtime_specs`` of a rank's ``experts`` of the layer's ``num_experts``: a layout of another engine's
+    names and scalars (``NAMED``) may hold some tensors for every expert (SGLang's ModelOpt MoE keeps all experts'
+    input scales under expert parallelism); vLLM's hold the rank's alone."""
+    if layout.NAMED:
         return layout.runtime_specs(experts, hidden, intermediate, num_experts)
     return layout.runtime_specs(experts, hidden, intermediate)
 

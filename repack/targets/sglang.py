@@ -395,8 +395,8 @@ class MoELayout:
     KERNELS: tuple[str, ...]
     source_format: str
     family: str
-    engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
     WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS = False, False, ()  # as moe_trtllm's / moe_cutlass's
+    NAMED = True  # SGLang's names and scalars (ModelOpt's input scales every expert's): moe.moe_specs, verify
     read_as = None  # as moe_trtllm's / moe_cutlass's: the kernel reads the experts as stored
 
     @property

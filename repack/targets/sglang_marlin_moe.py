@@ -27,10 +27,9 @@ import torch
 from ..errors import RepackError
 from . import marlin, moe_marlin
 from .base import Target, TensorSpec
-from .engines import SGLANG_0523, SGLANG_MARLIN_FAMILIES, SGLANG_MARLIN_MOE_LAYOUTS
+from .engines import SGLANG_MARLIN_FAMILIES, SGLANG_MARLIN_MOE_LAYOUTS
 from .moe import ExpertCodes, ExpertStack, stored_scales
 
-ENGINE = SGLANG_0523.engine
 DTYPE = torch.bfloat16  # SGLang's FP4 Marlin, dense and MoE: the models' activation dtype (params_dtype) on sm80 and up
 NO_FACTORS = (1.0, 1.0)  # nvfp4_marlin_process_scales: no scale factor, no flush
 METHODS = {("modelopt", "W4A4"): "ModelOptNvFp4FusedMoEMethod", ("modelopt", "W4A16"): "ModelOptNvFp4FusedMoEMethod",
@@ -62,8 +61,8 @@ class MarlinMoELayout:
     BACKEND: str
     source_format: str
     scheme: str
-    engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
     WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS, TP_ALIGNMENT = True, False, (), 1
+    NAMED = True  # SGLang's names and scalars (ModelOpt's input scales every expert's): moe.moe_specs, verify
 
     @property
     def KERNELS(self) -> tuple[str, ...]:  # noqa: N802 (the layout modules' name)
