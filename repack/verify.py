@@ -53,8 +53,8 @@ from .nvfp4 import (BLOCK_SIZE, InputScale, NVFP4Weight, dequantize, dequantize_
 from .runtime import backends, load_bundle
 from .runtime.transforms import block_transform, rows_transform
 from .targets import TARGETS, RuntimeLayer
+from .targets.base import restated_differences
 from .targets.layout import is_aligned
-from .targets.sglang import restated_differences
 from .targets.w4a4 import LAYOUT_ID as W4A4_LAYOUT
 from .targets.moe import MADE_FROM, moe_specs
 from .verify_moe import (EXPERT_REL_ERROR, EXPERT_W4A4_REL_ERROR, engine_expert_findings, engine_expert_numerics,

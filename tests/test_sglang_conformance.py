@@ -23,8 +23,9 @@ from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import write_llama
+from repack.targets.base import restated_differences
 from repack.targets.engines import SGLANG_0523
-from repack.targets.sglang import ATTRIBUTES, DENSE_BACKENDS, restated_differences
+from repack.targets.sglang import ATTRIBUTES, DENSE_BACKENDS
 from repack.verify import verify_output
 
 from .conftest import PRODUCERS, assert_held_as, oracle_python, seeded_folder

@@ -21,8 +21,9 @@ from repack.bundle.reader import open_bundle
 from repack.convert import convert
 from repack.errors import RepackError
 from repack.sample.synthetic import llama_layers, write_llama
+from repack.targets.base import restated_differences
 from repack.targets.engines import SGLANG_MARLIN_FAMILIES, SGLANG_MARLIN_LAYOUTS, SGLANG_WEIGHT_ONLY_FAMILIES
-from repack.targets.sglang import DENSE_BACKENDS, marlin_global_scale, restated_differences
+from repack.targets.sglang import DENSE_BACKENDS, marlin_global_scale
 
 from .conftest import PRODUCERS, seeded_folder
 from .test_sglang_conformance import (

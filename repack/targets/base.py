@@ -187,3 +187,15 @@ class Target(Family):
     def with_layout(self, layout_id: str) -> "Target | None":
         """The family's layout ``layout_id``, if it has one."""
         return next((t for t in self.layouts if t.layout_id == layout_id), None)
+
+
+def restated_differences(target: Target, layer: RuntimeLayer, n: int, k: int) -> list[str]:
+    """The names of a layer's tensors held by another engine's names (``layer.named``: SGLang's) that ``target``'s
+    :attr:`~Target.to_runtime` does not give back from the layer's codes, scales and kept scalars (a derived scalar
+    such as SGLang's ``alpha``, or ModelOpt's unswizzled ``weight_scale``, that does not follow from the rest): what
+    verify's exactness fails."""
+    again = target.to_runtime(target.from_runtime(layer, n, k)).named or {}
+    held = layer.named or {}
+    return sorted(name for name in set(held) | set(again) if name not in held or name not in again
+                  or held[name].shape != again[name].shape or held[name].dtype != again[name].dtype
+                  or not torch.equal(held[name].reshape(-1).view(torch.uint8), again[name].reshape(-1).view(torch.uint8)))

@@ -139,17 +139,6 @@ def from_runtime(source_format: str, layer: RuntimeLayer, n: int, k: int) -> NVF
     return replace(weight, partition_scales=scales)
 
 
-def restated_differences(target: Target, layer: RuntimeLayer, n: int, k: int) -> list[str]:
-    """The names of an SGLang layer's tensors that :func:`to_runtime` does not give back from its codes, scales and
-    kept scalars (a derived scalar such as ``alpha``, or ModelOpt's unswizzled ``weight_scale``, that does not follow
-    from the rest): what verify's exactness fails."""
-    again = target.to_runtime(target.from_runtime(layer, n, k)).named or {}
-    held = layer.named or {}
-    return sorted(name for name in set(held) | set(again) if name not in held or name not in again
-                  or held[name].shape != again[name].shape or held[name].dtype != again[name].dtype
-                  or not torch.equal(held[name].reshape(-1).view(torch.uint8), again[name].reshape(-1).view(torch.uint8)))
-
-
 def partition_specs(source_format: str, n: int, k: int, parts: int) -> dict[str, TensorSpec]:
     """dtype and shape of each SGLang tensor of an ``[n, k]`` layer fused from ``parts`` partitions."""
     vllm = w4a4.runtime_specs(n, k)
