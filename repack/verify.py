@@ -538,7 +538,7 @@ def _check_moe(bundle: Bundle, module: str, src: SourceModel | None, groups: dic
     if record.input_scales != input_scale_scope(src):
         check.fail(f"{module}: input_scales {record.input_scales!r} is not what vLLM loads for {src.format}", "exactness")
     w4a4 = not layout.WEIGHT_ONLY  # Marlin: weight-only experts
-    if getattr(layout, "engine", "vllm") != "vllm":  # SGLang's state: exactness tensor by tensor, its kernel's scalars
+    if layout.NAMED:  # SGLang's state: exactness tensor by tensor, its kernel's scalars
         held = {name: bundle.read(f"{module}.{name}") for name in specs if name not in MADE_FROM}
 
         def weight_rows(name: str, first: int, last: int) -> torch.Tensor:

@@ -549,3 +549,22 @@ def test_every_layout_of_an_engine_that_picks_its_own_moe_layout_names_it():
             assert (layout.moe_layout is None) == (layout.engine == "vllm"), (name, layout.layout_id)
     for layout in (moe_trtllm, moe_cutlass, moe_marlin, moe_marlin.FP16):
         assert layout.TP_ALIGNMENT == 1 and "--rescale" in layout.GATE_UP_REFUSAL
+
+
+def test_moe_layouts_declare_whether_they_hold_an_engines_own_names():
+    """``NAMED`` is planning data (review: moe_specs and verify asked ``getattr(layout, "engine", "vllm")``): True
+    exactly for the MoE layouts of SGLang's layouts, whose ModelOpt specs hold every expert's input scales (the layer's
+    8 experts on a rank of 2), where vLLM's hold the rank's."""
+    seen = set()
+    for name in ("sm100", "sm120", "sm80", "sm75"):
+        for layout in resolve_target(name).layouts:
+            try:
+                experts = moe.moe_layout(layout)
+            except RepackError:  # SGLang's refusal of weight-only experts on Blackwell
+                continue
+            assert experts.NAMED == (layout.engine != "vllm"), (name, layout.layout_id)
+            seen.add(experts.NAMED)
+    assert seen == {True, False}
+    for engine, named in (("sglang", (8, 2)), ("vllm", (2,))):
+        layout = moe.moe_layout(resolve_target("sm100").for_engine(engine, "modelopt"))
+        assert moe.moe_specs(layout, 2, 128, 128, 8)["w13_input_scale"].shape == named, engine

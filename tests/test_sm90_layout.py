@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -64,9 +66,11 @@ def test_word_bit_fields_are_disjoint_and_complete() -> None:
 
 
 def test_registered_and_resolvable() -> None:
-    assert sm90.TARGET in TARGETS
-    assert resolve_target("SM90a") is sm90.TARGET
-    assert target_for_capability(9, 0) is sm90.TARGET
+    """The registry's sm90 row is sm90's vLLM layout, with SGLang's layouts of the family after it."""
+    registered = resolve_target("SM90a")
+    assert registered in TARGETS and target_for_capability(9, 0) is registered
+    assert replace(registered, variants=()) == sm90.TARGET
+    assert {t.engine for t in registered.variants} == {"sglang"}
 
 
 def test_word_element_position_matches_documented_v2_formula() -> None:

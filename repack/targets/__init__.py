@@ -8,6 +8,7 @@ fast and reads the table without them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .families import FAMILIES, Family, family_for_capability, resolve_families, resolve_family, several_families
@@ -21,9 +22,10 @@ _FROM_BASE = ("RuntimeLayer", "Target", "TensorSpec")
 def __getattr__(name: str) -> object:
     """``TARGETS`` and the layout types, imported (with torch) when first asked for."""
     if name == "TARGETS":
-        from . import marlin, sm90, sm100, sm120
+        from . import marlin, sglang, sm90, sm100, sm120
 
-        value: object = (sm100.TARGET, sm120.TARGET, sm90.TARGET, *marlin.TARGETS)
+        vllm = (sm100.TARGET, sm120.TARGET, sm90.TARGET, *marlin.TARGETS)  # each family's vLLM layouts...
+        value: object = tuple(replace(t, variants=(*t.variants, *sglang.layouts(t))) for t in vllm)  # ...and SGLang's
     elif name in _FROM_BASE:
         from . import base
 

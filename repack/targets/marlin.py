@@ -34,7 +34,7 @@ import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, InputScale, NVFP4Weight
-from . import families, sglang, w4a4
+from . import families, w4a4
 from .base import W4A4_SCALARS, LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .families import Family
 from .layout import round_up
@@ -268,7 +268,7 @@ def target(family: Family) -> Target:
     w4a4_layout = replace(weight_only, layout_id=W4A4_IDS[family.layout_id], scheme="W4A4",
                           to_runtime=partial(to_runtime_w4a4, dtype=dtype),
                           from_runtime=partial(from_runtime_w4a4, dtype=dtype), runtime_specs=runtime_specs_w4a4)
-    return replace(weight_only, variants=(w4a4_layout, *sglang.weight_only_variants(weight_only)))
+    return replace(weight_only, variants=(w4a4_layout,))
 
 
 TARGETS = (target(families.SM80), target(families.SM75))

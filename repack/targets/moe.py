@@ -81,6 +81,13 @@ class ExpertCodes:
     w2_scales: torch.Tensor
 
 
+def stored_scales(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
+    """An MoE layer's stored global scales (``ExpertStack.stored``), contiguous; refused where the plan read none."""
+    if stack.stored is None:
+        raise RepackError("an SGLang MoE layer's scalars need the stored global scales (convert --engine sglang)")
+    return tuple(t.contiguous() for t in stack.stored)
+
+
 def swizzle_experts(scales: torch.Tensor) -> torch.Tensor:
     """``[E, M, K_sf]`` -> ``[E, round_up(M, 128), round_up(K_sf, 4)]``: each expert 128x4-swizzled, as vLLM's
     ``swizzle_blockscale`` does on a 3-D tensor. Rows are padded per expert, then all experts go through one
@@ -136,10 +143,10 @@ MOE_REFUSALS = {
 
 
 def moe_specs(layout: ModuleType, experts: int, hidden: int, intermediate: int, num_experts: int) -> dict:
-    """``layout.runtime_specs`` of a rank's ``experts`` of the layer's ``num_experts``: another engine's layout may
-    hold some tensors for every expert (SGLang's ModelOpt MoE keeps all experts' input scales under expert
-    parallelism); vLLM's hold the rank's alone."""
-    if getattr(layout, "engine", "vllm") != "vllm":
+    """``layout.runtime_specs`` of a rank's ``experts`` of the layer's ``num_experts``: a layout of another engine's
+    names and scalars (``NAMED``) may hold some tensors for every expert (SGLang's ModelOpt MoE keeps all experts'
+    input scales under expert parallelism); vLLM's hold the rank's alone."""
+    if layout.NAMED:
         return layout.runtime_specs(experts, hidden, intermediate, num_experts)
     return layout.runtime_specs(experts, hidden, intermediate)
 

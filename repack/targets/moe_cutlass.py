@@ -40,6 +40,7 @@ LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_mar
 read_as = None  # the kernel reads the experts as stored (moe_marlin.read_as: what Marlin's reads differ in)
 INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
 GATE_UP_REFUSAL, TP_ALIGNMENT = VLLM_GATE_UP, VLLM_TP_ALIGNMENT  # the plan's (bundle.layers.plan_layers)
+NAMED = False  # vLLM's names and scalars, the rank's experts' alone (moe.moe_specs; SGLang's layouts: True)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS)
 
 

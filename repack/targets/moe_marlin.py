@@ -49,6 +49,7 @@ SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
 KEPT = ("w13_weight_multiplier", "w2_weight_multiplier")  # in the bundle for the inverse, not loaded into vLLM
 INVERSE_READS = (*SCALARS, *KEPT)  # besides the weight tensors, what from_runtime reads (the scale factors)
 GATE_UP_REFUSAL, TP_ALIGNMENT = VLLM_GATE_UP, VLLM_TP_ALIGNMENT  # the plan's (bundle.layers.plan_layers)
+NAMED = False  # vLLM's names and scalars, the rank's experts' alone (moe.moe_specs; SGLang's layouts: True)
 TENSORS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale", *SCALARS, *KEPT)
 MADE_FROM = {"w13_weight": "w13_codes", "w13_weight_scale": "w13_scales", "w2_weight": "w2_codes",
              "w2_weight_scale": "w2_scales"}

@@ -43,6 +43,7 @@ LAYER_SCALE_FACTOR = False  # the experts' block scales as the source's (moe_mar
 read_as = None  # the kernel reads the experts as stored (moe_marlin.read_as: what Marlin's reads differ in)
 INVERSE_READS = ()  # from_runtime reads the weight tensors alone (moe_marlin.INVERSE_READS)
 GATE_UP_REFUSAL, TP_ALIGNMENT = VLLM_GATE_UP, VLLM_TP_ALIGNMENT  # the plan's (bundle.layers.plan_layers)
+NAMED = False  # vLLM's names and scalars, the rank's experts' alone (moe.moe_specs; SGLang's layouts: True)
 HIDDEN_ALIGNMENT = 256  # trtllm_nvfp4_hidden_alignment for gated layers with per-tensor activation scales
 INTERMEDIATE_ALIGNMENT = 64  # gated: 2 x Ip a multiple of 128, as FlashInfer's block-scale shuffle asserts
 SHUFFLE_BLOCK = 32  # get_shuffle_block_size(epilogue_tile_m=128)

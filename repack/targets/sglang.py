@@ -31,13 +31,13 @@ the MoE layouts'.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
 from ..errors import RepackError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families, moe_cutlass, moe_trtllm, w4a4
+from . import families, marlin, moe_cutlass, moe_trtllm, sm100, w4a4
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .engines import (
     SGLANG_0523,
@@ -46,9 +46,7 @@ from .engines import (
     SGLANG_BF16_FP4_LAYOUT,
     SGLANG_DENSE_BACKENDS,
     SGLANG_LAYOUTS,
-    SGLANG_MARLIN_FAMILIES,
     SGLANG_MARLIN_LAYOUTS,
-    SGLANG_MARLIN_MOE_LAYOUTS,
     SGLANG_MOE_ARCHITECTURES,
     SGLANG_MOE_BACKENDS,
     SGLANG_MOE_LAYOUTS,
@@ -56,11 +54,10 @@ from .engines import (
     SGLANG_SAME_STATE_BACKENDS,
     SGLANG_WEIGHT_ONLY_FAMILIES,
 )
-from .layout import pad_2d, swizzle_128x4, swizzled_scale_shape
-from .moe import ExpertCodes, ExpertStack, swizzle_experts, w3w1
-
-if TYPE_CHECKING:
-    from .sglang_marlin_moe import MarlinMoELayout
+from .layout import pad_2d, pad_codes, swizzle_128x4, swizzled_scale_shape, vllm_geometry
+from .moe import ExpertCodes, ExpertStack, stored_scales, swizzle_experts, w3w1
+from .sglang_marlin_moe import DTYPE as MARLIN_DTYPE  # the models' activation dtype on sm80 and up
+from .sglang_marlin_moe import marlin_global_scale, marlin_moe_variant
 
 ENGINE = SGLANG_0523.engine
 DENSE_BACKENDS, LAYOUTS, SAME_STATE_BACKENDS = SGLANG_DENSE_BACKENDS, SGLANG_LAYOUTS, SGLANG_SAME_STATE_BACKENDS
@@ -169,11 +166,18 @@ def partition_specs(source_format: str, n: int, k: int, parts: int) -> dict[str,
     return out
 
 
+def layouts(family: Target) -> tuple[Target, ...]:
+    """SGLang's layouts of ``family`` (the family's vLLM layouts: its row in the registry, targets/__init__.py): its
+    W4A4 ones, then its weight-only ones."""
+    return (*variants(family), *weight_only_variants(family))
+
+
 def variants(family: Target) -> tuple[Target, ...]:
-    """``family``'s SGLang layouts, one per source format (empty where SGLang has no dense W4A4 backend)."""
+    """``family``'s SGLang W4A4 layouts, one per source format, over the family's vLLM W4A4 layout (empty where SGLang
+    has no dense W4A4 backend)."""
     if family.name not in DENSE_BACKENDS:
         return ()
-    base = w4a4.variant(family)
+    base = family.with_layout(families.W4A4_LAYOUT_ID)
     return tuple(
         replace(base, layout_id=layout, engine=ENGINE, source_format=fmt, kernels=(DENSE_BACKENDS[family.name],),
                 moe_layout=moe_variant,
@@ -188,7 +192,6 @@ def variants(family: Target) -> tuple[Target, ...]:
 # SGLang's FP4 Marlin holds the bytes of vLLM's Marlin layout (targets/marlin.py: padding, gptq_marlin_repack, the
 # permuted S0E5M3 scales) with neither vLLM's power-of-two scale factor nor its flush of the smallest scales, and the
 # global scale in bf16 (nvfp4_marlin_process_global_scale of the multiplier cast to the activation dtype, [1]).
-MARLIN_DTYPE = torch.bfloat16  # the models' activation dtype on sm80 and up
 MARLIN_KERNEL = "marlin"
 # what SGLang's post-load leaves on a layer besides a bundle's tensors, per layout: the loaded parameters it deletes,
 # the plain attributes it sets, whether it keeps a scratch ``workspace`` (marlin_make_workspace, sized by the GPU)
@@ -218,18 +221,6 @@ def backends(layout_id: str) -> tuple[str, ...]:
     return BACKENDS.get(layout_id, SAME_STATE_BACKENDS)
 
 
-def marlin_global_scale(multiplier: torch.Tensor) -> torch.Tensor:
-    """bf16, one per multiplier (a dense layer's ``[1]``, an MoE layer's experts' ``[E]``):
-    ``nvfp4_marlin_process_global_scale(multiplier.to(bf16))``; refused where bf16 overflows."""
-    from . import marlin
-
-    held = (multiplier.to(torch.float32).to(MARLIN_DTYPE) * marlin.global_exponent(MARLIN_DTYPE)).reshape(-1)
-    if not torch.isfinite(held).all():
-        raise RepackError(f"a multiplier of {float(multiplier.max()):g} overflows SGLang's bf16 Marlin global scale; "
-                          "SGLang would hold inf")
-    return held
-
-
 def marlin_read(weight: NVFP4Weight) -> NVFP4Weight:
     """``weight`` as SGLang's Marlin reads it: the multiplier rounded to bf16 (its scales are kept as they are)."""
     return replace(weight, multiplier=weight.multiplier.to(MARLIN_DTYPE).to(torch.float32).reshape(1),
@@ -240,8 +231,6 @@ def marlin_to_runtime(source_format: str, scheme: str, weight: NVFP4Weight) -> R
     """The Marlin layout (targets/marlin.py's, without its factor and flush) of ``weight``, holding SGLang's tensors:
     ``weight``, ``weight_scale``, ``weight_global_scale`` (bf16 ``[1]``), and for a ModelOpt W4A4 checkpoint the
     activation scalars ``ModelOptFp4LinearMethod`` keeps beside them (``input_global_scale`` the largest input scale)."""
-    from . import marlin
-
     g = marlin.geometry(weight.n, weight.k)
     held = marlin_global_scale(weight.multiplier)
     named = {"weight": marlin.repack_codes(weight.codes, g.n_padded, g.k_padded),
@@ -259,8 +248,6 @@ def marlin_to_runtime(source_format: str, scheme: str, weight: NVFP4Weight) -> R
 def marlin_from_named(tensors: dict[str, torch.Tensor], n: int, k: int) -> RuntimeLayer:
     """SGLang's Marlin tensors -> the Marlin layout's RuntimeLayer (the held global scale in float32, the bf16
     multiplier it carries as the source multiplier, whose ratio tells marlin.from_runtime a factor of 1)."""
-    from . import marlin
-
     held = tensors["weight_global_scale"].to(torch.float32)
     return RuntimeLayer(tensors["weight"], tensors["weight_scale"], held.reshape(()),
                         marlin.geometry(n, k).weights_padding_cols,
@@ -269,8 +256,6 @@ def marlin_from_named(tensors: dict[str, torch.Tensor], n: int, k: int) -> Runti
 
 def marlin_from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
     """The weight as SGLang's Marlin reads it, with the partition scales a ModelOpt W4A4 layer keeps."""
-    from . import marlin
-
     weight = marlin.from_runtime(layer, n, k, MARLIN_DTYPE)
     named = layer.named or {}
     if "weight_scale_2" in named:
@@ -279,8 +264,6 @@ def marlin_from_runtime(layer: RuntimeLayer, n: int, k: int) -> NVFP4Weight:
 
 
 def marlin_specs(scheme_format: tuple[str, str], n: int, k: int, parts: int) -> dict[str, TensorSpec]:
-    from . import marlin
-
     specs = marlin.runtime_specs(n, k)
     out = {"weight": specs["weight"], "weight_scale": specs["weight_scale"],
            "weight_global_scale": TensorSpec(MARLIN_DTYPE, (1,))}
@@ -292,8 +275,6 @@ def marlin_specs(scheme_format: tuple[str, str], n: int, k: int, parts: int) -> 
 
 def marlin_variant(family: Target, source_format: str, scheme: str) -> Target:
     """``family``'s SGLang FP4 Marlin layout for a ``scheme`` checkpoint of ``source_format``."""
-    from . import marlin
-
     key = (source_format, scheme)
     return replace(Target.of(
         family, to_runtime=lambda weight: marlin_to_runtime(source_format, scheme, weight),
@@ -316,8 +297,6 @@ def bf16_fp4_to_runtime(weight: NVFP4Weight) -> RuntimeLayer:
 
 def bf16_fp4_from_named(tensors: dict[str, torch.Tensor], n: int, k: int) -> RuntimeLayer:
     """SGLang's tensors -> the sm100 cute-dsl layout's RuntimeLayer (vLLM's bytes: the codes padded to 64)."""
-    from .layout import pad_codes, vllm_geometry
-
     geometry = vllm_geometry(n, k)
     return RuntimeLayer(pad_codes(tensors["weight"], geometry), tensors["weight_scale_interleaved"],
                         tensors["alpha"].reshape(1), geometry.weights_padding_cols, named=dict(tensors))
@@ -331,8 +310,6 @@ def bf16_fp4_specs(n: int, k: int, parts: int = 1) -> dict[str, TensorSpec]:
 
 def bf16_fp4_variant(family: Target) -> Target:
     """sm100's SGLang layout for compressed-tensors NVFP4A16 (FlashInfer's bf16 x fp4 cute-dsl GEMM)."""
-    from . import sm100
-
     return replace(Target.of(
         family, to_runtime=bf16_fp4_to_runtime, from_runtime=sm100.from_runtime, runtime_specs=bf16_fp4_specs,
         geometry=lambda n, k: LayerGeometry(n, k, 0), scheme="W4A16", engine=ENGINE,
@@ -393,13 +370,6 @@ def _ct_moe_scalars(stored: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]
             "g1_alphas": (1 / quant_13) * scale_13, "g2_alphas": ((1 / w2_input) * scale_2).to(_FLOAT32)}
 
 
-def stored_scales(stack: ExpertStack) -> tuple[torch.Tensor, ...]:
-    """An MoE layer's stored global scales (``ExpertStack.stored``), contiguous; refused where the plan read none."""
-    if stack.stored is None:
-        raise RepackError("an SGLang MoE layer's scalars need the stored global scales (convert --engine sglang)")
-    return tuple(t.contiguous() for t in stack.stored)
-
-
 def _moe_scalar_specs(source_format: str, trtllm: bool, experts: int, num_experts: int) -> dict[str, TensorSpec]:
     vector, pairs, scalar = (TensorSpec(_FLOAT32, shape) for shape in ((experts,), (experts, 2), ()))
     every, every_pairs = TensorSpec(_FLOAT32, (num_experts,)), TensorSpec(_FLOAT32, (num_experts, 2))
@@ -425,8 +395,8 @@ class MoELayout:
     KERNELS: tuple[str, ...]
     source_format: str
     family: str
-    engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
     WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS = False, False, ()  # as moe_trtllm's / moe_cutlass's
+    NAMED = True  # SGLang's names and scalars (ModelOpt's input scales every expert's): moe.moe_specs, verify
     read_as = None  # as moe_trtllm's / moe_cutlass's: the kernel reads the experts as stored
 
     @property
@@ -580,20 +550,6 @@ class MoELayout:
         aliased = self.aliases(hidden, intermediate)
         every = {**weights, **_moe_scalar_specs(self.source_format, self.trtllm, experts, num_experts or experts)}
         return {name: spec for name, spec in every.items() if name not in aliased}
-
-
-def marlin_moe_variant(target: Target) -> MarlinMoELayout:
-    """SGLang's FP4 Marlin MoE layout for a weight-only ``target`` (:mod:`.sglang_marlin_moe`), or a one-line refusal
-    where SGLang serves those experts otherwise (ModelOpt on sm100 / sm120: its auto is TRT-LLM-gen; W4A4
-    compressed-tensors served weight-only on Blackwell: its W4A4 CUTLASS MoE)."""
-    from .sglang_marlin_moe import MarlinMoELayout
-
-    fmt, scheme = target.source_format, target.scheme
-    if target.name not in SGLANG_MARLIN_FAMILIES and (fmt == "modelopt" or scheme == "W4A4"):
-        raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers served weight-only are not written for "
-                          f"SGLang there (its auto serves these experts with FP4 Marlin on sm80-sm90 only"
-                          + (", compressed-tensors NVFP4A16 everywhere)" if fmt == "compressed-tensors" else ")"))
-    return MarlinMoELayout(SGLANG_MARLIN_MOE_LAYOUTS[fmt], "auto", fmt, scheme)
 
 
 def moe_variant(target: Target) -> MoELayout:

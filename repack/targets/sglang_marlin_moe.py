@@ -26,13 +26,11 @@ import torch
 
 from ..errors import RepackError
 from . import marlin, moe_marlin
-from .base import TensorSpec
-from .engines import SGLANG_0523
-from .moe import ExpertCodes, ExpertStack
-from .sglang import MARLIN_DTYPE as DTYPE  # the models' activation dtype (params_dtype)
-from .sglang import marlin_global_scale, stored_scales
+from .base import Target, TensorSpec
+from .engines import SGLANG_MARLIN_FAMILIES, SGLANG_MARLIN_MOE_LAYOUTS
+from .moe import ExpertCodes, ExpertStack, stored_scales
 
-ENGINE = SGLANG_0523.engine
+DTYPE = torch.bfloat16  # SGLang's FP4 Marlin, dense and MoE: the models' activation dtype (params_dtype) on sm80 and up
 NO_FACTORS = (1.0, 1.0)  # nvfp4_marlin_process_scales: no scale factor, no flush
 METHODS = {("modelopt", "W4A4"): "ModelOptNvFp4FusedMoEMethod", ("modelopt", "W4A16"): "ModelOptNvFp4FusedMoEMethod",
            ("compressed-tensors", "W4A4"): "CompressedTensorsW4A16Nvfp4MoE",
@@ -41,6 +39,16 @@ WEIGHTS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 SCALARS = ("w13_weight_scale_2", "w2_weight_scale_2")
 # compressed-tensors' loaded parameters its weight-only MoE scheme deletes (the plugin too)
 DELETED = ("w13_weight_global_scale", "w2_weight_global_scale", "w13_input_global_scale", "w2_input_global_scale")
+
+
+def marlin_global_scale(multiplier: torch.Tensor) -> torch.Tensor:
+    """bf16, one per multiplier (a dense layer's ``[1]``, an MoE layer's experts' ``[E]``):
+    ``nvfp4_marlin_process_global_scale(multiplier.to(bf16))``; refused where bf16 overflows."""
+    held = (multiplier.to(torch.float32).to(DTYPE) * marlin.global_exponent(DTYPE)).reshape(-1)
+    if not torch.isfinite(held).all():
+        raise RepackError(f"a multiplier of {float(multiplier.max()):g} overflows SGLang's bf16 Marlin global scale; "
+                          "SGLang would hold inf")
+    return held
 
 
 @dataclass(frozen=True)
@@ -53,8 +61,8 @@ class MarlinMoELayout:
     BACKEND: str
     source_format: str
     scheme: str
-    engine = ENGINE  # verify checks another engine's MoE state tensor by tensor
     WEIGHT_ONLY, LAYER_SCALE_FACTOR, INVERSE_READS, TP_ALIGNMENT = True, False, (), 1
+    NAMED = True  # SGLang's names and scalars (ModelOpt's input scales every expert's): moe.moe_specs, verify
 
     @property
     def KERNELS(self) -> tuple[str, ...]:  # noqa: N802 (the layout modules' name)
@@ -151,3 +159,14 @@ class MarlinMoELayout:
                     "w2_input_scale": TensorSpec(torch.float32, (every,))}
         return out
 
+
+def marlin_moe_variant(target: Target) -> MarlinMoELayout:
+    """SGLang's FP4 Marlin MoE layout for a weight-only ``target`` (its ``moe_layout``: targets/sglang.py), or a one-line refusal
+    where SGLang serves those experts otherwise (ModelOpt on sm100 / sm120: its auto is TRT-LLM-gen; W4A4
+    compressed-tensors served weight-only on Blackwell: its W4A4 CUTLASS MoE)."""
+    fmt, scheme = target.source_format, target.scheme
+    if target.name not in SGLANG_MARLIN_FAMILIES and (fmt == "modelopt" or scheme == "W4A4"):
+        raise RepackError(f"--engine sglang -t {target.name}: NVFP4 MoE layers served weight-only are not written for "
+                          f"SGLang there (its auto serves these experts with FP4 Marlin on sm80-sm90 only"
+                          + (", compressed-tensors NVFP4A16 everywhere)" if fmt == "compressed-tensors" else ")"))
+    return MarlinMoELayout(SGLANG_MARLIN_MOE_LAYOUTS[fmt], "auto", fmt, scheme)

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families, sglang, w4a4
+from . import families, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_codes, swizzle_128x4, swizzled_scale_shape, unswizzle_128x4, vllm_geometry
 
@@ -52,5 +52,4 @@ WEIGHT_ONLY = Target.of(
     runtime_specs=runtime_specs,
     geometry=vllm_geometry,
 )
-TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY), *sglang.variants(WEIGHT_ONLY),
-                                           *sglang.weight_only_variants(WEIGHT_ONLY)))
+TARGET = replace(WEIGHT_ONLY, variants=(w4a4.variant(WEIGHT_ONLY),))

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families, marlin, sglang, w4a4
+from . import families, marlin, w4a4
 from .base import RuntimeLayer, Target, TensorSpec
 from .layout import pad_2d, pad_codes, vllm_geometry
 
@@ -136,4 +136,4 @@ CUTE_DSL = replace(Target.of(
     geometry=vllm_geometry,
 ), layout_id=families.SM120_CUTE_DSL, kernels=families.W4A16_CUTE_DSL)
 MARLIN = marlin.target(families.SM120)
-TARGET = replace(MARLIN, variants=(*MARLIN.variants, w4a4.variant(CUTE_DSL), *sglang.variants(CUTE_DSL), CUTE_DSL))
+TARGET = replace(MARLIN, variants=(*MARLIN.variants, w4a4.variant(CUTE_DSL), CUTE_DSL))

@@ -38,14 +38,12 @@ weight_global_scale: the float32 ``[1]`` multiplier.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from functools import cache
 
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, NVFP4Weight
-from . import families, sglang
+from . import families
 from .base import LayerGeometry, RuntimeLayer, Target, TensorSpec
 from .layout import aligned, pad_2d, round_up
 
@@ -286,7 +284,7 @@ def dequantize_runtime(layer: RuntimeLayer, n: int, k: int) -> torch.Tensor:
     return (dense * scales * mult)[:n, :k]
 
 
-WEIGHT_ONLY = Target.of(
+TARGET = Target.of(
     families.SM90,
     to_runtime=to_runtime,
     from_runtime=from_runtime,
@@ -294,4 +292,3 @@ WEIGHT_ONLY = Target.of(
     geometry=lambda n, k: LayerGeometry(*padded_shape(n, k), weights_padding_cols=0),
     stack_rows=stack_rows,
 )
-TARGET = replace(WEIGHT_ONLY, variants=sglang.weight_only_variants(WEIGHT_ONLY))
