@@ -131,14 +131,15 @@ def check_moe_architecture(config: dict) -> None:
 def check_no_expert_biases(source: SourceModel, groups: dict[str, ExpertGroup]) -> None:
     """One-line refusal of a routed expert's ``bias`` (``<owner>.experts.<e>.<proj>.bias``, what vLLM's FusedMoE would
     load as ``w13_bias`` / ``w2_bias``): vLLM 0.33 and 0.34 build the FusedMoE of every architecture in
-    ``MOE_ARCHITECTURES`` without those parameters and their expert loader skips such tensors, so a bundle passing
-    it through would serve the experts without it (nothing may be lost)."""
+    ``MOE_ARCHITECTURES`` without those parameters and their expert loader skips such tensors (SGLang 0.5.23's model
+    loaders skip a bias they have no parameter for), so a bundle passing it through would serve the experts without
+    it (nothing may be lost)."""
     members = {prefix for group in groups.values() for prefix in group.members}
     for name in source.passthrough:
         owner, _, leaf = name.rpartition(".")
         if leaf == "bias" and owner in members:
-            raise RepackError(f"{name}: routed experts with biases are not supported: vLLM's FusedMoE for "
-                              f"{architecture(source.checkpoint.config)} holds no expert bias (its loader drops it)")
+            raise RepackError(f"{name}: routed experts with biases are not supported: vLLM's and SGLang's FusedMoE "
+                              f"for {architecture(source.checkpoint.config)} hold no expert bias (their loaders drop it)")
 
 
 def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
