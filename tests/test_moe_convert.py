@@ -412,6 +412,26 @@ def test_a_layer_missing_its_last_experts_is_refused_against_the_config(tmp_path
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("fmt,proj", [("modelopt", "gate_proj"), ("compressed-tensors", "down_proj")])
+def test_a_routed_experts_bias_is_refused_in_one_line_naming_it(tmp_path, capsys, fmt, proj):
+    """Regression (issue 36): an expert's ``experts.<e>.<proj>.bias`` (vLLM's ``w13_bias`` / ``w2_bias``) converted with
+    exit 0 as a passthrough tensor that vLLM 0.33 / 0.34's expert loader skips (these FusedMoEs have no bias; SGLang's
+    loaders skip it too), so the served model lost it. Now refused in one line naming the tensor, nothing written, for every target and engine."""
+    root = write_qwen_moe(tmp_path / "m", fmt, hidden=128, experts=3, intermediate=128, layers=2,
+                          shared_input_scales=True, generator=torch.Generator().manual_seed(0))
+    name = f"model.layers.1.mlp.experts.2.{proj}.bias"
+    tensors = load_file(root / "model.safetensors")
+    tensors[name] = torch.ones(tensors[name.replace(".bias", ".weight_scale")].shape[0], dtype=torch.bfloat16)
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    for args in (["-t", "sm100", "--fuse"], ["-t", "sm80", "--tp", "2", "--ep"], ["-t", "sm120", "--weight-only"],
+                 ["-t", "sm100", "--engine", "sglang"]):
+        assert main(["convert", str(root), "-o", str(tmp_path / "out"), *args]) == 1, args
+        assert capsys.readouterr().err == (f"Error: {name}: routed experts with biases are not supported: vLLM's "
+                                           "and SGLang's FusedMoE for Qwen3MoeForCausalLM hold no expert bias (their "
+                                           "loaders drop it)\n"), args
+        assert sorted(tmp_path.iterdir()) == [root], args
+
+
 WEIGHT_ONLY = ["ct_moe_nvfp4a16", "modelopt_moe_w4a16_nvfp4"]  # llm-compressor's NVFP4A16, ModelOpt's W4A16_NVFP4
 
 

@@ -66,6 +66,10 @@ WEIGHT_ONLY_ARCHS = ("sm80", "sm100", "sm120", "sm75")
 # our target -> the harness's dense job (its "<job>-moe"): vLLM's auto for weight-only layers on that capability, what a
 # user gets and the bundle's dense layout (sm100: the cute-dsl W4A16 kernel; sm120, sm80, sm75: Marlin); vLLM's auto MoE
 WEIGHT_ONLY_JOBS = {"sm80": "sm80", "sm100": "sm100-auto", "sm120": "sm120-auto", "sm75": "sm75"}
+# W4A4 checkpoints served weight-only (convert -t sm120 --weight-only: Marlin's W4A4 variant, Marlin MoE): vLLM with
+# --linear-backend marlin --moe-backend marlin, the harness's sm120-marlin job (its auto MoE there is FlashInfer's)
+W4A4_WEIGHT_ONLY = {("qwen2-biased", "sm120"): "sm120-marlin"}
+WEIGHT_ONLY_PAIRS = [(n, a) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS] + list(W4A4_WEIGHT_ONLY)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +99,7 @@ SYNTHETIC_NAMES = [f"{s}-{f}" for s in SYNTHETIC for f in SYNTHETIC_FORMATS]
 DENSE_CASES = ([(n, "sm80", "sm80", tp) for n in DENSE + SYNTHETIC_NAMES for tp in (1, 2)]
                + [(n, "sm75", "sm75", 1) for n in DENSE + SYNTHETIC_NAMES[:2]])
 MOE_CASES = [(n, a, tp) for n in MOE for a in ("sm80", "sm75") for tp in (1, 2)]  # sm75: fp16 Marlin MoE
-WEIGHT_ONLY_CASES = [(n, a, m) for n in WEIGHT_ONLY_MOE for a in WEIGHT_ONLY_ARCHS for m in ("tp1", "tp2", "ep")]
+WEIGHT_ONLY_CASES = [(n, a, m) for n, a in WEIGHT_ONLY_PAIRS for m in ("tp1", "tp2", "ep")]
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +222,9 @@ def oracle_weight_only(checkpoints, vllm_version, tmp_path_factory) -> dict[int,
     python, out = _vllm_python(vllm_version), {}
     for tp, modes in ((1, ("",)), (2, ("", "-ep"))):
         folder = tmp_path_factory.mktemp(f"vllm{vllm_version}-marlin-weight-only-tp{tp}")
-        args = [a for name in WEIGHT_ONLY_MOE for target in WEIGHT_ONLY_ARCHS for ep in modes
-                for a in ("--job", f"{name}-{target}-moe{ep}={checkpoints[name]}:{WEIGHT_ONLY_JOBS[target]}-moe{ep}")]
+        args = [a for name, target in WEIGHT_ONLY_PAIRS for ep in modes
+                for job in [W4A4_WEIGHT_ONLY.get((name, target), WEIGHT_ONLY_JOBS[target])]
+                for a in ("--job", f"{name}-{target}-moe{ep}={checkpoints[name]}:{job}-moe{ep}")]
         subprocess.run([str(python), str(HERE / "harness.py"), "--tp", str(tp), "--out", str(folder), *args],
                        check=True, timeout=1500, stdout=subprocess.DEVNULL)
         out[tp] = folder
@@ -234,19 +239,21 @@ def test_weight_only_moe_bundle_holds_vllms_marlin_state(name, arch, mode, check
     the experts on sm80, sm100, sm120 and sm75 (fp16; no FP4 x FP4 MoE backend takes bf16 activations), and every
     FusedMoE module of every rank is the bundle's, byte for byte (compressed-tensors' loaded global scales kept; 0.34's
     bookkeeping checked as for the other MoE layouts); the dense layers beside them too, as vLLM's auto holds them in
-    the same load (the bundle's layouts: Marlin's, sm100's the cute-dsl W4A16 kernel's)."""
+    the same load (the bundle's layouts: Marlin's, sm100's the cute-dsl W4A16 kernel's). ``W4A4_WEIGHT_ONLY``: a W4A4
+    checkpoint with ``--weight-only``, vLLM with Marlin forced for both (Marlin's W4A4 variant beside the experts; the
+    q/k/v biases padded and permuted by the plugin, :func:`_served_bias`)."""
     tp, ep = (1, False) if mode == "tp1" else (2, mode == "ep")
     dumped, out = oracle_weight_only[tp] / f"{name}-{arch}-moe{'-ep' * ep}", tmp_path / "out"
     assert not (dumped / "refused.txt").exists(), (dumped / "refused.txt").read_text()[:2000]
     code = main(["convert", str(checkpoints[name]), "-t", arch, "--fuse", "--tp", str(tp), "--vllm", vllm_version,
-                 "-o", str(out)] + ["--ep"] * ep)
+                 "-o", str(out)] + ["--ep"] * ep + ["--weight-only"] * ((name, arch) in W4A4_WEIGHT_ONLY))
     assert code == 0, capsys.readouterr().err
     source = read_source(checkpoints[name])
     for rank in range(tp):
         folder = out / f"rank-{rank}" if tp > 1 else out
         bundle = open_bundle(folder)
         layout = moe_marlin.FP16 if arch == "sm75" else moe_marlin  # T4: fp16 activations, its own scale bytes
-        assert bundle.manifest.scheme == "W4A16" and bundle.moe_layout is layout
+        assert bundle.manifest.scheme == source.activation_scheme and bundle.moe_layout is layout
         held = {module: ({k: v for k, v in bundle.moe_tensors(module).items() if k not in moe_marlin.KEPT},
                          record.expert_map) for module, record in bundle.moe_layers().items()}
         _assert_rank_state(dumped, rank, layout, held, source, (rank, arch, mode), vllm_version)

@@ -128,6 +128,20 @@ def check_moe_architecture(config: dict) -> None:
                           f"{', '.join(MOE_ARCHITECTURES)}")
 
 
+def check_no_expert_biases(source: SourceModel, groups: dict[str, ExpertGroup]) -> None:
+    """One-line refusal of a routed expert's ``bias`` (``<owner>.experts.<e>.<proj>.bias``, what vLLM's FusedMoE would
+    load as ``w13_bias`` / ``w2_bias``): vLLM 0.33 and 0.34 build the FusedMoE of every architecture in
+    ``MOE_ARCHITECTURES`` without those parameters and their expert loader skips such tensors (SGLang 0.5.23's model
+    loaders skip a bias they have no parameter for), so a bundle passing it through would serve the experts without
+    it (nothing may be lost)."""
+    members = {prefix for group in groups.values() for prefix in group.members}
+    for name in source.passthrough:
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "bias" and owner in members:
+            raise RepackError(f"{name}: routed experts with biases are not supported: vLLM's and SGLang's FusedMoE "
+                              f"for {architecture(source.checkpoint.config)} hold no expert bias (their loaders drop it)")
+
+
 def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
     """The source's FusedMoE layers; refused in one line: an MoE architecture outside ``MOE_ARCHITECTURES``, a
     quantized router (vLLM builds it unquantized), an MoE config without NVFP4 layers named
@@ -142,6 +156,7 @@ def expert_groups(source: SourceModel) -> dict[str, ExpertGroup]:
                           f"<owner>.experts.<e>.{{{','.join(PROJECTIONS)}}} (Mixtral: or w1/w3/w2); only that naming "
                           "is supported")
     check_expert_count(config, groups)
+    check_no_expert_biases(source, groups)
     for module in groups:
         router = module.removesuffix(".experts") + ".gate"
         if router in source.layers:

@@ -13,8 +13,8 @@ something else.
         ARCH: sm100 | sm120 (the W4A16 cute-dsl kernel, forced) | sm100-w4a4 | sm120-w4a4 (vLLM's auto choice
         among its W4A4 kernels for that capability) | sm80 | sm75 | sm100-auto | sm120-auto (vLLM's auto over its
         whole CUDA list: a weight-only checkpoint's kernel, Marlin or cute-dsl) | sm120-marlin | FAMILY-moe[-ep]
-        (FAMILY: any of sm100, sm120, sm80, sm75, sm100-auto, sm120-auto, sm100-w4a4, sm120-w4a4: the dense layers'
-        job)
+        (FAMILY: any of sm100, sm120, sm80, sm75, sm100-auto, sm120-auto, sm100-w4a4, sm120-w4a4, sm120-marlin: the
+        dense layers' job; sm120-marlin-moe: a W4A4 checkpoint served weight-only, --moe-backend marlin too)
 
 loads every job in one process (imports dominate the time) and writes ``OUT/NAME/rank-R.safetensors`` (per layer
 ``P.weight``, ``P.weight_global_scale`` and ``P.weight_scale``; for sm100 the 2-D buffer under vLLM's 6-D view; for
@@ -113,7 +113,8 @@ for name in ("swizzle_blockscale", "flashinfer_prepare_bf16_fp4_weights"):
 assert hasattr(torch.accelerator, "empty_cache")
 # MoE job -> the capability emulated (and the dense layers' arch); "-ep": with vLLM's --enable-expert-parallel
 MOE_ARCH = {f"{arch}-moe{ep}": arch for ep in ("", "-ep")
-            for arch in ("sm100", "sm120", "sm80", "sm75", "sm100-auto", "sm120-auto", "sm100-w4a4", "sm120-w4a4")}
+            for arch in ("sm100", "sm120", "sm80", "sm75", "sm100-auto", "sm120-auto", "sm100-w4a4", "sm120-w4a4",
+                         "sm120-marlin")}
 MOE_SELECTORS = (vmodelopt, vct_moe)  # the MoE methods that bind select_nvfp4_moe_backend by name
 for module in MOE_SELECTORS:
     assert module.select_nvfp4_moe_backend is moe_oracle.select_nvfp4_moe_backend, module.__name__
@@ -437,7 +438,8 @@ def load(ckpt: str, arch: str, tp: int, rank: int, out: Path) -> None:
     cfg = EngineArgs(
         model=ckpt, dtype=AUTO_ARCHS.get(MOE_ARCH.get(arch, arch), "bfloat16"), max_model_len=128, enforce_eager=True,
         load_format="safetensors",
-        linear_backend=backend, tensor_parallel_size=tp, distributed_executor_backend="mp",
+        linear_backend=backend, moe_backend="marlin" if moe and backend == "marlin" else "auto",
+        tensor_parallel_size=tp, distributed_executor_backend="mp",
         enable_expert_parallel=ep,
     ).create_engine_config()
     with set_current_vllm_config(cfg):

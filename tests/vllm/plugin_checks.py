@@ -95,14 +95,16 @@ def load(model: str | Path, load_format: str, target: str, tp_size: int = 1, w4a
     vLLM's auto NVFP4 MoE backend on that capability); ``w4a4``: vLLM's auto among its W4A4 kernels (else the
     W4A16 cute-dsl kernel, forced); ``ep``: vLLM's --enable-expert-parallel; ``engine``: more EngineArgs. Auto
     targets (sm80, sm75, sm100-auto, sm120-auto, ...: harness.AUTO_ARCHS): vLLM's auto over its CUDA list on that
-    capability, in its dtype (sm75: fp16)."""
+    capability, in its dtype (sm75: fp16); sm120-marlin: Marlin forced, --linear-backend and --moe-backend marlin (a
+    W4A4 checkpoint served weight-only, as the harness's sm120-marlin-moe)."""
     if target in harness.AUTO_ARCHS:
         _, backend = harness.select(target)
     else:
         arch = "sm120" if target == "sm120" else "sm100"
         _, backend = harness.select(f"{arch}-w4a4" if w4a4 else arch)
     HadamardTransform.scaled_data_ptrs.clear()  # a fresh process's state (see harness.load)
-    engine = {"dtype": harness.AUTO_ARCHS.get(target, "bfloat16"), **engine}
+    engine = {"dtype": harness.AUTO_ARCHS.get(target, "bfloat16"), "moe_backend": "marlin" if backend == "marlin"
+              else "auto", **engine}
     config = EngineArgs(model=str(model), max_model_len=128, enforce_eager=True,
                         load_format=load_format, linear_backend=backend, tensor_parallel_size=tp_size,
                         enable_expert_parallel=ep, **engine).create_engine_config()
@@ -947,9 +949,11 @@ def test_weight_only_moe_plugin_state_equals_vllm_load(vllm_world, tmp_path, fix
 
 # Biased Marlin layers (Qwen2's q/k/v biases, random in the synthetic Qwen2-MoE): vLLM's FP4 Marlin post-load pads the
 # bias to Marlin's N and permutes it (marlin_permute_bias); the plugin must leave the same bytes. (harness arch, our
-# target, weight-only checkpoint): sm80 and sm75 Marlin, and sm120's default for a weight-only checkpoint. Shapes:
-# "aligned" q/k/v N 128 (64 per rank), "padded" N 288, which Marlin pads to 384 (per rank 192: one kv head, replicated).
-BIASED_MARLIN = [("sm80", "sm80", False), ("sm75", "sm75", True), ("sm120-auto", "sm120", True)]
+# target, weight-only checkpoint): sm80 and sm75 Marlin, sm120's default for a weight-only checkpoint, and a W4A4 one
+# converted with --weight-only for sm120 (vLLM: Marlin forced, sm120-marlin). Shapes: "aligned" q/k/v N 128 (64 per
+# rank), "padded" N 288, which Marlin pads to 384 (per rank 192: one kv head, replicated).
+BIASED_MARLIN = [("sm80", "sm80", False), ("sm75", "sm75", True), ("sm120-auto", "sm120", True),
+                 ("sm120-marlin", "sm120", False)]
 BIASED_SHAPES = {"aligned": dict(hidden=128, kv_heads=2), "padded": dict(hidden=192, kv_heads=1)}
 
 
@@ -968,7 +972,7 @@ def test_marlin_plugin_serves_biases_as_vllm_loads_them(vllm_world, tmp_path, se
     seed = int(torch.randint(0, 2**31, ()))
     print(f"seed={seed}")
     source = _biased_qwen(tmp_path / "source", shape, weight_only, seed)
-    convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING)
+    convert(source, target, tmp_path / "bundle", fuse=True, vllm=RUNNING, weight_only=served == "sm120-marlin")
     expected = layer_state(load(source, "safetensors", served))
     assert len([k for k in expected if k.endswith("qkv_proj.bias")]) == 2
     assert expected["model.layers.0.self_attn.qkv_proj:kernel"] == "MarlinNvFp4LinearKernel"
@@ -987,7 +991,7 @@ def test_marlin_plugin_serves_biases_as_vllm_loads_them_tp2(tmp_path):
         for shape in BIASED_SHAPES:
             case = tmp_path / f"{served}-{shape}"
             source = _biased_qwen(case / "source", shape, weight_only, seed)
-            convert(source, target, case / "bundle", fuse=True, tp=2, vllm=RUNNING)
+            convert(source, target, case / "bundle", fuse=True, tp=2, vllm=RUNNING, weight_only=served == "sm120-marlin")
             cases.append((str(source), str(case / "bundle"), served, False, False))
     torch.multiprocessing.spawn(_tp2_rank, args=(cases, str(tmp_path / "dist_init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
