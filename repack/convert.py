@@ -713,8 +713,7 @@ def _convert(source: SourceModel, targets: list[Target], out: Path, single: bool
                          "this run does not write that target", notify)
         remove_leftovers({out: None}, f"a run with --resume would have continued from them while {out} did not exist",
                          notify)
-    targets = ([vllm_target(t, source, weight_only, linear_backend) for t in targets] if engine.engine == "vllm"
-               else [engine_target(t, engine.engine, source, weight_only) for t in targets])
+    targets = [engine_target(t, engine, source, weight_only, linear_backend) for t in targets]
     input_scales = any(t.scheme == "W4A4" for t in targets)
     if fuse or tp > 1:
         moe = moe_layout(targets[0]) if expert_groups(source) else None  # its refusal (sm90) before the plan's
@@ -766,11 +765,15 @@ def _check_linear_backend(linear_backend: str, *, weight_only: bool, refusal: st
         raise RepackError(refusal)
 
 
-def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_backend: str) -> Target:
-    """``family``'s layout of vLLM's state for ``source`` (:meth:`Target.for_scheme`), or a one-line refusal where vLLM
-    is told a --linear-backend whose kernel holds no layout written here."""
-    target = family.for_scheme(served_scheme(source), weight_only, linear_backend)
-    if target is None:
+def engine_target(family: Target, engine: EngineVersion, source: SourceModel, weight_only: bool = False,
+                  linear_backend: str = AUTO) -> Target:
+    """``family``'s layout of ``engine``'s state for ``source`` (:meth:`Target.for_engine`: vLLM's ``auto``, or the
+    layout of the kernel its ``linear_backend`` picks; ``weight_only``: as the engine serves it weight-only), or a
+    one-line refusal of what the engine's row refuses (online transforms, its MoE checks) or no layout holds."""
+    if source.transforms.layers and engine.transforms is not None:
+        raise RepackError(engine.transforms)
+    target = family.for_engine(engine.engine, source.format, served_scheme(source), weight_only, linear_backend)
+    if target is None and linear_backend != AUTO:
         written = sorted({b for t in family.layouts if t.engine == "vllm" and t.scheme == served_scheme(source)
                           for b, kernels in LINEAR_BACKENDS.items() if set(kernels) & set(t.kernels)})
         hopper = linear_backend == "marlin" and max(family.compute_capabilities) < (10, 0)  # sm90: the GPU tests' case
@@ -779,20 +782,10 @@ def vllm_target(family: Target, source: SourceModel, weight_only: bool, linear_b
         raise RepackError(f"--linear-backend {linear_backend} -t {family.name}: vLLM's kernel for a "
                           f"{served_scheme(source)} checkpoint there holds no layout written here; --linear-backend "
                           f"{' or '.join([AUTO, *written])}{marlin}")
-    return target
-
-
-def engine_target(family: Target, engine: str, source: SourceModel, weight_only: bool = False) -> Target:
-    """``family``'s layout of ``engine``'s state for ``source`` (``weight_only``: as the engine serves it weight-only),
-    or a one-line refusal of what it cannot serve."""
-    if source.transforms.layers:
-        raise RepackError(f"--engine {engine}: online transforms are not written for SGLang; convert without --engine "
-                          "for vLLM, which serves them (docs/transforms-serving.md)")
-    target = family.for_engine(engine, source.format, source.activation_scheme, weight_only)
     if target is None:
-        raise RepackError(f"--engine {engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there (its "
-                          "FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
-    if expert_groups(source):
+        raise RepackError(f"--engine {engine.engine} -t {family.name}: SGLang 0.5.23 serves no NVFP4 checkpoint there "
+                          "(its FP4 Marlin needs compute capability 8.0); -t sm80, sm90, sm100 or sm120")
+    if engine.moe_checks and expert_groups(source):
         layout = moe_layout(target)  # the layout's own refusal first (FP4 Marlin's experts are not written for SGLang)
         check_sglang_moe_architecture(source.checkpoint.config, expert_groups(source), layout.BACKEND)
         _check_sglang_moe_input_scales(source)
@@ -855,7 +848,7 @@ def vllm_versions(source: SourceModel, family: str) -> list[str] | None:
     ``inspect`` says before a convert refuses it; None where the default convert refuses the plan itself (it says
     why)."""
     try:
-        target = vllm_target(resolve_target(family), source, False, AUTO)
+        target = engine_target(resolve_target(family), newest("vllm"), source)
         layers = plan_layers(source, fuse=bool(expert_groups(source)), input_scales=target.scheme == "W4A4")[0]
         if layers.experts:
             moe_layout(target)

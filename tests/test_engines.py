@@ -4,15 +4,17 @@ bundle's is tests/test_vllm_conformance.py's work (one oracle per version)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from repack.bundle.reader import open_bundle
 from repack.cli import main
-from repack.convert import convert
+from repack.convert import convert, engine_target
 from repack.errors import RepackError
-from repack.targets import TARGETS, engines
+from repack.formats import read_source
+from repack.targets import TARGETS, engines, resolve_target
 from repack.targets.moe import moe_layout
 
 from .conftest import PRODUCERS
@@ -227,3 +229,14 @@ def test_inspect_of_a_source_says_which_vllm_versions_each_target_serves(capsys,
     assert "sm120 (vLLM 0.34 only), sm90" in cli(capsys, "inspect", PRODUCERS / "ct_quip_v_had16_nvfp4a16")[1]
     assert json.loads(cli(capsys, "inspect", PRODUCERS / "modelopt_moe_nvfp4", "--json")[1])["vllm_versions"] == {
         name: ["0.33", "0.34"] for name in ("sm100", "sm120", "sm80", "sm75")}
+
+
+def test_convert_reads_what_an_engine_refuses_from_its_row():
+    """convert picks an engine's layout and refusals by its row, not its name (review: ``_convert`` branched on
+    ``engine.engine == "vllm"``): vLLM's row with SGLang's transforms refusal refuses a QuIP checkpoint in those
+    words; as it is, it writes the W4A4 layout its auto holds."""
+    source, sm100 = read_source(PRODUCERS / "ct_quip_vu_had32_nvfp4"), resolve_target("sm100")
+    refusing = dataclasses.replace(engines.VLLM_033, transforms=engines.SGLANG_0523.transforms)
+    with pytest.raises(RepackError, match="^--engine sglang: online transforms are not written for SGLang"):
+        engine_target(sm100, refusing, source)
+    assert engine_target(sm100, engines.VLLM_033, source).layout_id == "w4a4-cutlass-v1"

@@ -163,13 +163,14 @@ class Target(Family):
         kernels = self.w4a4_kernels if scheme == "W4A4" and not weight_only else self.kernels
         return next((t for t in layouts if t.kernels == kernels), self)
 
-    def for_engine(self, engine: str, source_format: str, scheme: str = "W4A4",
-                   weight_only: bool = False) -> "Target | None":
+    def for_engine(self, engine: str, source_format: str, scheme: str = "W4A4", weight_only: bool = False,
+                   linear_backend: str = AUTO) -> "Target | None":
         """The family's layout of ``engine``'s state for a ``scheme`` checkpoint of ``source_format``, if it has one:
         the engine's auto (its FP4 x FP4 layout where it has one, else its weight-only one), or with ``weight_only``
-        one whose kernel keeps activations in bf16."""
+        one whose kernel keeps activations in bf16 (vLLM's: the family's own layouts, :meth:`for_scheme`, which
+        ``linear_backend`` may pick among)."""
         if engine == "vllm":
-            return self.for_scheme(scheme, weight_only)
+            return self.for_scheme(scheme, weight_only, linear_backend)
         found = [t for t in self.layouts if t.engine == engine and t.source_format in (None, source_format)
                  and t.scheme == scheme and not (weight_only and t.layout_key == W4A4_LAYOUT_ID)]
         return min(found, key=lambda t: t.layout_key != W4A4_LAYOUT_ID, default=None)

@@ -46,6 +46,9 @@ class EngineVersion:
         even_experts: whether its expert parallelism places ``E / N`` experts on each of N ranks and asserts the
             division (SGLang's ``--ep-size``; vLLM's places the remainder too).
         options: convert option -> why this engine's bundles cannot take it (a one-line refusal).
+        transforms: why its bundles cannot hold a checkpoint's online transforms (a one-line refusal; None: they can).
+        moe_checks: whether convert holds an MoE checkpoint to the engine's own MoE refusals before planning (SGLang's:
+            architectures whose load is checked, shared-expert fusion, gate and up input scales; targets/sglang.py).
     """
 
     engine: str
@@ -57,6 +60,8 @@ class EngineVersion:
     stored_scales: bool = False
     even_experts: bool = False
     options: Mapping[str, str] = field(default_factory=dict)
+    transforms: str | None = None
+    moe_checks: bool = False
 
     @property
     def label(self) -> str:
@@ -138,7 +143,9 @@ SGLANG_0523 = EngineVersion("sglang", "0.5.23", "0.5.23", (
     *dict.fromkeys(SGLANG_MOE_LAYOUTS.values())), fused=True, stored_scales=True, even_experts=True, options={
     "--rescale": "--engine sglang --rescale: SGLang keeps each partition's weight_scale_2 as loaded, so a rescaled "
                  "bundle would not be its state; convert without --rescale",
-    "--linear-backend": "--linear-backend names a vLLM kernel; an --engine sglang bundle holds SGLang's choice"})
+    "--linear-backend": "--linear-backend names a vLLM kernel; an --engine sglang bundle holds SGLang's choice"},
+    transforms="--engine sglang: online transforms are not written for SGLang; convert without --engine for vLLM, "
+               "which serves them (docs/transforms-serving.md)", moe_checks=True)
 
 ENGINES: tuple[EngineVersion, ...] = (VLLM_033, VLLM_034, SGLANG_0523)  # per engine, oldest first
 ENGINE_NAMES = tuple(dict.fromkeys(v.engine for v in ENGINES))  # vllm, sglang
